@@ -1,0 +1,162 @@
+"""Torch references for every kernel in kernels/.
+
+These define the semantics; each Triton kernel is tested against its reference
+under TRITON_INTERPRET=1, and the CPU model runner uses them directly.
+
+Cache layout: one tensor for the whole model,
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+and the kernels take one layer's views k_cache = kv_cache[l, 0], v_cache = kv_cache[l, 1]:
+    [num_blocks, block_size, num_kv_heads, head_dim], each token's row contiguous.
+A token at position `pos` of the sequence in table row `slot` lives at
+    block = block_table[slot, pos // block_size], offset = pos % block_size.
+All index tensors are int32 (int64 accepted by the references).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def append_kv_ref(
+    k: torch.Tensor,  # [num_rows, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_rows, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,  # [num_writes]
+    offsets: torch.Tensor,  # [num_writes]
+    src_rows: torch.Tensor | None = None,  # [num_writes]; None: row i is write i
+) -> None:
+    """Generic form: write k[src_rows[i]] at (block_ids[i], offsets[i])."""
+    rows = src_rows.long() if src_rows is not None else slice(None, block_ids.shape[0])
+    k_cache[block_ids.long(), offsets.long()] = k[rows]
+    v_cache[block_ids.long(), offsets.long()] = v[rows]
+
+
+def append_kv_slots_ref(
+    k: torch.Tensor,  # [B, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [B, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_num_seqs, max_blocks_per_seq]
+    slot_mapping: torch.Tensor,  # [B]: the table row of batch row i
+    positions: torch.Tensor | int,  # [B], or one position for every row
+) -> None:
+    """Identity-batch form: batch row i writes one token at its own position."""
+    block_size = k_cache.shape[1]
+    num_rows = k.shape[0]
+    if isinstance(positions, int):
+        positions = torch.full((num_rows,), positions, dtype=torch.long, device=k.device)
+    positions = positions.long()
+    block_ids = block_table[slot_mapping.long(), positions // block_size]
+    append_kv_ref(k, v, k_cache, v_cache, block_ids, positions % block_size)
+
+
+def append_kv_prefill_ref(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], sequences packed
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_num_seqs, max_blocks_per_seq]
+    slot_mapping: torch.Tensor,  # [num_seqs]
+    cu_seqlens: torch.Tensor,  # [num_seqs + 1]: sequence i owns rows cu[i]:cu[i+1]
+    start_positions: torch.Tensor,  # [num_seqs]: position of each sequence's first row
+) -> None:
+    """Prefill form: many tokens per sequence, variable lengths packed together."""
+    positions, slots = _packed_positions(cu_seqlens, start_positions, slot_mapping)
+    append_kv_slots_ref(k, v, k_cache, v_cache, block_table, slots, positions)
+
+
+def _packed_positions(
+    cu_seqlens: torch.Tensor, start_positions: torch.Tensor, slot_mapping: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seq_of_row = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+    row_in_seq = torch.arange(int(lens.sum()), device=lens.device) - cu_seqlens[:-1].long()[seq_of_row]
+    return start_positions.long()[seq_of_row] + row_in_seq, slot_mapping.long()[seq_of_row]
+
+
+def gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_row: torch.Tensor,  # [max_blocks_per_seq]
+    context_len: int,
+) -> torch.Tensor:  # [context_len, num_kv_heads, head_dim]
+    block_size = cache.shape[1]
+    num_blocks = (context_len + block_size - 1) // block_size
+    blocks = cache[block_table_row[:num_blocks].long()]
+    return blocks.reshape(-1, *cache.shape[2:])[:context_len]
+
+
+def _attend(
+    q: torch.Tensor,  # [q_len, num_heads, head_dim]
+    k: torch.Tensor,  # [ctx_len, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+    """Causal attention of the last q_len positions of a ctx_len context, in float32."""
+    q_len, num_heads, _ = q.shape
+    ctx_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    qf = q.float().transpose(0, 1)  # [H, q, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, ctx, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, q, ctx]
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+    k_pos = torch.arange(ctx_len, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vf).transpose(0, 1).to(q.dtype)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,  # [B, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_num_seqs, max_blocks_per_seq]
+    slot_mapping: torch.Tensor,  # [B]
+    context_lens: torch.Tensor,  # [B]: tokens in cache, the query's own included
+    scale: float,
+    out: torch.Tensor | None = None,  # [B, num_heads, head_dim]
+) -> torch.Tensor:
+    """One query token per sequence attends to all context_lens[i] cached tokens."""
+    out = torch.empty_like(q) if out is None else out
+    slots = slot_mapping.tolist()
+    lens = context_lens.tolist()
+    for i, (slot, ctx_len) in enumerate(zip(slots, lens)):
+        k = gather_context(k_cache, block_table[slot], ctx_len)
+        v = gather_context(v_cache, block_table[slot], ctx_len)
+        out[i] = _attend(q[i : i + 1], k, v, scale)[0]
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences packed
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_num_seqs, max_blocks_per_seq]
+    slot_mapping: torch.Tensor,  # [num_seqs]
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1]
+    context_lens: torch.Tensor,  # [num_seqs]: cached prefix + this chunk, all in cache
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a prefill chunk over its cached prefix and itself.
+
+    Sequence i's queries are the last (cu[i+1] - cu[i]) of its context_lens[i]
+    positions; their K/V must already be appended to the cache.
+    """
+    out = torch.empty_like(q) if out is None else out
+    cu = cu_seqlens_q.tolist()
+    for i, (slot, ctx_len) in enumerate(zip(slot_mapping.tolist(), context_lens.tolist())):
+        k = gather_context(k_cache, block_table[slot], ctx_len)
+        v = gather_context(v_cache, block_table[slot], ctx_len)
+        out[cu[i] : cu[i + 1]] = _attend(q[cu[i] : cu[i + 1]], k, v, scale)
+    return out
+
+
+def copy_blocks_ref(
+    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    src: torch.Tensor,  # [num_copies]
+    dst: torch.Tensor,  # [num_copies]
+) -> None:
+    """Copy whole blocks src[i] -> dst[i] in every layer's K and V (copy-on-write)."""
+    kv_cache[:, :, dst.long()] = kv_cache[:, :, src.long()]

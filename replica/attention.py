@@ -1,0 +1,80 @@
+"""The attention seam between models and kernels.
+
+A model's attention layer calls `backend.forward(...)` with its new q/k/v and
+one layer's cache views; the backend appends K/V into the paged cache and runs
+paged attention. Which kernels run (torch references on CPU, Triton on CUDA) is
+decided once, when the model runner builds the backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kernels import reference as ref
+
+
+@dataclass
+class AttentionMetadata:
+    """Indices for one forward pass: all-prefill (packed chunks) or all-decode.
+
+    Decode: one token per batch row; slot_mapping/context_lens/positions are [B].
+    Prefill: chunks packed; slot_mapping/context_lens/start_positions are
+    [num_seqs], cu_seqlens_q is [num_seqs + 1], positions is [num_tokens].
+    context_lens count the cached tokens after this pass's tokens are appended.
+    """
+
+    is_decode: bool
+    block_table: torch.Tensor  # [max_num_seqs + 1, max_blocks_per_seq], int32
+    slot_mapping: torch.Tensor
+    context_lens: torch.Tensor
+    positions: torch.Tensor  # [num_tokens]
+    cu_seqlens_q: torch.Tensor | None = None
+    start_positions: torch.Tensor | None = None
+    max_q_len: int = 1
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+class TorchAttention:
+    """The torch references: the CPU path, and the ground truth for the kernels."""
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        if meta.is_decode:
+            ref.append_kv_slots_ref(
+                k, v, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.positions
+            )
+            return ref.paged_decode_attention_ref(
+                q, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.context_lens, scale
+            )
+        ref.append_kv_prefill_ref(
+            k, v, k_cache, v_cache, meta.block_table, meta.slot_mapping,
+            meta.cu_seqlens_q, meta.start_positions,
+        )  # fmt: skip
+        return ref.paged_prefill_attention_ref(
+            q, k_cache, v_cache, meta.block_table, meta.slot_mapping,
+            meta.cu_seqlens_q, meta.context_lens, scale,
+        )  # fmt: skip
+
+
+def make_attention_backend(device: torch.device) -> AttentionBackend:
+    """Torch references on CPU, Triton kernels on CUDA; chosen once, never per call."""
+    if device.type == "cpu":
+        return TorchAttention()
+    from replica.triton_attention import TritonAttention
+
+    return TritonAttention()

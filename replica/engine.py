@@ -1,0 +1,247 @@
+"""LLMEngine: one replica's serving loop — schedule, run, postprocess."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from replica.block_manager import BlockManager
+from replica.config import CacheConfig, EngineConfig, SchedulerConfig
+from replica.model_runner import ModelRunner
+from replica.models import load_model_config, load_tokenizer
+from replica.outputs import CompletionOutput, RequestOutput
+from replica.sampling_params import SamplingParams
+from replica.scheduler import ScheduledBatch, Scheduler
+from replica.sequence import Sequence
+from replica.stats import ReplicaStats
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_TOKENS_PER_S_WINDOW_S = 2.0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+    """auto: float32 on CPU; on CUDA the checkpoint's half type, else bfloat16."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+
+
+class LLMEngine:
+    """Continuous-batching engine for one device.
+
+    Use generate() for blocking batch inference, or add_request / step / abort
+    to drive it from a serving loop: each step() returns the new tokens of
+    every request that advanced (RequestOutput deltas, one per request).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model_config = load_model_config(config.model)
+        mc = self.model_config
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {config.max_model_len} exceeds the model's "
+                f"{mc.max_position_embeddings} positions"
+            )
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.dtype = resolve_dtype(config.dtype, self.device, mc.torch_dtype)
+        self.runner = ModelRunner(config, mc, self.device, self.dtype, self.max_model_len)
+        num_blocks = config.num_blocks or self.runner.num_blocks_from_memory()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.cache_config = CacheConfig(
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_blocks_per_seq=self.runner.max_blocks_per_seq,
+        )
+        self.block_manager = BlockManager(self.cache_config, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+            ),
+            self.block_manager,
+        )
+        self.tokenizer = load_tokenizer(config.model)
+        self.requests: dict[str, Sequence] = {}
+        self._token_events: list[tuple[float, int]] = []  # (time_s, tokens) per step
+        self._next_id = 0
+
+    # ---- requests -------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
+    ) -> None:
+        """Queue a request. Invalid input raises ValueError naming the field."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt = self._validate_prompt(prompt_token_ids)
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+        if self.block_manager.blocks_needed(total) > self.cache_config.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt + max_tokens needs {self.block_manager.blocks_needed(total)}"
+                f" KV blocks, more than the replica's {self.cache_config.num_blocks}"
+            )
+        seq = Sequence(request_id, prompt, params, eos_token_id=self.model_config.eos_token_id)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _validate_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
+        if isinstance(prompt_token_ids, str | bytes) or not hasattr(prompt_token_ids, "__len__"):
+            raise ValueError("prompt_token_ids must be a list of token ids")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(prompt):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise ValueError(f"prompt_token_ids[{i}] must be an integer, got {t!r}")
+            if not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids[{i}] = {t} is outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: {len(prompt)} tokens leave no room under "
+                f"max_model_len ({self.max_model_len})"
+            )
+        return prompt
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its blocks now; False if it is not in flight."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self.runner.release(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the loop -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        tokens = self.runner.execute(
+            batch, self.block_manager.block_table, self.block_manager.take_dirty_slots()
+        )
+        return self._postprocess(batch, tokens)
+
+    def _postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[RequestOutput]:
+        bm = self.block_manager
+        sampled: list[Sequence] = []
+        for seq, n in zip(batch.prefill_seqs, batch.prefill_lens, strict=True):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == len(seq):
+                sampled.append(seq)
+            bm.commit(seq)
+        for seq in batch.decode_seqs:
+            seq.num_computed_tokens += 1
+        sampled += batch.decode_seqs
+        outputs = []
+        for seq, token in zip(sampled, tokens, strict=True):
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is None:
+                outputs.append(RequestOutput(seq.request_id, [token]))
+                continue
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id]
+            self.runner.release(seq.request_id)
+            outputs.append(
+                RequestOutput(seq.request_id, [token], True, reason, seq.num_prompt_tokens)
+            )
+        for seq in batch.decode_seqs:
+            if not seq.is_finished:
+                bm.commit(seq)
+        self._token_events.append((time.monotonic(), len(tokens)))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token == seq.eos_token_id:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    # ---- offline --------------------------------------------------------------
+    def generate(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[CompletionOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        params = params or SamplingParams()
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if len(per_prompt) != len(prompts):
+            raise ValueError("params: one SamplingParams per prompt, or one for all")
+        ids = []
+        for prompt, p in zip(prompts, per_prompt, strict=True):
+            request_id = f"gen-{self._next_id}"
+            self._next_id += 1
+            self.add_request(request_id, prompt, p)
+            ids.append(request_id)
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        reasons: dict[str, str] = {}
+        while len(reasons) < len(ids):
+            for out in self.step():
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+        return [
+            CompletionOutput(i, list(p), tokens[i], reasons[i])
+            for i, p in zip(ids, prompts, strict=True)
+        ]
+
+    # ---- stats ----------------------------------------------------------------
+    def stats(self) -> ReplicaStats:
+        bm = self.block_manager
+        now = time.monotonic()
+        events = self._token_events
+        while events and events[0][0] < now - _TOKENS_PER_S_WINDOW_S:
+            events.pop(0)
+        tokens_per_s = sum(n for _, n in events) / _TOKENS_PER_S_WINDOW_S
+        waiting = self.scheduler.waiting
+        return ReplicaStats(
+            replica_id=self.config.replica_id,
+            num_blocks_total=bm.num_blocks,
+            num_blocks_free=len(bm.free_blocks),
+            num_blocks_cached=bm.num_cached_blocks,
+            kv_usage=bm.num_used_blocks / bm.num_blocks,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(waiting),
+            num_preempted_total=self.scheduler.num_preempted_total,
+            max_num_seqs=self.config.max_num_seqs,
+            tokens_per_s=tokens_per_s,
+            block_size=bm.block_size,
+            num_waiting_tokens=sum(len(s) for s in waiting),
+            cached_prefix_hashes=tuple(bm.recent_hashes(self.config.max_prefix_hashes_in_stats)),
+            timestamp_s=time.time(),
+        )
+
+    def check_invariants(self) -> None:
+        """Assert the block manager agrees with the live sequences (tests call this)."""
+        self.block_manager.check_invariants(self.scheduler.running)

@@ -1,0 +1,264 @@
+"""Runs the model for a scheduled batch: the only place that builds device tensors.
+
+Decode inputs live in persistent device buffers, filled by one packed
+host-to-device copy per step; block-table rows are copied only when a
+sequence's blocks changed. On CUDA, decode runs as a replay of a CUDA graph
+captured for the next bucketed batch size; padding rows point at a null
+table row whose blocks are all the reserved null block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels.reference import copy_blocks_ref
+from replica.attention import AttentionMetadata, make_attention_backend
+from replica.config import EngineConfig
+from replica.models import ModelConfig, load_model
+from replica.sampler import SamplingBatch, sample
+from replica.scheduler import ScheduledBatch
+from replica.sequence import Sequence
+
+_DEC_INPUT_IDS, _DEC_POSITIONS, _DEC_SLOTS, _DEC_CONTEXT_LENS = range(4)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Captured decode sizes: 1, 2, 4, 8, then steps of 16 up to max_num_seqs."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.max_num_seqs = config.max_num_seqs
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-max_model_len // config.block_size)
+        self.backend = make_attention_backend(device)
+        self.model, self.model_config = load_model(
+            config.model, dtype=dtype, device=device, seed=config.seed, backend=self.backend
+        )
+        self.vocab_size = self.model_config.vocab_size
+        self.use_cuda_graphs = device.type == "cuda" and config.enable_cuda_graphs
+        pin = device.type == "cuda"
+        rows = self.max_num_seqs + 1  # the last row is the null row for padding
+        self.block_table = torch.zeros(
+            (rows, self.max_blocks_per_seq), dtype=torch.int32, device=device
+        )
+        self.block_table_staging = torch.zeros(
+            (rows, self.max_blocks_per_seq), dtype=torch.int32, pin_memory=pin
+        )
+        self.dirty_rows_staging = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
+        self.decode_inputs = torch.zeros((4, self.max_num_seqs), dtype=torch.int64, device=device)
+        self.decode_staging = torch.zeros((4, self.max_num_seqs), dtype=torch.int64, pin_memory=pin)
+        self.generator = torch.Generator(device=device).manual_seed(config.seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+        self.kv_cache: torch.Tensor | None = None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    # ---- set-up ---------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        mc = self.model_config
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * itemsize
+
+    def num_blocks_from_memory(self) -> int:
+        """KV blocks that fit in the memory budget, capped at what a full batch can use."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
+            budget -= self._activation_reserve_bytes()
+        else:
+            budget = self.config.cpu_kv_cache_gb * 2**30
+        cap = 2 * self.max_num_seqs * self.max_blocks_per_seq
+        num_blocks = min(int(budget // self.kv_bytes_per_block()), cap)
+        if num_blocks < self.max_blocks_per_seq:
+            raise ValueError(
+                f"num_blocks: only {num_blocks} KV blocks fit in memory, fewer than one "
+                f"max_model_len sequence needs ({self.max_blocks_per_seq}); "
+                "lower max_model_len or raise the memory budget"
+            )
+        return num_blocks
+
+    def _activation_reserve_bytes(self) -> int:
+        """An upper estimate of the transient memory of the largest forward pass."""
+        mc = self.model_config
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        tokens = self.config.max_num_batched_tokens + self.max_num_seqs
+        per_token = 24 * mc.hidden_size * itemsize  # residual, qkv, MLP (<= 4x hidden, gated)
+        logits = 3 * max(self.max_num_seqs, 64) * mc.vocab_size * 4
+        return 2 * tokens * per_token + logits + 512 * 2**20
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        mc = self.model_config
+        self.null_block = num_blocks
+        shape = (mc.num_layers, 2, num_blocks + 1, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.block_table.fill_(self.null_block)
+        self._reset_decode_padding(0)
+        if self.use_cuda_graphs:
+            self._capture_graphs()
+
+    # ---- one step -------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(
+        self, batch: ScheduledBatch, block_table: np.ndarray, dirty_slots: list[int]
+    ) -> list[int]:
+        """Run the batch; return one sampled token per sampling sequence.
+
+        Sampling sequences are, in order, the prefill sequences whose chunk
+        reaches their last token, then every decode sequence.
+        """
+        self._update_block_table(block_table, dirty_slots)
+        if batch.block_copies:
+            src, dst = zip(*batch.block_copies, strict=True)
+            copy_blocks_ref(
+                self.kv_cache, torch.tensor(src, device=self.device),
+                torch.tensor(dst, device=self.device),
+            )  # fmt: skip
+        logits, sampled_seqs = [], []
+        if batch.prefill_seqs:
+            prefill_logits, done = self._run_prefill(batch.prefill_seqs, batch.prefill_lens)
+            if done:
+                logits.append(prefill_logits)
+                sampled_seqs += done
+        if batch.decode_seqs:
+            logits.append(self._run_decode(batch.decode_seqs))
+            sampled_seqs += batch.decode_seqs
+        if not sampled_seqs:
+            return []
+        all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
+        tokens = sample(all_logits, self._sampling_batch(sampled_seqs), self.generator)
+        return tokens.tolist()
+
+    def release(self, request_id: str) -> None:
+        self.request_generators.pop(request_id, None)
+
+    def _update_block_table(self, block_table: np.ndarray, dirty_slots: list[int]) -> None:
+        if not dirty_slots:
+            return
+        n = len(dirty_slots)
+        staging = self.block_table_staging[:n]
+        staging.numpy()[:] = block_table[dirty_slots]
+        self.dirty_rows_staging.numpy()[:n] = dirty_slots
+        rows = self.dirty_rows_staging[:n].to(self.device, non_blocking=True)
+        self.block_table.index_copy_(0, rows, staging.to(self.device, non_blocking=True))
+
+    def _run_prefill(
+        self, seqs: list[Sequence], lens: list[int]
+    ) -> tuple[torch.Tensor, list[Sequence]]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        cu_seqlens = [0]
+        last_rows: list[int] = []
+        done: list[Sequence] = []
+        for seq, n in zip(seqs, lens, strict=True):
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start : start + n]
+            positions += range(start, start + n)
+            cu_seqlens.append(cu_seqlens[-1] + n)
+            if start + n == len(seq):
+                last_rows.append(cu_seqlens[-1] - 1)
+                done.append(seq)
+        dev = self.device
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=dev)  # noqa: E731
+        meta = AttentionMetadata(
+            is_decode=False,
+            block_table=self.block_table,
+            slot_mapping=as_tensor([s.slot for s in seqs]),
+            context_lens=as_tensor([s.num_computed_tokens + n for s, n in zip(seqs, lens)]),
+            positions=as_tensor(positions),
+            cu_seqlens_q=as_tensor(cu_seqlens),
+            start_positions=as_tensor([s.num_computed_tokens for s in seqs]),
+            max_q_len=max(lens),
+        )
+        hidden = self.model(as_tensor(input_ids), meta.positions, self.kv_cache, meta)
+        if not done:
+            return hidden[:0], done
+        return self.model.compute_logits(hidden[as_tensor(last_rows)]), done
+
+    def _run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        num_seqs = len(seqs)
+        padded = self._graph_size(num_seqs) if self.use_cuda_graphs else num_seqs
+        staging = self.decode_staging.numpy()
+        staging[_DEC_INPUT_IDS, :num_seqs] = [s.token_ids[-1] for s in seqs]
+        staging[_DEC_POSITIONS, :num_seqs] = [len(s) - 1 for s in seqs]
+        staging[_DEC_SLOTS, :num_seqs] = [s.slot for s in seqs]
+        staging[_DEC_CONTEXT_LENS, :num_seqs] = staging[_DEC_POSITIONS, :num_seqs] + 1
+        self._reset_decode_padding(num_seqs, padded)
+        self.decode_inputs[:, :padded].copy_(self.decode_staging[:, :padded], non_blocking=True)
+        if self.use_cuda_graphs:
+            graph, logits = self.graphs[padded]
+            graph.replay()
+            return logits[:num_seqs]
+        return self._decode_forward(num_seqs)
+
+    def _decode_forward(self, num_rows: int) -> torch.Tensor:  # [num_rows, vocab]
+        inputs = self.decode_inputs[:, :num_rows]
+        meta = AttentionMetadata(
+            is_decode=True,
+            block_table=self.block_table,
+            slot_mapping=inputs[_DEC_SLOTS],
+            context_lens=inputs[_DEC_CONTEXT_LENS],
+            positions=inputs[_DEC_POSITIONS],
+        )
+        hidden = self.model(inputs[_DEC_INPUT_IDS], meta.positions, self.kv_cache, meta)
+        return self.model.compute_logits(hidden)
+
+    def _reset_decode_padding(self, start: int, end: int | None = None) -> None:
+        """Padding rows read and write only the null row's null block."""
+        staging = self.decode_staging.numpy()
+        end = self.max_num_seqs if end is None else end
+        staging[_DEC_INPUT_IDS, start:end] = 0
+        staging[_DEC_POSITIONS, start:end] = 0
+        staging[_DEC_SLOTS, start:end] = self.max_num_seqs
+        staging[_DEC_CONTEXT_LENS, start:end] = 1
+
+    def _graph_size(self, num_seqs: int) -> int:
+        for size in self.graph_sizes:
+            if size >= num_seqs:
+                return size
+        raise AssertionError(f"batch of {num_seqs} exceeds max_num_seqs")
+
+    def _capture_graphs(self) -> None:
+        self.graph_sizes = graph_batch_sizes(self.max_num_seqs)
+        self.decode_inputs.copy_(self.decode_staging)
+        pool = None
+        with torch.inference_mode():
+            for size in reversed(self.graph_sizes):  # largest first, so smaller reuse its pool
+                self._decode_forward(size)  # warm up: compile kernels, fill caches
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._decode_forward(size)
+                pool = graph.pool()
+                self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        if all(p.greedy for p in params):
+            return SamplingBatch.greedy()
+        generators = [self._request_generator(s) for s in seqs]
+        return SamplingBatch.build(params, generators, self.vocab_size, self.device)
+
+    def _request_generator(self, seq: Sequence) -> torch.Generator | None:
+        seed = seq.params.seed
+        if seed is None:
+            return None
+        gen = self.request_generators.get(seq.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self.request_generators[seq.request_id] = gen
+        return gen

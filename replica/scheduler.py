@@ -1,0 +1,129 @@
+"""Continuous batching: decode every running sequence, prefill in chunks under a budget."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from replica.block_manager import BlockManager
+from replica.config import SchedulerConfig
+from replica.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One engine step's work.
+
+    prefill_seqs[i] computes prefill_lens[i] tokens starting at its
+    num_computed_tokens; decode_seqs compute their single newest token.
+    block_copies are copy-on-write (src, dst) pairs to run before the model.
+    """
+
+    prefill_seqs: list[Sequence] = field(default_factory=list)
+    prefill_lens: list[int] = field(default_factory=list)
+    decode_seqs: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill_seqs and not self.decode_seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.prefill_lens) + len(self.decode_seqs)
+
+
+class Scheduler:
+    """Decides each step which sequences run, and with how many tokens.
+
+    Order of a step: (1) decode: every running sequence with one token left to
+    compute gets a slot for it, in one batched append; if blocks run short, the
+    most recently admitted running sequence is preempted (blocks freed, hashed
+    prefix kept cached, put back at the head of the queue to be recomputed)
+    until the rest fit. (2) prefill: partially prefilled sequences continue,
+    then waiting ones are admitted in arrival order while a slot, blocks for the
+    whole sequence and token budget remain. A request is never dropped: one
+    that cannot run now waits; the engine rejects at add time any request that
+    could not fit even alone.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.num_preempted_total = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        batch.decode_seqs = self._schedule_decodes()
+        budget = self.config.max_num_batched_tokens - len(batch.decode_seqs)
+        budget = self._continue_prefills(batch, budget)
+        self._admit_waiting(batch, budget)
+        batch.block_copies = self.block_manager.take_copies()
+        return batch
+
+    def _schedule_decodes(self) -> list[Sequence]:
+        bm = self.block_manager
+        decodes = [s for s in self.running if not s.in_prefill]
+        while decodes and not bm.can_append(decodes):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim in decodes:
+                decodes.remove(victim)
+        bm.append_slots(decodes)
+        return decodes
+
+    def _continue_prefills(self, batch: ScheduledBatch, budget: int) -> int:
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.in_prefill:
+                chunk = min(len(seq) - seq.num_computed_tokens, budget)
+                batch.prefill_seqs.append(seq)
+                batch.prefill_lens.append(chunk)
+                budget -= chunk
+        return budget
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not bm.can_allocate(seq):
+                break  # first come, first served: later arrivals do not overtake
+            self.waiting.popleft()
+            bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunk = min(len(seq) - seq.num_computed_tokens, budget)
+            batch.prefill_seqs.append(seq)
+            batch.prefill_lens.append(chunk)
+            budget -= chunk
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it is recomputed later from its tokens."""
+        self.running.remove(seq)
+        self.block_manager.commit(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preempted_total += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence (finished or aborted) and release its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.commit(seq)
+            self.block_manager.free(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,101 @@
+"""One request's state inside a replica."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from replica.hashing import ROOT_HASH, hash_block
+from replica.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Tokens, blocks and progress of one request.
+
+    Invariants: block_ids covers every computed token (len(block_ids) * block_size
+    >= num_computed_tokens); slot is the request's row of the global block table
+    while it holds blocks, else -1.
+    """
+
+    __slots__ = (
+        "request_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "params",
+        "status",
+        "block_ids",
+        "block_hashes",
+        "num_committed_blocks",
+        "slot",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "arrival_s",
+        "finish_reason",
+        "num_emitted_tokens",
+        "eos_token_id",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_s: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.status = SequenceStatus.WAITING
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of the leading full blocks, in order
+        self.num_committed_blocks = 0  # leading blocks whose KV is computed and hashed
+        self.slot = -1
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.arrival_s = time.monotonic() if arrival_s is None else arrival_s
+        self.finish_reason: str | None = None
+        self.num_emitted_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, len={len(self.token_ids)}, "
+            f"computed={self.num_computed_tokens}, status={self.status.value})"
+        )
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than one token lacks KV (one missing token is a decode)."""
+        return len(self.token_ids) - self.num_computed_tokens > 1
+
+    def full_block_hashes(self, block_size: int) -> list[int]:
+        """Extend and return block_hashes to cover every full block of token_ids."""
+        hashes = self.block_hashes
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for start in range(len(hashes) * block_size, len(self.token_ids) - block_size + 1, block_size):
+            parent = hash_block(parent, self.token_ids[start : start + block_size])
+            hashes.append(parent)
+        return hashes

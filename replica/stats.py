@@ -1,0 +1,48 @@
+"""ReplicaStats: the one thing the router sees of a replica."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import msgpack
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """A replica's KV occupancy and load at one instant, published every stats period.
+
+    kv_usage counts blocks in use by sequences; cached blocks are free for
+    allocation (evicted on demand) and so do not count as usage.
+    cached_prefix_hashes holds the chained hashes (replica.hashing) of the most
+    recently used resident full blocks, newest first, capped in length.
+    """
+
+    replica_id: str
+    num_blocks_total: int
+    num_blocks_free: int
+    num_blocks_cached: int
+    kv_usage: float
+    num_running: int
+    num_waiting: int
+    num_preempted_total: int
+    max_num_seqs: int
+    tokens_per_s: float
+    block_size: int = 16
+    num_waiting_tokens: int = 0
+    cached_prefix_hashes: tuple[int, ...] = ()
+    timestamp_s: float = 0.0
+
+    @property
+    def num_blocks_used(self) -> int:
+        return self.num_blocks_total - self.num_blocks_free - self.num_blocks_cached
+
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb(asdict(self))
+
+    @classmethod
+    def from_msgpack(cls, data: bytes) -> ReplicaStats:
+        raw = msgpack.unpackb(data)
+        known = {f.name for f in fields(cls)}
+        raw = {k: v for k, v in raw.items() if k in known}
+        raw["cached_prefix_hashes"] = tuple(raw.get("cached_prefix_hashes", ()))
+        return cls(**raw)
