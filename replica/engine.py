@@ -171,7 +171,10 @@ class LLMEngine:
             del self.requests[seq.request_id]
             self.runner.release(seq.request_id)
             outputs.append(
-                RequestOutput(seq.request_id, [token], True, reason, seq.num_prompt_tokens)
+                RequestOutput(
+                    seq.request_id, [token], True, reason, seq.num_prompt_tokens,
+                    seq.num_cached_tokens,
+                )  # fmt: skip
             )
         for seq in batch.decode_seqs:
             if not seq.is_finished:
@@ -205,14 +208,16 @@ class LLMEngine:
             self.add_request(request_id, prompt, p)
             ids.append(request_id)
         tokens: dict[str, list[int]] = {i: [] for i in ids}
-        reasons: dict[str, str] = {}
-        while len(reasons) < len(ids):
+        finals: dict[str, RequestOutput] = {}
+        while len(finals) < len(ids):
             for out in self.step():
                 tokens[out.request_id] += out.new_token_ids
                 if out.finished:
-                    reasons[out.request_id] = out.finish_reason
+                    finals[out.request_id] = out
         return [
-            CompletionOutput(i, list(p), tokens[i], reasons[i])
+            CompletionOutput(
+                i, list(p), tokens[i], finals[i].finish_reason, finals[i].num_cached_tokens
+            )
             for i, p in zip(ids, prompts, strict=True)
         ]
 

@@ -14,6 +14,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "length" | "stop" | "abort" when finished
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (when finished)
 
 
 @dataclass(frozen=True)
@@ -24,3 +25,4 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: str
+    num_cached_tokens: int = 0

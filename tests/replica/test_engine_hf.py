@@ -1,0 +1,146 @@
+"""Greedy output equals transformers' generate(do_sample=False), token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from replica import EngineConfig, LLMEngine, SamplingParams
+
+MAX_NEW = 20
+
+HF_CONFIGS = {
+    "gpt2": transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=384, n_positions=256,
+        bos_token_id=383, eos_token_id=383,
+    ),
+    "llama": transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=384, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    "qwen3": transformers.Qwen3Config(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, vocab_size=384, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+HF_CLASSES = {
+    "gpt2": transformers.GPT2LMHeadModel,
+    "llama": transformers.LlamaForCausalLM,
+    "qwen3": transformers.Qwen3ForCausalLM,
+}
+
+
+@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    """A save_pretrained directory of random weights, and its HF model for reference."""
+    torch.manual_seed(1234)
+    model = HF_CLASSES[request.param](HF_CONFIGS[request.param]).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return str(path), model
+
+
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new, do_sample=False, pad_token_id=model.config.eos_token_id,
+        )  # fmt: skip
+    tokens = out[0, len(prompt) :].tolist()
+    eos = model.config.eos_token_id
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def make_engine(path: str, block_size: int, **overrides) -> LLMEngine:
+    config = dict(model=path, device="cpu", dtype="float32", block_size=block_size,
+                  num_blocks=64, max_num_seqs=8)  # fmt: skip
+    return LLMEngine(EngineConfig(**(config | overrides)))
+
+
+def assert_matches_hf(engine, hf_model, prompts, max_new=MAX_NEW):
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0.0))
+    for prompt, out in zip(prompts, outs, strict=True):
+        expected = hf_greedy(hf_model, prompt, max_new)
+        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens"
+        assert out.finish_reason == ("stop" if len(expected) < max_new else "length")
+    assert_no_leak(engine)
+    return outs
+
+
+def assert_no_leak(engine):
+    engine.check_invariants()
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_blocks_free + stats.num_blocks_cached == stats.num_blocks_total
+
+
+def random_prompts(seed: int, lengths: list[int], vocab: int = 380) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_mixed_lengths_across_block_boundaries(checkpoint, block_size):
+    path, hf_model = checkpoint
+    engine = make_engine(path, block_size)
+    prompts = random_prompts(block_size, [1, 7, block_size - 1, block_size, block_size + 1, 45])
+    assert_matches_hf(engine, hf_model, prompts)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_shared_prefixes_hit_the_cache(checkpoint, block_size):
+    path, hf_model = checkpoint
+    engine = make_engine(path, block_size)
+    system = random_prompts(7, [2 * block_size + 3])[0]
+    suffixes = random_prompts(8, [1, 5, 11])
+    first = assert_matches_hf(engine, hf_model, [system + suffixes[0]])
+    assert first[0].num_cached_tokens == 0
+    rest = assert_matches_hf(engine, hf_model, [system + s for s in suffixes[1:]])
+    assert all(out.num_cached_tokens == 2 * block_size for out in rest)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_small_pool_forces_preemption(checkpoint, block_size):
+    path, hf_model = checkpoint
+    # 6 sequences of up to ~60 tokens in a pool that holds only a few at once.
+    num_blocks = 6 if block_size == 16 else 4
+    engine = make_engine(path, block_size, num_blocks=num_blocks)
+    prompts = random_prompts(3, [30, 12, 25, 40, 9, 33])
+    assert_matches_hf(engine, hf_model, prompts)
+    assert engine.stats().num_preempted_total > 0
+
+
+def test_chunked_prefill(checkpoint):
+    path, hf_model = checkpoint
+    engine = make_engine(path, 16, max_num_seqs=4, max_num_batched_tokens=4)
+    prompts = random_prompts(5, [37, 5, 23])
+    assert_matches_hf(engine, hf_model, prompts)
+
+
+def test_streaming_interface_and_abort_free_blocks(checkpoint):
+    path, hf_model = checkpoint
+    engine = make_engine(path, 16)
+    prompts = random_prompts(11, [9, 20])
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    engine.add_request("keep", prompts[0], params)
+    engine.add_request("drop", prompts[1], params)
+    tokens: list[int] = []
+    finished = None
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == "keep":
+                tokens += out.new_token_ids
+                finished = out.finish_reason if out.finished else None
+        steps += 1
+        if steps == 3:
+            assert engine.abort("drop")
+            engine.check_invariants()
+    assert not engine.abort("drop")
+    assert tokens == hf_greedy(hf_model, prompts[0], MAX_NEW) and finished is not None
+    assert_no_leak(engine)
