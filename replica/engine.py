@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence as Seq
 
 import torch
@@ -78,7 +79,7 @@ class LLMEngine:
         )
         self.tokenizer = load_tokenizer(config.model)
         self.requests: dict[str, Sequence] = {}
-        self._token_events: list[tuple[float, int]] = []  # (time_s, tokens) per step
+        self._token_events: deque[tuple[float, int]] = deque()  # (time_s, tokens) per step
         self._next_id = 0
 
     # ---- requests -------------------------------------------------------------
@@ -142,14 +143,20 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        tokens = self.run(batch)
+        return self.postprocess(batch, tokens)
+
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """Run the model on a scheduled batch; one sampled token per sampling sequence."""
         if batch.is_empty:
             return []
-        tokens = self.runner.execute(
-            batch, self.block_manager.block_table, self.block_manager.take_dirty_slots()
-        )
-        return self._postprocess(batch, tokens)
+        dirty = self.block_manager.take_dirty_slots()
+        return self.runner.execute(batch, self.block_manager.block_table, dirty)
 
-    def _postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[RequestOutput]:
+    def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[RequestOutput]:
+        """Append sampled tokens, retire finished sequences, publish hashes; return deltas."""
+        if batch.is_empty:
+            return []
         bm = self.block_manager
         sampled: list[Sequence] = []
         for seq, n in zip(batch.prefill_seqs, batch.prefill_lens, strict=True):
@@ -227,7 +234,7 @@ class LLMEngine:
         now = time.monotonic()
         events = self._token_events
         while events and events[0][0] < now - _TOKENS_PER_S_WINDOW_S:
-            events.pop(0)
+            events.popleft()
         tokens_per_s = sum(n for _, n in events) / _TOKENS_PER_S_WINDOW_S
         waiting = self.scheduler.waiting
         return ReplicaStats(

@@ -1,0 +1,64 @@
+"""Shared benchmark helpers: timing percentiles, the copy-bandwidth ceiling, result output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def copy_bandwidth_gbps(device: torch.device, num_bytes: int = 2**30, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth, bytes read + written over time (the HBM ceiling)."""
+    src = torch.empty(num_bytes // 2, dtype=torch.float16, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * num_bytes / statistics.median(times) / 1e9
+
+
+def machine_description() -> str:
+    if torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0)
+        return f"{gpu} x{torch.cuda.device_count()}, torch {torch.__version__}"
+    return f"{platform.processor() or platform.machine()} CPU x{os.cpu_count()}, torch {torch.__version__}"
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    payload = {"date": time.strftime("%Y-%m-%d"), "machine": machine_description()} | payload
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,201 @@
+"""Offline engine benchmark: throughput, time per output token, ITL, host time per step.
+
+On a GPU the same run measures the peers: Hugging Face transformers `generate`
+(static cache, greedy) on the very same checkpoint, and the HBM roofline
+(weight + KV bytes each decode step must read, over the measured copy bandwidth).
+
+    python -m bench.engine                                  # CPU: host-side time per step
+    python -m bench.engine --model gpt2 --dtype float16 --batch 1 256 --hf --itl-batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from bench.common import copy_bandwidth_gbps, markdown_table, percentile, write_json
+from replica import EngineConfig, LLMEngine, SamplingParams
+from replica.models.presets import PRESETS
+
+
+@dataclass
+class EngineRun:
+    num_seqs: int
+    output_tokens: int = 0
+    wall_s: float = 0.0
+    decode_step_s: list[float] = field(default_factory=list)
+    decode_host_s: list[float] = field(default_factory=list)  # scheduler + block manager + post
+    decode_tokens: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / sum(self.decode_step_s)
+
+
+def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(num)]
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_new: int) -> EngineRun:
+    """Drive schedule / run / postprocess by hand, timing the host-side parts of each step."""
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    run = EngineRun(len(prompts))
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{i}", prompt, params)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        batch = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        tokens = engine.run(batch)  # returns host ints: the device work is done
+        t2 = time.perf_counter()
+        engine.postprocess(batch, tokens)
+        t3 = time.perf_counter()
+        run.output_tokens += len(tokens)
+        if batch.decode_seqs and not batch.prefill_seqs:
+            run.decode_step_s.append(t3 - t0)
+            run.decode_host_s.append((t1 - t0) + (t3 - t2))
+            run.decode_tokens += len(tokens)
+    sync()
+    run.wall_s = time.perf_counter() - start
+    engine.check_invariants()
+    return run
+
+
+def hf_checkpoint(model: str, dtype: torch.dtype, directory: str) -> torch.nn.Module:
+    """A random-weight transformers model from a preset's config, saved where the engine loads it."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**PRESETS[model])
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    hf.save_pretrained(directory)
+    return hf
+
+
+def run_hf(hf: torch.nn.Module, prompts: list[list[int]], max_new: int, device) -> float:
+    """transformers generate, greedy, static cache, forced to max_new tokens: tokens/s."""
+    hf = hf.to(device).eval()
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids), do_sample=False, cache_implementation="static",
+        pad_token_id=0, min_new_tokens=max_new,
+    )  # fmt: skip
+    with torch.inference_mode():
+        hf.generate(ids, max_new_tokens=4, **kwargs)  # warm up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=max_new, **kwargs)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    assert out.shape[1] == ids.shape[1] + max_new
+    return len(prompts) * max_new / elapsed
+
+
+def roofline_decode_tokens_per_s(
+    engine: LLMEngine, num_seqs: int, prompt_len: int, max_new: int, bandwidth_gbps: float
+) -> float:
+    """Decode tokens/s if every step only read the weights and the live KV at copy bandwidth."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    kv_per_token = engine.runner.kv_bytes_per_block() / engine.config.block_size
+    steps = range(1, max_new)  # the first token comes from prefill
+    total_bytes = sum(weight_bytes + num_seqs * (prompt_len + j) * kv_per_token for j in steps)
+    return num_seqs * len(steps) / (total_bytes / (bandwidth_gbps * 1e9))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="preset or directory (gpt2 on GPU)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch", type=int, nargs="+", default=[256])
+    parser.add_argument("--prompt-len", type=int, default=None)
+    parser.add_argument("--max-new", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--hf", action="store_true", help="also measure transformers generate")
+    parser.add_argument("--itl-batch", type=int, default=0, help="ITL run: batch size")
+    parser.add_argument("--itl-steps", type=int, default=1000)
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--out", default=None, help="write JSON results here")
+    args = parser.parse_args()
+
+    on_gpu = torch.cuda.is_available()
+    model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
+    prompt_len = args.prompt_len or (128 if on_gpu else 16)
+    max_new = args.max_new or (128 if on_gpu else 32)
+    max_num_seqs = max(args.batch + [args.itl_batch])
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = None
+        if args.hf and model in PRESETS:
+            dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.dtype)
+            hf = hf_checkpoint(model, dtype or torch.float32, tmp)
+            model = tmp
+        engine = LLMEngine(
+            EngineConfig(
+                model=model, dtype=args.dtype, block_size=args.block_size,
+                max_num_seqs=max_num_seqs, enable_cuda_graphs=not args.no_cuda_graphs,
+                max_model_len=min(2048, _max_positions(model)),
+            )
+        )  # fmt: skip
+        vocab = engine.model_config.vocab_size
+        bandwidth = copy_bandwidth_gbps(engine.device) if on_gpu else None
+        run_engine(engine, random_prompts(min(4, max_num_seqs), prompt_len, vocab, 99), 8)
+        rows = []
+        for num_seqs in args.batch:
+            prompts = random_prompts(num_seqs, prompt_len, vocab, num_seqs)
+            run = run_engine(engine, prompts, max_new)
+            row = {
+                "batch": num_seqs,
+                "tok/s": run.tokens_per_s,
+                "decode tok/s": run.decode_tokens_per_s,
+                "TPOT ms": 1e3 * percentile(run.decode_step_s, 50),
+                "host ms/step": 1e3 * percentile(run.decode_host_s, 50),
+                "host p99 ms": 1e3 * percentile(run.decode_host_s, 99),
+            }
+            if bandwidth:
+                roof = roofline_decode_tokens_per_s(engine, num_seqs, prompt_len, max_new, bandwidth)
+                row |= {"roofline tok/s": roof, "% roofline": 100 * run.decode_tokens_per_s / roof}
+            if hf is not None:
+                row["HF tok/s"] = run_hf(hf, prompts, max_new, engine.device)
+                row["x HF"] = run.tokens_per_s / row["HF tok/s"]
+            rows.append(row)
+        itl = _itl_run(engine, args, vocab) if args.itl_batch else None
+    columns = ["batch", "tok/s", "HF tok/s", "x HF", "decode tok/s", "roofline tok/s",
+               "% roofline", "TPOT ms", "host ms/step", "host p99 ms"]  # fmt: skip
+    print(f"\nmodel={args.model or model} dtype={engine.dtype} prompt={prompt_len} new={max_new}"
+          f" block_size={args.block_size} cuda_graphs={engine.runner.use_cuda_graphs}"
+          + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else ""))  # fmt: skip
+    print(markdown_table(rows, [c for c in columns if any(c in r for r in rows)]))
+    if itl:
+        print(f"ITL at batch {args.itl_batch} over {itl['steps']} decode steps: "
+              f"p50 {itl['p50_ms']:.3f} ms, p99 {itl['p99_ms']:.3f} ms, "
+              f"p99/p50 {itl['p99_ms'] / itl['p50_ms']:.2f}")  # fmt: skip
+    write_json(args.out, {"model": args.model or model, "rows": rows, "itl": itl})
+
+
+def _itl_run(engine: LLMEngine, args, vocab: int) -> dict:
+    prompts = random_prompts(args.itl_batch, 16, vocab, 7)
+    run = run_engine(engine, prompts, args.itl_steps + 1)
+    steps = run.decode_step_s
+    return {"steps": len(steps), "p50_ms": 1e3 * percentile(steps, 50),
+            "p99_ms": 1e3 * percentile(steps, 99), "max_ms": 1e3 * max(steps)}  # fmt: skip
+
+
+def _max_positions(model: str) -> int:
+    from replica.models import load_model_config
+
+    return load_model_config(model).max_position_embeddings
+
+
+if __name__ == "__main__":
+    main()

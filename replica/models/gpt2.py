@@ -1,0 +1,115 @@
+"""GPT-2 (GPT2LMHeadModel) over the paged KV cache; parameter names match HF's."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replica.attention import AttentionBackend, AttentionMetadata
+from replica.models.config import ModelConfig
+from replica.models.layers import Conv1D, gelu_new
+
+# Legacy checkpoints carry the causal-mask buffers `h.N.attn.bias` / `h.N.attn.masked_bias`.
+_MASK_BUFFER = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$")
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.backend = backend
+        self.c_attn = Conv1D(config.hidden_size, 3 * config.hidden_size)
+        self.c_proj = Conv1D(config.hidden_size, config.hidden_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden_size]
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden_size]
+        num_tokens = x.shape[0]
+        shape = (num_tokens, self.num_heads, self.head_dim)
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)  # 3 x [T, hidden_size], strided views
+        q = q.contiguous().view(shape)  # [T, num_heads, head_dim]
+        k = k.contiguous().view(shape)
+        v = v.contiguous().view(shape)
+        out = self.backend.forward(
+            q, k, v, kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1], meta, self.scale
+        )  # [T, num_heads, head_dim]
+        return self.c_proj(out.reshape(num_tokens, -1))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.c_fc = Conv1D(config.hidden_size, config.intermediate_size)
+        self.c_proj = Conv1D(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden_size]
+        return self.c_proj(gelu_new(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.attn = GPT2Attention(config, layer_idx, backend)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = GPT2MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [T, hidden_size]
+        x = self.attn(self.ln_1(x), kv_cache, meta) + x
+        return self.mlp(self.ln_2(x)) + x
+
+
+class GPT2Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config, i, backend) for i in range(config.num_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+
+
+class GPT2LMHeadModel(nn.Module):
+    """Learned positions, pre-LayerNorm blocks, fused c_attn, lm_head tied to wte."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = GPT2Transformer(config, backend)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden_size]
+        t = self.transformer
+        x = t.wte(input_ids) + t.wpe(positions)
+        for block in t.h:
+            x = block(x, kv_cache, meta)
+        return t.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab_size], float32
+        return F.linear(hidden, self.transformer.wte.weight).float()
+
+    def checkpoint_name(self, hf_name: str) -> str | None:
+        if hf_name == "lm_head.weight" or _MASK_BUFFER.search(hf_name):
+            return None
+        return hf_name if hf_name.startswith("transformer.") else f"transformer.{hf_name}"
