@@ -43,7 +43,8 @@ def machine_description() -> str:
     if torch.cuda.is_available():
         gpu = torch.cuda.get_device_name(0)
         return f"{gpu} x{torch.cuda.device_count()}, torch {torch.__version__}"
-    return f"{platform.processor() or platform.machine()} CPU x{os.cpu_count()}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu} CPU x{os.cpu_count()}, torch {torch.__version__}"
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -74,7 +74,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_new: int) -> Eng
 
 
 def hf_checkpoint(model: str, dtype: torch.dtype, directory: str) -> torch.nn.Module:
-    """A random-weight transformers model from a preset's config, saved where the engine loads it."""
+    """A random-weight transformers model of a preset's shape, saved for the engine to load."""
     import transformers
 
     config = transformers.AutoConfig.for_model(**PRESETS[model])
@@ -163,7 +163,9 @@ def main() -> None:
                 "host p99 ms": 1e3 * percentile(run.decode_host_s, 99),
             }
             if bandwidth:
-                roof = roofline_decode_tokens_per_s(engine, num_seqs, prompt_len, max_new, bandwidth)
+                roof = roofline_decode_tokens_per_s(
+                    engine, num_seqs, prompt_len, max_new, bandwidth
+                )
                 row |= {"roofline tok/s": roof, "% roofline": 100 * run.decode_tokens_per_s / roof}
             if hf is not None:
                 row["HF tok/s"] = run_hf(hf, prompts, max_new, engine.device)

@@ -71,7 +71,9 @@ def _packed_positions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     seq_of_row = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
-    row_in_seq = torch.arange(int(lens.sum()), device=lens.device) - cu_seqlens[:-1].long()[seq_of_row]
+    row_in_seq = (
+        torch.arange(int(lens.sum()), device=lens.device) - cu_seqlens[:-1].long()[seq_of_row]
+    )
     return start_positions.long()[seq_of_row] + row_in_seq, slot_mapping.long()[seq_of_row]
 
 

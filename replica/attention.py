@@ -49,9 +49,19 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
+    def copy_blocks(
+        self,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        src: torch.Tensor,  # [num_copies]
+        dst: torch.Tensor,  # [num_copies]
+    ) -> None: ...
+
 
 class TorchAttention:
     """The torch references: the CPU path, and the ground truth for the kernels."""
+
+    def copy_blocks(self, kv_cache, src, dst):
+        ref.copy_blocks_ref(kv_cache, src, dst)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         if meta.is_decode:

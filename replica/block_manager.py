@@ -111,10 +111,12 @@ class BlockManager:
 
     def blocks_needed_to_append(self, seqs: Iterable[Sequence]) -> int:
         """Blocks that append_slots(seqs) would take: rollovers plus copy-on-writes."""
+        size, refs = self.block_size, self.ref_counts
         needed = 0
         for seq in seqs:
-            index = (len(seq) - 1) // self.block_size
-            if index >= len(seq.block_ids) or self.ref_counts[seq.block_ids[index]] > 1:
+            index = (len(seq.token_ids) - 1) // size
+            blocks = seq.block_ids
+            if index >= len(blocks) or refs[blocks[index]] > 1:
                 needed += 1
         return needed
 
@@ -125,14 +127,14 @@ class BlockManager:
         whose target block is shared gets a private copy (copy-on-write, queued
         in pending_copies for the model runner). Callers check can_append first.
         """
-        size = self.block_size
+        size, refs = self.block_size, self.ref_counts
         for seq in seqs:
-            index = (len(seq) - 1) // size
+            index = (len(seq.token_ids) - 1) // size
             if index >= len(seq.block_ids):
                 seq.block_ids.append(self._fresh_block())
                 self.block_table[seq.slot, index] = seq.block_ids[index]
                 self.dirty_slots.add(seq.slot)
-            elif self.ref_counts[seq.block_ids[index]] > 1:
+            elif refs[seq.block_ids[index]] > 1:
                 src = seq.block_ids[index]
                 dst = self._fresh_block()
                 self.ref_counts[src] -= 1

@@ -105,7 +105,10 @@ class LLMEngine:
                 f"max_tokens: prompt + max_tokens needs {self.block_manager.blocks_needed(total)}"
                 f" KV blocks, more than the replica's {self.cache_config.num_blocks}"
             )
-        seq = Sequence(request_id, prompt, params, eos_token_id=self.model_config.eos_token_id)
+        seq = Sequence(
+            request_id, prompt, params, self.model_config.eos_token_id,
+            max_model_len=self.max_model_len,
+        )  # fmt: skip
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -120,7 +123,9 @@ class LLMEngine:
             if not isinstance(t, int) or isinstance(t, bool):
                 raise ValueError(f"prompt_token_ids[{i}] must be an integer, got {t!r}")
             if not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids[{i}] = {t} is outside the vocabulary [0, {vocab})")
+                raise ValueError(
+                    f"prompt_token_ids[{i}] = {t} is outside the vocabulary [0, {vocab})"
+                )
         if len(prompt) >= self.max_model_len:
             raise ValueError(
                 f"prompt_token_ids: {len(prompt)} tokens leave no room under "
@@ -158,46 +163,45 @@ class LLMEngine:
         if batch.is_empty:
             return []
         bm = self.block_manager
+        block_size = bm.block_size
         sampled: list[Sequence] = []
         for seq, n in zip(batch.prefill_seqs, batch.prefill_lens, strict=True):
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == len(seq):
+            if seq.num_computed_tokens == len(seq.token_ids):
                 sampled.append(seq)
             bm.commit(seq)
-        for seq in batch.decode_seqs:
-            seq.num_computed_tokens += 1
         sampled += batch.decode_seqs
+        num_prefill_sampled = len(sampled) - len(batch.decode_seqs)
         outputs = []
-        for seq, token in zip(sampled, tokens, strict=True):
+        for i, (seq, token) in enumerate(zip(sampled, tokens, strict=True)):
+            if i >= num_prefill_sampled:
+                seq.num_computed_tokens += 1
+                if seq.num_computed_tokens % block_size == 0:
+                    bm.commit(seq)  # a decode just filled a block
             seq.token_ids.append(token)
-            reason = self._finish_reason(seq, token)
-            if reason is None:
+            if token in seq.stop_ids:
+                self._finish(seq, "stop", outputs)
+            elif len(seq.token_ids) >= seq.max_len:
+                self._finish(seq, "length", outputs)
+            else:
                 outputs.append(RequestOutput(seq.request_id, [token]))
-                continue
-            self.scheduler.finish(seq, reason)
-            del self.requests[seq.request_id]
-            self.runner.release(seq.request_id)
-            outputs.append(
-                RequestOutput(
-                    seq.request_id, [token], True, reason, seq.num_prompt_tokens,
-                    seq.num_cached_tokens,
-                )  # fmt: skip
-            )
-        for seq in batch.decode_seqs:
-            if not seq.is_finished:
-                bm.commit(seq)
         self._token_events.append((time.monotonic(), len(tokens)))
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if token in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token == seq.eos_token_id:
-            return "stop"
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
+    def _finish(self, seq: Sequence, reason: str, outputs: list[RequestOutput]) -> None:
+        self.scheduler.finish(seq, reason)
+        del self.requests[seq.request_id]
+        self.runner.release(seq.request_id)
+        outputs.append(
+            RequestOutput(
+                seq.request_id,
+                [seq.token_ids[-1]],
+                True,
+                reason,
+                seq.num_prompt_tokens,
+                seq.num_cached_tokens,
+            )  # fmt: skip
+        )
 
     # ---- offline --------------------------------------------------------------
     def generate(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.reference import copy_blocks_ref
 from replica.attention import AttentionMetadata, make_attention_backend
 from replica.config import EngineConfig
 from replica.models import ModelConfig, load_model
@@ -123,7 +122,7 @@ class ModelRunner:
         self._update_block_table(block_table, dirty_slots)
         if batch.block_copies:
             src, dst = zip(*batch.block_copies, strict=True)
-            copy_blocks_ref(
+            self.backend.copy_blocks(
                 self.kv_cache, torch.tensor(src, device=self.device),
                 torch.tensor(dst, device=self.device),
             )  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
     """New tokens of one request from one engine step (a delta, not the whole text)."""
 

@@ -36,9 +36,7 @@ class SamplingParams:
             or not math.isfinite(self.temperature)
             or self.temperature < 0
         ):
-            raise ValueError(
-                f"temperature must be a finite number >= 0, got {self.temperature!r}"
-            )
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (<= 0 disables), got {self.top_k!r}")
         if (

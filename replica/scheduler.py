@@ -52,6 +52,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
+        self.prefilling: list[Sequence] = []  # running, more than one token still to compute
         self.num_preempted_total = 0
 
     def add(self, seq: Sequence) -> None:
@@ -68,11 +69,22 @@ class Scheduler:
         budget = self._continue_prefills(batch, budget)
         self._admit_waiting(batch, budget)
         batch.block_copies = self.block_manager.take_copies()
+        # Sequences whose chunk stops short of their last two tokens stay in prefill.
+        done = set(map(id, batch.prefill_seqs))
+        self.prefilling = [s for s in self.prefilling if id(s) not in done] + [
+            s
+            for s, n in zip(batch.prefill_seqs, batch.prefill_lens, strict=True)
+            if s.num_computed_tokens + n < len(s.token_ids) - 1
+        ]
         return batch
 
     def _schedule_decodes(self) -> list[Sequence]:
         bm = self.block_manager
-        decodes = [s for s in self.running if not s.in_prefill]
+        if self.prefilling:
+            prefilling = set(map(id, self.prefilling))
+            decodes = [s for s in self.running if id(s) not in prefilling]
+        else:
+            decodes = list(self.running)
         while decodes and not bm.can_append(decodes):
             victim = self.running[-1]
             self.preempt(victim)
@@ -82,14 +94,13 @@ class Scheduler:
         return decodes
 
     def _continue_prefills(self, batch: ScheduledBatch, budget: int) -> int:
-        for seq in self.running:
+        for seq in self.prefilling:
             if budget <= 0:
                 break
-            if seq.in_prefill:
-                chunk = min(len(seq) - seq.num_computed_tokens, budget)
-                batch.prefill_seqs.append(seq)
-                batch.prefill_lens.append(chunk)
-                budget -= chunk
+            chunk = min(len(seq) - seq.num_computed_tokens, budget)
+            batch.prefill_seqs.append(seq)
+            batch.prefill_lens.append(chunk)
+            budget -= chunk
         return budget
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
@@ -110,6 +121,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it is recomputed later from its tokens."""
         self.running.remove(seq)
+        self._drop_prefilling(seq)
         self.block_manager.commit(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -121,9 +133,14 @@ class Scheduler:
         """Retire a sequence (finished or aborted) and release its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._drop_prefilling(seq)
             self.block_manager.commit(seq)
             self.block_manager.free(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _drop_prefilling(self, seq: Sequence) -> None:
+        if self.prefilling:
+            self.prefilling = [s for s in self.prefilling if s is not seq]

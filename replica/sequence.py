@@ -39,6 +39,8 @@ class Sequence:
         "finish_reason",
         "num_emitted_tokens",
         "eos_token_id",
+        "stop_ids",
+        "max_len",
     )
 
     def __init__(
@@ -48,6 +50,7 @@ class Sequence:
         params: SamplingParams,
         eos_token_id: int | None = None,
         arrival_s: float | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -64,6 +67,14 @@ class Sequence:
         self.arrival_s = time.monotonic() if arrival_s is None else arrival_s
         self.finish_reason: str | None = None
         self.num_emitted_tokens = 0
+        # Precomputed for the per-token stop check on the hot path.
+        stops = set(params.stop_token_ids)
+        if eos_token_id is not None and not params.ignore_eos:
+            stops.add(eos_token_id)
+        self.stop_ids = frozenset(stops)
+        self.max_len = self.num_prompt_tokens + params.max_tokens
+        if max_model_len is not None:
+            self.max_len = min(self.max_len, max_model_len)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -86,16 +97,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def in_prefill(self) -> bool:
-        """True while more than one token lacks KV (one missing token is a decode)."""
-        return len(self.token_ids) - self.num_computed_tokens > 1
-
     def full_block_hashes(self, block_size: int) -> list[int]:
         """Extend and return block_hashes to cover every full block of token_ids."""
         hashes = self.block_hashes
         parent = hashes[-1] if hashes else ROOT_HASH
-        for start in range(len(hashes) * block_size, len(self.token_ids) - block_size + 1, block_size):
+        for start in range(
+            len(hashes) * block_size, len(self.token_ids) - block_size + 1, block_size
+        ):
             parent = hash_block(parent, self.token_ids[start : start + block_size])
             hashes.append(parent)
         return hashes

@@ -1,0 +1,243 @@
+"""The Ray Serve request router that puts router/ policies and admission in front of replicas.
+
+Contract with the replica deployment:
+- its `record_routing_stats()` returns {"stats": ReplicaStats.to_msgpack()}
+  (use encode_routing_stats); the stats' timestamp_s is time.time() on the replica.
+- its handler is called with the request as the first positional argument (or
+  as kwarg "request", or as keyword arguments): a dict or an object carrying
+  "prompt_token_ids" (list[int]) or "num_prompt_tokens" (int), and "max_tokens"
+  (at top level or inside "sampling_params"). Anything else routes by load alone.
+
+Wiring: request_router_config(RouterConfig(...)) -> RequestRouterConfig, passed as
+`request_router_config=` to `@serve.deployment` / `.options()`. Ray Serve hands
+its request_router_kwargs (dataclasses.asdict of the RouterConfig) to
+KVFleetRequestRouter.initialize_state in every handle and proxy.
+
+All routing logic lives in router/; this module only translates Serve's types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from replica.stats import ReplicaStats
+from router import Admission, OverloadedError, RouterConfig, RouteRequest
+
+logger = logging.getLogger(__name__)
+
+ROUTING_STATS_KEY = "stats"
+REQUEST_ROUTER_CLASS_PATH = "cluster.request_router.KVFleetRequestRouter"
+
+
+def encode_routing_stats(stats: ReplicaStats) -> dict[str, bytes]:
+    """What the deployment's record_routing_stats() returns."""
+    return {ROUTING_STATS_KEY: stats.to_msgpack()}
+
+
+def decode_routing_stats(routing_stats: Mapping[str, Any] | None) -> ReplicaStats | None:
+    """ReplicaStats from a replica's routing_stats, or None when absent or unreadable."""
+    data = (routing_stats or {}).get(ROUTING_STATS_KEY)
+    if not isinstance(data, bytes | bytearray):
+        return None
+    try:
+        return ReplicaStats.from_msgpack(data)
+    except (ValueError, TypeError) as e:
+        logger.warning("Unreadable routing stats (%s); routing as if unknown.", e)
+        return None
+
+
+def _field(payload: Any, name: str) -> Any:
+    if isinstance(payload, Mapping):
+        return payload.get(name)
+    return getattr(payload, name, None)
+
+
+def _as_token_ids(value: Any) -> tuple[int, ...]:
+    if isinstance(value, list | tuple) and all(isinstance(t, int) for t in value):
+        return tuple(value)
+    return ()
+
+
+def _as_count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def route_request_from_call(
+    request_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> RouteRequest:
+    """The RouteRequest for a handle call; tolerant: no prompt info means route by load."""
+    payloads = [*args[:1], kwargs.get("request"), kwargs]
+    for payload in payloads:
+        if payload is None:
+            continue
+        token_ids = _as_token_ids(_field(payload, "prompt_token_ids"))
+        num_prompt_tokens = len(token_ids) or _as_count(_field(payload, "num_prompt_tokens"))
+        if not num_prompt_tokens:
+            continue
+        max_tokens = _as_count(_field(payload, "max_tokens")) or _as_count(
+            _field(_field(payload, "sampling_params"), "max_tokens")
+        )
+        return RouteRequest(request_id, token_ids, num_prompt_tokens, max_tokens)
+    return RouteRequest(request_id)
+
+
+def _route_request(pending_request: PendingRequest | None) -> RouteRequest:
+    if pending_request is None:
+        return RouteRequest("")
+    return route_request_from_call(
+        pending_request.metadata.internal_request_id, pending_request.args, pending_request.kwargs
+    )
+
+
+class KVFleetRequestRouter(RequestRouter):
+    """Ray Serve router: router.Admission (policy + reservations + overload) over replica stats.
+
+    Algorithm, per choose_replicas call: decode each candidate's routing_stats
+    (cached per replica while the bytes object is unchanged), build the
+    RouteRequest from the call's arguments, and ask Admission.admit.
+      - admitted: reserve on the first choice, return the ranked tiers (Serve
+        then probes queue lengths within a tier and falls to the next tier);
+        should_backoff is set so Serve backs off if every tier refuses.
+      - held: sleep the suggested backoff (asyncio.sleep, never a busy loop)
+        and return no tiers, so Serve calls again and admission re-evaluates.
+      - OverloadedError (reject mode, or hold exhausted): resolve the pending
+        request's future with the error, so the caller's response raises it,
+        and return one tier, which makes Serve's loop see the done future and stop.
+    Invariant: every routed request ends in a replica or an OverloadedError; a
+    held request waits at most RouterConfig.max_hold_s.
+    Failure: replicas without readable stats are routed to only as a last tier.
+    """
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.router_config = RouterConfig(**kwargs)
+        self.admission = Admission(self.router_config)
+        self.clock: Callable[[], float] = time.time
+        # internal request id -> (first held at, attempts so far)
+        self.holds: dict[str, tuple[float, int]] = {}
+        # replica unique id -> (routing stats bytes, decoded stats)
+        self.decoded: dict[str, tuple[bytes, ReplicaStats]] = {}
+
+    def collect_stats(
+        self, replicas: Sequence[RunningReplica]
+    ) -> tuple[list[ReplicaStats], list[str]]:
+        """Decoded stats keyed by Serve's replica id, and the ids with no stats."""
+        known, unknown = [], []
+        for replica in replicas:
+            replica_id = replica.replica_id.unique_id
+            data = (replica.routing_stats or {}).get(ROUTING_STATS_KEY)
+            cached = self.decoded.get(replica_id)
+            if cached is not None and cached[0] is data:
+                known.append(cached[1])
+                continue
+            stats = decode_routing_stats(replica.routing_stats)
+            if stats is None:
+                unknown.append(replica_id)
+                continue
+            stats = dataclasses.replace(stats, replica_id=replica_id)
+            self.decoded[replica_id] = (data, stats)
+            known.append(stats)
+        return known, unknown
+
+    def forget_abandoned_holds(self, now_s: float) -> None:
+        # A request cancelled between two routing attempts never comes back to clear its entry.
+        config = self.router_config
+        horizon_s = now_s - config.max_hold_s - 2 * config.backoff_max_s
+        if self.holds and min(since_s for since_s, _ in self.holds.values()) < horizon_s:
+            self.holds = {k: v for k, v in self.holds.items() if v[0] >= horizon_s}
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None and pending_request.future.done():
+            return [candidate_replicas]
+        now_s = self.clock()
+        self.forget_abandoned_holds(now_s)
+        request = _route_request(pending_request)
+        stats, unknown = self.collect_stats(candidate_replicas)
+        held_since_s, attempt = self.holds.get(request.request_id, (None, 0))
+        try:
+            decision = self.admission.admit(
+                stats,
+                request,
+                now_s,
+                unknown_replica_ids=unknown,
+                attempt=attempt,
+                held_since_s=held_since_s,
+            )
+        except OverloadedError as error:
+            self.holds.pop(request.request_id, None)
+            self.admission.release(request.request_id)
+            if pending_request is None:
+                raise
+            pending_request.future.set_exception(error)
+            # Serve (2.60, pinned) drops a request from this index only when it
+            # fulfills or cancels it; a request resolved with an error would stay.
+            self._remove_pending_request_from_indices(pending_request)
+            return [candidate_replicas[:1]]
+
+        if not decision.admitted:
+            self.holds[request.request_id] = (
+                now_s if held_since_s is None else held_since_s,
+                attempt + 1,
+            )
+            if pending_request is not None:
+                pending_request.routing_context.should_backoff = False
+            try:
+                await asyncio.sleep(decision.retry_after_s)
+            except asyncio.CancelledError:
+                self.holds.pop(request.request_id, None)
+                raise
+            return []
+
+        self.holds.pop(request.request_id, None)
+        self.admission.reserve(request, decision.tiers[0][0], now_s)
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        tiers = [[by_id[i] for i in tier if i in by_id] for tier in decision.tiers]
+        return [tier for tier in tiers if tier]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        # Serve calls this only with strict max_ongoing_requests; it moves the
+        # reservation made in choose_replicas if Serve fell to a lower tier.
+        self.admission.reserve(_route_request(pending_request), replica_id.unique_id, self.clock())
+
+
+def request_router_config(
+    router_config: RouterConfig,
+    *,
+    stats_period_s: float = 0.1,
+    stats_timeout_s: float = 1.0,
+) -> RequestRouterConfig:
+    """The RequestRouterConfig that puts KVFleetRequestRouter in front of a deployment.
+
+    stats_period_s is how often Serve's controller calls record_routing_stats on
+    each replica; RouterConfig.stats_max_age_s should be several periods.
+    The router's backoff after a refused tier follows the RouterConfig's backoff.
+    """
+    if stats_period_s * 2 > router_config.stats_max_age_s:
+        raise ValueError(
+            f"stats_period_s ({stats_period_s}) must be at most half of "
+            f"RouterConfig.stats_max_age_s ({router_config.stats_max_age_s})"
+        )
+    return RequestRouterConfig(
+        request_router_class=REQUEST_ROUTER_CLASS_PATH,
+        request_router_kwargs=dataclasses.asdict(router_config),
+        request_routing_stats_period_s=stats_period_s,
+        request_routing_stats_timeout_s=stats_timeout_s,
+        initial_backoff_s=router_config.backoff_initial_s,
+        backoff_multiplier=router_config.backoff_multiplier,
+        max_backoff_s=router_config.backoff_max_s,
+    )

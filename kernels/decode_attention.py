@@ -1,0 +1,228 @@
+"""Triton paged decode attention (one query token per sequence), GQA and split-KV.
+
+A program owns one (sequence, kv head, split): it loads the query rows of every
+query head that shares the kv head (padded to 16 rows for tl.dot), walks its
+share of the context in tiles of BLOCK_N tokens gathered through the block
+table, and keeps an online softmax in float32. With one split it writes the
+output; with several (flash-decoding) it writes a partial output and its
+log-sum-exp, and a second small kernel merges the splits.
+
+The grid depends only on shapes and host ints (batch, kv heads, num_splits):
+the launcher never reads context_lens, so a launch is CUDA-graph capturable.
+A split's token range is derived in the kernel from the sequence's actual
+length, so splits past the end of a short sequence exit after writing an
+empty partial (lse = -inf).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+_MIN_QUERY_ROWS = 16  # tl.dot needs M >= 16
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_context_len_hint: int, num_sms: int
+) -> int:
+    """How many KV splits per (sequence, kv head): a pure function of shapes.
+
+    One pass when batch * num_kv_heads programs already fill the SMs; otherwise
+    enough splits for about two programs per SM, each covering at least
+    _MIN_TOKENS_PER_SPLIT tokens of the longest possible context.
+    """
+    base = batch * num_kv_heads
+    if base >= num_sms:
+        return 1
+    by_occupancy = triton.cdiv(2 * num_sms, base)
+    by_length = max(1, max_context_len_hint // _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs use exact fp32 products (tl.dot would default to tf32)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device (cached); a small stand-in on CPU for the interpreter."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # the interpreter on CPU: small so that tests reach the split path
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, slot_mapping_ptr, context_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale,  # scale * log2(e)
+    num_splits,
+    stride_q_row, stride_q_head,
+    stride_cache_block, stride_cache_slot, stride_cache_head,
+    stride_bt,
+    stride_out_row, stride_out_head,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx_len = tl.load(context_lens_ptr + row)
+    slot = tl.load(slot_mapping_ptr + row).to(tl.int64)
+    bt_row = block_table_ptr + slot * stride_bt
+
+    # Each split covers a whole number of tiles of this sequence's actual length.
+    tiles = tl.cdiv(ctx_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(tiles, num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx_len)
+
+    g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD] query head within the group
+    d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + g
+    g_mask = g < GROUP
+    q_ptrs = q_ptr + row * stride_q_row + head[:, None] * stride_q_head + d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    head_off = kv_head * stride_cache_head
+    for tile_start in range(start, end, BLOCK_N):
+        tok = tile_start + n  # [BLOCK_N]
+        tok_mask = tok < end
+        block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+        tok_off = block * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_slot + head_off
+        kv_off = tok_off[:, None] + d[None, :]  # [BLOCK_N, HEAD_DIM]
+        k = tl.load(k_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
+        # [GROUP_PAD, BLOCK_N] scores in the log2 domain
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(tok_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        # Empty split: l_i == 0, m_i == -inf -> partial 0 with lse -inf.
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain
+        part_row = (row * tl.num_programs(1) * GROUP + head) * num_splits + split  # [GROUP_PAD]
+        tl.store(part_lse_ptr + part_row, lse, mask=g_mask)
+        part_ptrs = part_out_ptr + part_row[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
+        tl.store(part_ptrs, acc / l_safe[:, None], mask=g_mask[:, None])
+    else:
+        out = acc / l_i[:, None]
+        out_ptrs = out_ptr + row * stride_out_row + head[:, None] * stride_out_head + d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    num_heads, num_splits,
+    stride_out_row, stride_out_head,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    s_mask = s < num_splits
+    base = (row * num_heads + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))  # [SPLITS_PAD]
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 is never empty, so max is finite
+    part_ptrs = part_out_ptr + (base + s)[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
+    part = tl.load(part_ptrs, mask=s_mask[:, None], other=0.0)  # [SPLITS_PAD, HEAD_DIM]
+    out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+    out_ptrs = out_ptr + row * stride_out_row + head * stride_out_head + d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_num_seqs, max_blocks_per_seq], int32
+    slot_mapping: torch.Tensor,  # [B]: table row of batch row i
+    context_lens: torch.Tensor,  # [B]: tokens in cache, the query's own included (>= 1)
+    scale: float,
+    out: torch.Tensor | None = None,  # [B, num_heads, head_dim]
+    num_splits: int | None = None,
+    max_context_len: int | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:  # [B, num_heads, head_dim]
+    """Paged decode attention with GQA; split-KV (flash-decoding) when the batch is small.
+
+    Constraints: num_heads % num_kv_heads == 0; head_dim a power of 2 >= 16;
+    head_dim contiguous in q, out and the caches; fp16/bf16/fp32 (accumulated in
+    fp32). num_splits None: choose_num_splits from the shapes, with
+    max_context_len (default: the block table width * block_size) as the hint.
+    workspace: optional (partial_out [B*num_heads*num_splits*head_dim] fp32,
+    partial_lse [B*num_heads*num_splits] fp32) for the split path; allocated
+    per call when absent. block_n (tokens per tile; default 64, 32 for
+    head_dim >= 256), num_warps and num_stages are launch tunables.
+    Never reads device data on the host.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    out = torch.empty_like(q) if out is None else out
+    if num_rows == 0:
+        return out
+    if num_splits is None:
+        hint = max_context_len or block_table.shape[1] * block_size
+        num_splits = choose_num_splits(num_rows, num_kv_heads, hint, num_sms(q.device))
+    group = num_heads // num_kv_heads
+    split = num_splits > 1
+    if split:
+        part_out, part_lse = workspace or _workspace(num_rows, num_heads, num_splits, head_dim, q)
+    else:
+        part_out = part_lse = out
+    block_n = block_n or (32 if head_dim >= 256 else 64)
+    _decode_kernel[(num_rows, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, slot_mapping, context_lens,
+        out, part_out, part_lse,
+        scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(_MIN_QUERY_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if split:
+        _merge_kernel[(num_rows, num_heads)](
+            part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def _workspace(
+    num_rows: int, num_heads: int, num_splits: int, head_dim: int, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_parts = num_rows * num_heads * num_splits
+    part_out = torch.empty(num_parts * head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_parts, dtype=torch.float32, device=q.device)
+    return part_out, part_lse

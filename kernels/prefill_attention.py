@@ -1,0 +1,136 @@
+"""Triton paged prefill attention: packed chunks over their cached prefix and themselves.
+
+Flash-attention tiling: a program owns BLOCK_Q query tokens of one sequence and
+all GROUP query heads of one kv head (BLOCK_M = BLOCK_Q * GROUP_PAD rows, so
+K/V are read once per kv head), and walks the sequence's keys through the block
+table in tiles of BLOCK_N with an online softmax in float32. The chunk's own
+K/V must already be in the cache, so prefix-cache hits and chunked prefill are
+the same case: query j of a chunk of q_len sits at position
+context_len - q_len + j and sees keys 0..that position.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.decode_attention import dot_precision
+
+_LOG2E = 1.4426950408889634
+_BLOCK_M = 64
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, slot_mapping_ptr, cu_seqlens_q_ptr,
+    context_lens_ptr, out_ptr,
+    qk_scale,  # scale * log2(e)
+    stride_q_row, stride_q_head,
+    stride_cache_block, stride_cache_slot, stride_cache_head,
+    stride_bt,
+    stride_out_row, stride_out_head,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    q_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    row_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - row_start
+    q_start = q_block * BLOCK_Q
+    if q_start >= q_len:
+        return
+    ctx_len = tl.load(context_lens_ptr + seq)
+    slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+    bt_row = block_table_ptr + slot * stride_bt
+
+    r = tl.arange(0, BLOCK_Q * GROUP_PAD)  # [BLOCK_M] row = (query token, head in group)
+    q_idx = q_start + r // GROUP_PAD
+    g = r % GROUP_PAD
+    row_mask = (q_idx < q_len) & (g < GROUP)
+    q_pos = ctx_len - q_len + q_idx  # [BLOCK_M]
+    head = kv_head * GROUP + g
+    d = tl.arange(0, HEAD_DIM)
+    q_row = (row_start + q_idx).to(tl.int64)
+    q_ptrs = q_ptr + q_row[:, None] * stride_q_row + (head * stride_q_head)[:, None] + d[None, :]
+    q = tl.load(q_ptrs, mask=row_mask[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    kv_end = tl.minimum(ctx_len - q_len + tl.minimum(q_start + BLOCK_Q, q_len), ctx_len)
+    n = tl.arange(0, BLOCK_N)
+    head_off = kv_head * stride_cache_head
+    for tile_start in range(0, kv_end, BLOCK_N):
+        tok = tile_start + n  # [BLOCK_N]
+        tok_mask = tok < kv_end
+        block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+        tok_off = block * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_slot + head_off
+        kv_off = tok_off[:, None] + d[None, :]  # [BLOCK_N, HEAD_DIM]
+        k = tl.load(k_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = tok_mask[None, :] & (tok[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    out_ptrs = out_ptr + q_row[:, None] * stride_out_row + (head * stride_out_head)[:, None]
+    out_ptrs += d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences packed
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_num_seqs, max_blocks_per_seq], int32
+    slot_mapping: torch.Tensor,  # [num_seqs]
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1]
+    context_lens: torch.Tensor,  # [num_seqs]: cached prefix + this chunk, all in cache
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    max_q_len: int | None = None,  # >= the longest chunk; None: num_tokens
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal paged prefill attention (flash-attention tiling, online softmax in fp32).
+
+    Grid (query blocks of max_q_len, sequences, kv heads); query blocks past a
+    chunk's length exit at once, so an overestimated max_q_len only costs empty
+    programs. Constraints as paged_decode_attention: GQA with num_heads a
+    multiple of num_kv_heads, head_dim a power of 2 >= 16, fp16/bf16/fp32.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = slot_mapping.shape[0]
+    max_q_len = num_tokens if max_q_len is None else max_q_len
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(1, _BLOCK_M // group_pad)
+    grid = (triton.cdiv(max_q_len, block_q), num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_table, slot_mapping, cu_seqlens_q, context_lens, out,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=64 if head_dim <= 128 else 32,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,61 @@
+"""The Triton attention backend: paged KV append + paged attention kernels on CUDA."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.copy_blocks import copy_blocks
+from kernels.decode_attention import paged_decode_attention
+from kernels.kv_append import append_kv_prefill, append_kv_slots
+from kernels.prefill_attention import paged_prefill_attention
+from replica.attention import AttentionMetadata
+
+
+class TritonAttention:
+    """AttentionBackend on the Triton kernels.
+
+    Decode: append_kv_slots + paged_decode_attention. Neither reads device data
+    on the host and the split count comes from shapes (the block table width),
+    so the decode branch can be captured in a CUDA graph. Prefill:
+    append_kv_prefill + paged_prefill_attention, with grids sized by the host
+    int meta.max_q_len.
+    """
+
+    def __init__(self, decode_num_splits: int | None = None) -> None:
+        # None: chosen from shapes per batch size (fixed per captured graph).
+        self.decode_num_splits = decode_num_splits
+
+    def copy_blocks(
+        self,
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        src: torch.Tensor,  # [num_copies]
+        dst: torch.Tensor,  # [num_copies]
+    ) -> None:
+        copy_blocks(kv_cache, src, dst)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if meta.is_decode:
+            append_kv_slots(
+                k, v, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.positions
+            )
+            return paged_decode_attention(
+                q, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.context_lens,
+                scale, num_splits=self.decode_num_splits,
+            )  # fmt: skip
+        append_kv_prefill(
+            k, v, k_cache, v_cache, meta.block_table, meta.slot_mapping,
+            meta.cu_seqlens_q, meta.start_positions, meta.max_q_len,
+        )  # fmt: skip
+        return paged_prefill_attention(
+            q, k_cache, v_cache, meta.block_table, meta.slot_mapping,
+            meta.cu_seqlens_q, meta.context_lens, scale, max_q_len=meta.max_q_len,
+        )  # fmt: skip

@@ -1,0 +1,209 @@
+"""Admission control: which replicas may take a request now, and what to do when none may.
+
+What the limit means with several routers. Every Serve handle and proxy runs
+its own router with its own ReservationBook, and the only shared truth is the
+stats snapshot each replica publishes. So the admission limit (room for the
+prompt, usage under high_watermark) is per-router and approximate: within one
+stats period each router only knows its own reservations, and k routers can
+each admit a burst onto the same replica. Overshoot is bounded by
+num_routers x (requests each routes in one stats period), and it lasts one
+period, because the next snapshot carries those requests as used or waiting
+blocks. The hard backstop is the replica itself: its scheduler queues what does
+not fit and preempts on block exhaustion; admission only keeps the queues short.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from replica.stats import ReplicaStats
+from router.base import RoutingPolicy
+from router.config import RouterConfig
+from router.errors import OverloadedError
+from router.factory import make_policy
+from router.load import num_available_blocks, tiebreak, usage_fraction
+from router.request import RouteRequest
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Reservation:
+    replica_id: str
+    num_blocks: int
+    reserved_at_s: float
+
+
+class ReservationBook:
+    """Blocks this router has sent to replicas that their last snapshot does not show yet.
+
+    Algorithm: reserve() on each routing decision (keyed by request id, so
+    re-routing the same request moves its reservation); a reservation is
+    released by the first snapshot of its replica stamped after it was made
+    (the snapshot then counts the request itself), or after ttl_s, whichever
+    comes first. charge() shows a snapshot with the reserved blocks taken from
+    free (then cached) blocks and counted as used.
+    Invariant: a charged snapshot keeps free + cached + used == total, none negative.
+    Failure: snapshot timestamps and now_s must be on one clock (wall clock,
+    time.time()); skew between router and replica hosts releases reservations
+    early or late, the TTL bounds the late side.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.by_request: dict[str, Reservation] = {}
+
+    def reserve(self, request_id: str, replica_id: str, num_blocks: int, now_s: float) -> None:
+        self.by_request[request_id] = Reservation(replica_id, num_blocks, now_s)
+
+    def release(self, request_id: str) -> None:
+        self.by_request.pop(request_id, None)
+
+    def expire(self, stats: Sequence[ReplicaStats], now_s: float) -> None:
+        """Drop reservations that a newer snapshot covers or that outlived the TTL."""
+        snapshot_s = {s.replica_id: s.timestamp_s for s in stats}
+        self.by_request = {
+            request_id: r
+            for request_id, r in self.by_request.items()
+            if now_s - r.reserved_at_s < self.ttl_s
+            and snapshot_s.get(r.replica_id, float("-inf")) <= r.reserved_at_s
+        }
+
+    def num_reserved_blocks(self, replica_id: str) -> int:
+        return sum(r.num_blocks for r in self.by_request.values() if r.replica_id == replica_id)
+
+    def num_reservations(self, replica_id: str) -> int:
+        return sum(1 for r in self.by_request.values() if r.replica_id == replica_id)
+
+    def charge(self, stats: ReplicaStats) -> ReplicaStats:
+        num_reserved = self.num_reserved_blocks(stats.replica_id)
+        if num_reserved == 0:
+            return stats
+        from_free = min(num_reserved, stats.num_blocks_free)
+        from_cached = min(num_reserved - from_free, stats.num_blocks_cached)
+        num_free = stats.num_blocks_free - from_free
+        num_cached = stats.num_blocks_cached - from_cached
+        num_used = stats.num_blocks_total - num_free - num_cached
+        return replace(
+            stats,
+            num_blocks_free=num_free,
+            num_blocks_cached=num_cached,
+            kv_usage=num_used / stats.num_blocks_total,
+        )
+
+
+def refusal(stats: ReplicaStats, request: RouteRequest, high_watermark: float) -> str | None:
+    """Why a (charged) replica cannot admit the request now, or None if it can."""
+    num_needed = request.num_prompt_blocks(stats.block_size)
+    num_available = num_available_blocks(stats)
+    if num_available < num_needed:
+        return f"{stats.replica_id}: {num_available} blocks available < {num_needed} needed"
+    usage = usage_fraction(stats)
+    if usage >= high_watermark:
+        return f"{stats.replica_id}: kv usage {usage:.3f} >= high_watermark {high_watermark}"
+    return None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Admitted (tiers non-empty, best first) or held (tiers empty: retry after retry_after_s)."""
+
+    tiers: list[list[str]] = field(default_factory=list)
+    retry_after_s: float = 0.0
+    reason: str = ""
+
+    @property
+    def admitted(self) -> bool:
+        return bool(self.tiers)
+
+
+class Admission:
+    """Filters replicas by room and watermark, ranks the rest with the policy, handles overload.
+
+    Algorithm, per call of admit():
+      1. expire reservations covered by newer snapshots or past the TTL;
+      2. fresh replicas (snapshot no older than stats_max_age_s), charged with
+         this router's reservations, that pass refusal() are ranked by the policy;
+      3. stale replicas whose last snapshot (charged) would still admit, and
+         replicas with no snapshot at all, follow as last-resort tiers (fewest
+         reservations first): unknown is not trusted, but is not proof of overload;
+      4. nothing admissible: "reject" raises OverloadedError(retry_after_s =
+         backoff_max_s); "hold" returns a Decision with the backoff delay for
+         this attempt, and raises OverloadedError once max_hold_s is spent.
+    Invariant: a replica whose fresh snapshot refuses the request is never in
+    the tiers; a held request waits at most max_hold_s in total.
+    Failure: a prompt larger than every replica's whole cache raises at once.
+    """
+
+    def __init__(self, config: RouterConfig, policy: RoutingPolicy | None = None) -> None:
+        self.config = config
+        self.policy = policy if policy is not None else make_policy(config)
+        self.reservations = ReservationBook(config.reservation_ttl_s)
+        self.block_size_by_replica: dict[str, int] = {}
+
+    def is_fresh(self, stats: ReplicaStats, now_s: float) -> bool:
+        return now_s - stats.timestamp_s <= self.config.stats_max_age_s
+
+    def admit(
+        self,
+        stats: Sequence[ReplicaStats],
+        request: RouteRequest,
+        now_s: float,
+        *,
+        unknown_replica_ids: Sequence[str] = (),
+        attempt: int = 0,
+        held_since_s: float | None = None,
+    ) -> Decision:
+        config = self.config
+        stats = [s for s in stats if s.num_blocks_total > 0 and s.block_size > 0]
+        self.reservations.expire(stats, now_s)
+        for s in stats:
+            self.block_size_by_replica[s.replica_id] = s.block_size
+
+        admissible, last_resort, refusals = [], list(unknown_replica_ids), []
+        for s in stats:
+            charged = self.reservations.charge(s)
+            why = refusal(charged, request, config.high_watermark)
+            if why is not None:
+                refusals.append(why)
+            elif self.is_fresh(s, now_s):
+                admissible.append(charged)
+            else:
+                last_resort.append(s.replica_id)
+        tiers = self.policy.choose_replicas(admissible, request, now_s) if admissible else []
+        last_resort.sort(
+            key=lambda r: (
+                self.reservations.num_reservations(r),
+                tiebreak(config.seed, request.request_id, r),
+            )
+        )
+        tiers += [[r] for r in last_resort]
+        if tiers:
+            return Decision(tiers)
+
+        reason = "; ".join(refusals) if refusals else "no replicas"
+        if (
+            stats
+            and not last_resort
+            and all(request.num_prompt_blocks(s.block_size) > s.num_blocks_total for s in stats)
+        ):
+            raise OverloadedError(config.backoff_max_s, f"prompt larger than any replica: {reason}")
+        if config.on_overload == "reject":
+            raise OverloadedError(config.backoff_max_s, f"overloaded: {reason}")
+        held_since_s = now_s if held_since_s is None else held_since_s
+        remaining_s = config.max_hold_s - (now_s - held_since_s)
+        if remaining_s <= 0:
+            raise OverloadedError(
+                config.backoff_max_s, f"held {config.max_hold_s}s, still overloaded: {reason}"
+            )
+        return Decision([], min(config.backoff_s(attempt), remaining_s), reason)
+
+    def reserve(self, request: RouteRequest, replica_id: str, now_s: float) -> None:
+        """Record that the request was routed to replica_id (moves an earlier reservation)."""
+        block_size = self.block_size_by_replica.get(replica_id, DEFAULT_BLOCK_SIZE)
+        num_blocks = max(1, request.num_prompt_blocks(block_size))
+        self.reservations.reserve(request.request_id, replica_id, num_blocks, now_s)
+
+    def release(self, request_id: str) -> None:
+        self.reservations.release(request_id)

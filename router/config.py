@@ -1,0 +1,82 @@
+"""RouterConfig: the router layer's one frozen config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("kv", "prefix", "pow2")
+OVERLOAD_MODES = ("hold", "reject")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How requests are ranked over replicas and when they may enter at all.
+
+    Loads and thresholds are fractions of a replica's KV blocks, so replicas of
+    different sizes compare fairly. Every field is JSON-serialisable, so the
+    config travels to Ray Serve as request_router_kwargs (dataclasses.asdict).
+    """
+
+    policy: str = "kv"
+    # A replica whose KV usage (including this router's reservations) is at or
+    # above this fraction admits nothing new.
+    high_watermark: float = 0.95
+    # "hold": wait with backoff up to max_hold_s, then raise OverloadedError.
+    # "reject": raise OverloadedError at once.
+    on_overload: str = "hold"
+    max_hold_s: float = 30.0
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 1.0
+    backoff_multiplier: float = 2.0
+    # Stats older than this are not trusted: such replicas form a last-resort tier.
+    stats_max_age_s: float = 2.0
+    # Prefix policy routes by load instead of cache affinity when
+    # max_load - min_load > balance_abs_threshold and
+    # max_load > balance_rel_threshold * min_load (SGLang cache-aware router).
+    balance_abs_threshold: float = 0.1
+    balance_rel_threshold: float = 1.5
+    # A reservation lives until a newer snapshot of its replica arrives, or this long.
+    reservation_ttl_s: float = 2.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not 0.0 < self.high_watermark <= 1.0:
+            raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
+        if self.on_overload not in OVERLOAD_MODES:
+            raise ValueError(
+                f"on_overload must be one of {OVERLOAD_MODES}, got {self.on_overload!r}"
+            )
+        for name in (
+            "max_hold_s",
+            "backoff_initial_s",
+            "backoff_max_s",
+            "stats_max_age_s",
+            "reservation_ttl_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError(
+                f"backoff_max_s ({self.backoff_max_s}) must be >= "
+                f"backoff_initial_s ({self.backoff_initial_s})"
+            )
+        if self.backoff_multiplier < 1.0:
+            raise ValueError(f"backoff_multiplier must be >= 1, got {self.backoff_multiplier}")
+        if self.balance_abs_threshold < 0:
+            raise ValueError(
+                f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}"
+            )
+        if self.balance_rel_threshold < 1.0:
+            raise ValueError(
+                f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}"
+            )
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    def backoff_s(self, attempt: int) -> float:
+        """Delay before retry number `attempt` (0-based): exponential, capped."""
+        return min(
+            self.backoff_initial_s * self.backoff_multiplier ** min(attempt, 64), self.backoff_max_s
+        )

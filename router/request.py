@@ -1,0 +1,59 @@
+"""RouteRequest: what the router knows of one request."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from replica.hashing import prefix_block_hashes
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """A request as routing sees it: its id, its prompt (or only its length), max_tokens.
+
+    Give prompt_token_ids when known (prefix routing needs them); otherwise
+    num_prompt_tokens alone sizes the admission check. Neither: route by load alone.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...] = ()
+    num_prompt_tokens: int = 0
+    max_tokens: int = 0
+    _hashes_by_block_size: dict[int, tuple[int, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt_token_ids, tuple):
+            object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        if self.num_prompt_tokens < 0:
+            raise ValueError(f"num_prompt_tokens must be >= 0, got {self.num_prompt_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        num_ids = len(self.prompt_token_ids)
+        if num_ids and self.num_prompt_tokens not in (0, num_ids):
+            raise ValueError(
+                f"num_prompt_tokens ({self.num_prompt_tokens}) disagrees with "
+                f"len(prompt_token_ids) ({num_ids})"
+            )
+        if num_ids:
+            object.__setattr__(self, "num_prompt_tokens", num_ids)
+
+    @classmethod
+    def from_tokens(
+        cls, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int = 0
+    ) -> RouteRequest:
+        return cls(request_id, tuple(prompt_token_ids), max_tokens=max_tokens)
+
+    def num_prompt_blocks(self, block_size: int) -> int:
+        """KV blocks the prompt occupies on a replica with this block size."""
+        return -(-self.num_prompt_tokens // block_size)
+
+    def prompt_block_hashes(self, block_size: int) -> tuple[int, ...]:
+        """Chained hashes of the prompt's full blocks, computed once per block size."""
+        hashes = self._hashes_by_block_size.get(block_size)
+        if hashes is None:
+            hashes = tuple(prefix_block_hashes(self.prompt_token_ids, block_size))
+            self._hashes_by_block_size[block_size] = hashes
+        return hashes

@@ -1,0 +1,53 @@
+"""Random paged-cache fixtures shared by the kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+TOL = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+
+
+def random_block_table(
+    num_seqs: int, max_blocks_per_seq: int, num_blocks: int, gen: torch.Generator, device
+) -> torch.Tensor:  # [num_seqs + 1, max_blocks_per_seq] int32, every block used once
+    assert num_blocks >= num_seqs * max_blocks_per_seq
+    perm = torch.randperm(num_blocks, generator=gen)[: (num_seqs + 1) * max_blocks_per_seq]
+    perm = torch.cat([perm, torch.zeros((num_seqs + 1) * max_blocks_per_seq - perm.numel())])
+    return perm.view(num_seqs + 1, max_blocks_per_seq).to(torch.int32).to(device)
+
+
+def shuffled_slots(num_seqs: int, gen: torch.Generator, device) -> torch.Tensor:  # [num_seqs]
+    return torch.randperm(num_seqs + 1, generator=gen)[:num_seqs].to(torch.int32).to(device)
+
+
+def filled_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, gen, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen).to(dtype).to(device)
+    v = torch.randn(shape, generator=gen).to(dtype).to(device)
+    return k, v
+
+
+def poison_outside_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    """NaN every cache row that no sequence's context covers, so a stray read fails."""
+    block_size = cache.shape[1]
+    keep = torch.zeros(cache.shape[:2], dtype=torch.bool, device=cache.device)
+    for slot, ctx_len in zip(slot_mapping.tolist(), context_lens.tolist()):
+        for pos in range(ctx_len):
+            keep[block_table[slot, pos // block_size].long(), pos % block_size] = True
+    cache[~keep] = float("nan")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern view, so NaN-poisoned tensors compare exactly."""
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])

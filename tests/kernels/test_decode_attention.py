@@ -1,0 +1,115 @@
+"""Paged decode attention vs the torch reference; split-KV, GQA, dtypes, ragged lengths."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kernel_helpers import (
+    TOL,
+    filled_cache,
+    poison_outside_context,
+    random_block_table,
+    shuffled_slots,
+)
+
+from kernels import reference as ref
+from kernels.decode_attention import choose_num_splits, paged_decode_attention
+
+
+def _run_case(
+    dtype, num_heads, num_kv_heads, head_dim, block_size, ctx_lens, num_splits, device, seed=0
+):
+    gen = torch.Generator().manual_seed(seed)
+    num_rows = len(ctx_lens)
+    max_blocks = max(-(-c // block_size) for c in ctx_lens) + 1
+    num_blocks = (num_rows + 1) * max_blocks
+    k_cache, v_cache = filled_cache(
+        num_blocks, block_size, num_kv_heads, head_dim, dtype, gen, device
+    )
+    block_table = random_block_table(num_rows, max_blocks, num_blocks, gen, device)
+    slot_mapping = shuffled_slots(num_rows, gen, device)
+    context_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    poison_outside_context(k_cache, block_table, slot_mapping, context_lens)
+    poison_outside_context(v_cache, block_table, slot_mapping, context_lens)
+    q = torch.randn(num_rows, num_heads, head_dim, generator=gen).to(dtype).to(device)
+    scale = head_dim**-0.5
+    expect = ref.paged_decode_attention_ref(
+        q, k_cache, v_cache, block_table, slot_mapping, context_lens, scale
+    )
+    out = torch.full_like(q, float("nan"))
+    got = paged_decode_attention(
+        q, k_cache, v_cache, block_table, slot_mapping, context_lens, scale, out=out,
+        num_splits=num_splits,
+    )  # fmt: skip
+    assert got is out
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expect.float(), **TOL[dtype])
+
+
+# (dtype, num_heads, num_kv_heads, head_dim, block_size): GQA 1/2/4, every dtype,
+# block sizes 16/32/64, head_dim 64/128; contexts 1, a block, a block + 1, many blocks.
+CASES = [
+    (torch.float32, 2, 2, 64, 16),
+    (torch.float16, 4, 2, 128, 32),
+    (torch.bfloat16, 8, 2, 64, 64),
+    (torch.float16, 4, 1, 64, 16),
+    (torch.bfloat16, 2, 1, 128, 16),
+]
+
+
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size", CASES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_reference(
+    dtype, num_heads, num_kv_heads, head_dim, block_size, num_splits, device
+):
+    ctx_lens = [1, block_size, block_size + 1, 5 * block_size - 3]
+    _run_case(dtype, num_heads, num_kv_heads, head_dim, block_size, ctx_lens, num_splits, device)
+
+
+def test_decode_more_splits_than_tiles(device):
+    """Splits past the end of a short sequence write empty partials that the merge ignores."""
+    _run_case(torch.float32, 4, 2, 64, 16, [1, 3, 70], 8, device)
+
+
+def test_decode_auto_splits(device):
+    _run_case(torch.float16, 2, 1, 64, 32, [33, 200], None, device)
+
+
+def test_decode_block_size_8_head_dim_32(device):
+    _run_case(torch.float32, 4, 4, 32, 8, [9, 24], 2, device)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_decode_random_shapes(seed, device):
+    """Seeded random configs: block sizes 8..128, GQA 1..8, any split count."""
+    rng = random.Random(seed)
+    dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+    num_kv_heads, group = rng.choice([1, 2]), rng.choice([1, 2, 3, 4, 8])
+    head_dim, block_size = rng.choice([64, 128]), rng.choice([8, 16, 32, 64, 128])
+    ctx_lens = [rng.randint(1, 300) for _ in range(rng.randint(1, 3))]
+    num_splits = rng.choice([1, 2, 5, None])
+    _run_case(
+        dtype, num_kv_heads * group, num_kv_heads, head_dim, block_size, ctx_lens, num_splits,
+        device, seed=seed,
+    )  # fmt: skip
+
+
+def test_choose_num_splits_one_pass_when_grid_fills_gpu():
+    assert choose_num_splits(256, 8, 1024, 132) == 1
+    assert choose_num_splits(64, 12, 8192, 132) == 1
+
+
+def test_choose_num_splits_splits_small_batches():
+    splits = choose_num_splits(1, 8, 8192, 132)
+    assert splits > 1
+    assert splits * 8 >= 132  # at least one full wave of programs
+
+
+def test_choose_num_splits_bounded_by_context_and_monotone():
+    assert choose_num_splits(1, 8, 128, 132) == 1  # too short to be worth splitting
+    assert choose_num_splits(1, 1, 10**6, 132) <= 64
+    counts = [choose_num_splits(b, 4, 8192, 132) for b in (1, 2, 4, 8, 16, 32, 64)]
+    assert counts == sorted(counts, reverse=True)
+    assert all(c >= 1 for c in counts)

@@ -1,0 +1,86 @@
+"""Paged prefill attention vs the torch reference: fresh prompts, prefix hits, chunks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kernel_helpers import (
+    TOL,
+    filled_cache,
+    poison_outside_context,
+    random_block_table,
+    shuffled_slots,
+)
+
+from kernels import reference as ref
+from kernels.prefill_attention import paged_prefill_attention
+
+
+def _run_case(dtype, num_heads, num_kv_heads, head_dim, block_size, chunks, device, seed=0):
+    """chunks: (cached prefix length, chunk length) per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = len(chunks)
+    ctx_lens = [prefix + q_len for prefix, q_len in chunks]
+    max_blocks = max(-(-c // block_size) for c in ctx_lens) + 1
+    num_blocks = (num_seqs + 1) * max_blocks
+    k_cache, v_cache = filled_cache(
+        num_blocks, block_size, num_kv_heads, head_dim, dtype, gen, device
+    )
+    block_table = random_block_table(num_seqs, max_blocks, num_blocks, gen, device)
+    slot_mapping = shuffled_slots(num_seqs, gen, device)
+    context_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    poison_outside_context(k_cache, block_table, slot_mapping, context_lens)
+    poison_outside_context(v_cache, block_table, slot_mapping, context_lens)
+    q_lens = [q_len for _, q_len in chunks]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu.to(device)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype).to(device)
+    scale = head_dim**-0.5
+    expect = ref.paged_prefill_attention_ref(
+        q, k_cache, v_cache, block_table, slot_mapping, cu, context_lens, scale
+    )
+    out = torch.full_like(q, float("nan"))
+    got = paged_prefill_attention(
+        q, k_cache, v_cache, block_table, slot_mapping, cu, context_lens, scale, out=out,
+        max_q_len=max(q_lens),
+    )  # fmt: skip
+    assert got is out
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expect.float(), **TOL[dtype])
+
+
+CASES = [
+    (torch.float32, 2, 2, 64, 16),
+    (torch.float16, 4, 2, 128, 32),
+    (torch.bfloat16, 8, 2, 64, 64),
+    (torch.float16, 4, 1, 64, 16),
+]
+
+
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size", CASES)
+def test_prefill_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size, device):
+    bs = block_size
+    # fresh prompt of 1 token, a block, a block + 1; prefix-cache hit; chunked prefill.
+    chunks = [(0, 1), (0, bs), (0, bs + 1), (2 * bs, 5), (bs + 3, 2 * bs + 7)]
+    _run_case(dtype, num_heads, num_kv_heads, head_dim, block_size, chunks, device)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefill_random_shapes(seed, device):
+    """Seeded random configs: block sizes 8..128, GQA 1..4, random prefixes and chunks."""
+    rng = random.Random(seed)
+    dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+    num_kv_heads, group = rng.choice([1, 2]), rng.choice([1, 2, 4])
+    head_dim, block_size = rng.choice([64, 128]), rng.choice([8, 16, 32, 64, 128])
+    chunks = [(rng.choice([0, rng.randint(1, 100)]), rng.randint(1, 80)) for _ in range(3)]
+    _run_case(dtype, num_kv_heads * group, num_kv_heads, head_dim, block_size, chunks, device, seed)
+
+
+def test_prefill_long_chunk_many_query_blocks(device):
+    _run_case(torch.float32, 2, 1, 32, 16, [(0, 150), (37, 70)], device, seed=1)
+
+
+def test_prefill_group_3_not_power_of_two(device):
+    _run_case(torch.float16, 6, 2, 64, 16, [(0, 20), (16, 9)], device, seed=2)

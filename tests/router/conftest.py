@@ -1,0 +1,9 @@
+from __future__ import annotations
+
+import pytest
+from router_fakes import NOW_S
+
+
+@pytest.fixture
+def now_s() -> float:
+    return NOW_S

@@ -1,0 +1,164 @@
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from router_fakes import NOW_S, make_stats
+
+from router import Admission, OverloadedError, ReservationBook, RouterConfig, RouteRequest
+
+
+def admission(**overrides: object) -> Admission:
+    return Admission(RouterConfig(**overrides))
+
+
+def test_refuses_replica_without_room_for_the_prompt(now_s: float) -> None:
+    stats = [
+        make_stats("tight", num_blocks_used=50, num_blocks_total=52),  # 2 blocks left
+        make_stats("roomy", num_blocks_used=60),
+    ]
+    request = RouteRequest("r", num_prompt_tokens=3 * 16)
+    decision = admission(high_watermark=1.0).admit(stats, request, now_s)
+    assert decision.tiers == [["roomy"]]
+
+
+def test_cached_blocks_count_as_room(now_s: float) -> None:
+    stats = [make_stats("a", num_blocks_total=10, num_blocks_used=5, num_blocks_cached=5)]
+    decision = admission().admit(stats, RouteRequest("r", num_prompt_tokens=5 * 16), now_s)
+    assert decision.tiers == [["a"]]
+
+
+def test_refuses_replica_at_or_above_high_watermark(now_s: float) -> None:
+    stats = [make_stats("hot", num_blocks_used=96), make_stats("warm", num_blocks_used=94)]
+    decision = admission(high_watermark=0.95).admit(stats, RouteRequest("r"), now_s)
+    assert decision.tiers == [["warm"]]
+
+
+def test_burst_spreads_over_two_idle_replicas_between_snapshots(now_s: float) -> None:
+    adm = admission(policy="kv")
+    stats = [make_stats("a"), make_stats("b")]
+    placed = Counter()
+    for n in range(10):
+        request = RouteRequest(f"r{n}", num_prompt_tokens=64)
+        decision = adm.admit(stats, request, now_s + n * 1e-3)
+        adm.reserve(request, decision.tiers[0][0], now_s + n * 1e-3)
+        placed[decision.tiers[0][0]] += 1
+    assert placed == {"a": 5, "b": 5}
+
+
+def test_reservations_fill_a_replica_up_to_its_room(now_s: float) -> None:
+    adm = admission(policy="kv", high_watermark=1.0, on_overload="reject")
+    stats = [make_stats("only", num_blocks_total=10)]
+    for n in range(5):
+        request = RouteRequest(f"r{n}", num_prompt_tokens=32)  # 2 blocks each
+        adm.reserve(request, adm.admit(stats, request, now_s).tiers[0][0], now_s)
+    with pytest.raises(OverloadedError, match="0 blocks available < 2 needed"):
+        adm.admit(stats, RouteRequest("r5", num_prompt_tokens=32), now_s)
+
+
+def test_newer_snapshot_releases_reservations(now_s: float) -> None:
+    adm = admission()
+    stats = [make_stats("a", timestamp_s=now_s - 0.05)]
+    request = RouteRequest("r", num_prompt_tokens=16 * 10)
+    adm.reserve(request, "a", now_s)
+    adm.admit(stats, RouteRequest("x"), now_s + 0.01)
+    assert adm.reservations.num_reserved_blocks("a") == 10
+    newer = [make_stats("a", num_blocks_used=10, timestamp_s=now_s + 0.02)]
+    adm.admit(newer, RouteRequest("y"), now_s + 0.03)
+    assert adm.reservations.num_reserved_blocks("a") == 0
+
+
+def test_reservations_expire_after_ttl(now_s: float) -> None:
+    book = ReservationBook(ttl_s=0.5)
+    book.reserve("r", "a", 4, now_s)
+    book.expire([], now_s + 0.4)
+    assert book.num_reserved_blocks("a") == 4
+    book.expire([], now_s + 0.5)
+    assert book.num_reserved_blocks("a") == 0
+
+
+def test_reserving_the_same_request_again_moves_it(now_s: float) -> None:
+    book = ReservationBook(ttl_s=1.0)
+    book.reserve("r", "a", 4, now_s)
+    book.reserve("r", "b", 4, now_s)
+    assert (book.num_reserved_blocks("a"), book.num_reserved_blocks("b")) == (0, 4)
+
+
+def test_charge_keeps_block_accounting(now_s: float) -> None:
+    book = ReservationBook(ttl_s=1.0)
+    book.reserve("r", "a", 7, now_s)
+    charged = book.charge(
+        make_stats("a", num_blocks_total=20, num_blocks_used=10, num_blocks_cached=5)
+    )
+    assert (charged.num_blocks_free, charged.num_blocks_cached) == (0, 3)
+    assert charged.num_blocks_used == 17
+    assert charged.kv_usage == pytest.approx(0.85)
+
+
+def test_hold_returns_bounded_growing_backoff_then_raises(now_s: float) -> None:
+    adm = admission(on_overload="hold", backoff_initial_s=0.1, backoff_max_s=0.4, max_hold_s=1.0)
+    full = [make_stats("a", num_blocks_used=100)]
+    request = RouteRequest("r")
+    delays, t, attempt = [], now_s, 0
+    while True:
+        try:
+            decision = adm.admit(full, request, t, attempt=attempt, held_since_s=now_s)
+        except OverloadedError as error:
+            assert error.retry_after_s > 0
+            assert "held" in error.reason
+            break
+        assert not decision.admitted
+        assert "high_watermark" in decision.reason
+        delays.append(decision.retry_after_s)
+        t += decision.retry_after_s
+        attempt += 1
+    assert delays[:3] == pytest.approx([0.1, 0.2, 0.4])
+    assert max(delays) <= 0.4
+    assert sum(delays) == pytest.approx(1.0)  # the last delay is cut to the hold budget
+
+
+def test_reject_raises_overloaded_with_retry_after(now_s: float) -> None:
+    adm = admission(on_overload="reject", backoff_max_s=0.75)
+    with pytest.raises(OverloadedError) as info:
+        adm.admit([make_stats("a", num_blocks_used=99)], RouteRequest("r"), now_s)
+    assert info.value.retry_after_s == 0.75
+    assert "a:" in info.value.reason
+
+
+def test_prompt_larger_than_every_replica_raises_at_once(now_s: float) -> None:
+    adm = admission(on_overload="hold")
+    with pytest.raises(OverloadedError, match="prompt larger"):
+        adm.admit(
+            [make_stats("a", num_blocks_total=4)], RouteRequest("r", num_prompt_tokens=80), now_s
+        )
+
+
+def test_stale_stats_rank_after_fresh_ones(now_s: float) -> None:
+    adm = admission(stats_max_age_s=1.0)
+    stats = [
+        make_stats("stale_idle", timestamp_s=now_s - 5.0),
+        make_stats("fresh_busy", num_blocks_used=80),
+    ]
+    assert adm.admit(stats, RouteRequest("r"), now_s).tiers == [["fresh_busy"], ["stale_idle"]]
+
+
+def test_stale_refusal_still_holds_and_unknown_is_last_resort(now_s: float) -> None:
+    adm = admission(stats_max_age_s=1.0, on_overload="reject")
+    stale_full = [make_stats("stale_full", num_blocks_used=100, timestamp_s=now_s - 5.0)]
+    with pytest.raises(OverloadedError):
+        adm.admit(stale_full, RouteRequest("r"), now_s)
+    decision = adm.admit(stale_full, RouteRequest("r"), now_s, unknown_replica_ids=["new"])
+    assert decision.tiers == [["new"]]
+
+
+def test_unknown_replicas_are_ordered_by_reservations(now_s: float) -> None:
+    adm = admission()
+    adm.reserve(RouteRequest("old"), "u1", now_s)
+    decision = adm.admit([], RouteRequest("r"), now_s, unknown_replica_ids=["u1", "u2"])
+    assert decision.tiers == [["u2"], ["u1"]]
+
+
+def test_no_replicas_holds(now_s: float) -> None:
+    decision = admission(backoff_initial_s=0.05).admit([], RouteRequest("r"), NOW_S)
+    assert not decision.admitted
+    assert decision.retry_after_s == pytest.approx(0.05)

@@ -1,0 +1,151 @@
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from router_fakes import make_stats
+
+from replica.hashing import prefix_block_hashes
+from router import KVPolicy, Pow2Policy, PrefixPolicy, RouterConfig, RouteRequest, make_policy
+from router.load import load_fraction
+
+
+def ids(tiers: list[list[str]]) -> list[str]:
+    return [replica_id for tier in tiers for replica_id in tier]
+
+
+def test_make_policy_builds_each_policy() -> None:
+    assert isinstance(make_policy(RouterConfig(policy="kv")), KVPolicy)
+    assert isinstance(make_policy(RouterConfig(policy="prefix")), PrefixPolicy)
+    assert isinstance(make_policy(RouterConfig(policy="pow2")), Pow2Policy)
+
+
+def test_kv_picks_least_loaded(now_s: float) -> None:
+    stats = [
+        make_stats("a", num_blocks_used=60),
+        make_stats("b", num_blocks_used=10),
+        make_stats("c", num_blocks_used=30),
+    ]
+    tiers = KVPolicy().choose_replicas(stats, RouteRequest("r", num_prompt_tokens=16), now_s)
+    assert tiers == [["b"], ["c"], ["a"]]
+
+
+def test_kv_counts_waiting_work(now_s: float) -> None:
+    # b uses fewer blocks but its queued prompts need 40 more.
+    stats = [
+        make_stats("a", num_blocks_used=20),
+        make_stats("b", num_blocks_used=10, num_waiting_tokens=40 * 16),
+    ]
+    assert KVPolicy().choose_replicas(stats, RouteRequest("r"), now_s)[0] == ["a"]
+
+
+def test_kv_normalises_by_capacity(now_s: float) -> None:
+    stats = [
+        make_stats("small", num_blocks_total=100, num_blocks_used=50),
+        make_stats("big", num_blocks_total=1000, num_blocks_used=100),
+    ]
+    assert KVPolicy().choose_replicas(stats, RouteRequest("r"), now_s)[0] == ["big"]
+
+
+def test_kv_ties_are_seeded_and_spread_over_requests(now_s: float) -> None:
+    stats = [make_stats(f"r{i}") for i in range(4)]
+    firsts = [
+        KVPolicy(seed=7).choose_replicas(stats, RouteRequest(f"q{n}"), now_s)[0][0]
+        for n in range(200)
+    ]
+    again = [
+        KVPolicy(seed=7).choose_replicas(stats, RouteRequest(f"q{n}"), now_s)[0][0]
+        for n in range(200)
+    ]
+    assert firsts == again
+    assert set(Counter(firsts)) == {"r0", "r1", "r2", "r3"}
+
+
+def test_prefix_picks_longest_cached_prefix(now_s: float) -> None:
+    tokens = list(range(64))  # 4 blocks of 16
+    hashes = prefix_block_hashes(tokens, 16)
+    stats = [
+        make_stats("one", cached_prefix_hashes=tuple(hashes[:1])),
+        make_stats("three", num_blocks_used=5, cached_prefix_hashes=tuple(hashes[:3][::-1])),
+        make_stats("none"),
+    ]
+    policy = PrefixPolicy(balance_abs_threshold=0.1, balance_rel_threshold=1.5)
+    tiers = policy.choose_replicas(stats, RouteRequest.from_tokens("r", tokens), now_s)
+    assert tiers == [["three"], ["one"], ["none"]]
+
+
+def test_prefix_match_must_be_contiguous_from_the_first_block(now_s: float) -> None:
+    tokens = list(range(64))
+    hashes = prefix_block_hashes(tokens, 16)
+    stats = [
+        make_stats("tail_only", cached_prefix_hashes=tuple(hashes[1:])),
+        make_stats("head", num_blocks_used=3, cached_prefix_hashes=(hashes[0],)),
+    ]
+    policy = PrefixPolicy(balance_abs_threshold=0.1, balance_rel_threshold=1.5)
+    tiers = policy.choose_replicas(stats, RouteRequest.from_tokens("r", tokens), now_s)
+    assert tiers[0] == ["head"]
+
+
+def test_prefix_falls_back_to_load_when_imbalanced(now_s: float) -> None:
+    tokens = list(range(64))
+    hashes = tuple(prefix_block_hashes(tokens, 16))
+    stats = [
+        make_stats("hot", num_blocks_used=80, cached_prefix_hashes=hashes),
+        make_stats("cold", num_blocks_used=10),
+    ]
+    request = RouteRequest.from_tokens("r", tokens)
+    imbalanced = PrefixPolicy(balance_abs_threshold=0.2, balance_rel_threshold=1.5)
+    assert imbalanced.choose_replicas(stats, request, now_s)[0] == ["cold"]
+    # The same gap under a looser absolute threshold counts as balanced: affinity wins.
+    tolerant = PrefixPolicy(balance_abs_threshold=0.9, balance_rel_threshold=1.5)
+    assert tolerant.choose_replicas(stats, request, now_s)[0] == ["hot"]
+
+
+def test_prefix_without_match_orders_like_kv(now_s: float) -> None:
+    stats = [make_stats(f"r{i}", num_blocks_used=u) for i, u in enumerate([30, 10, 20, 10])]
+    request = RouteRequest.from_tokens("q", list(range(50)))
+    prefix = PrefixPolicy(balance_abs_threshold=1.0, balance_rel_threshold=10.0, seed=3)
+    assert prefix.choose_replicas(stats, request, now_s) == KVPolicy(seed=3).choose_replicas(
+        stats, request, now_s
+    )
+
+
+def test_pow2_is_seeded(now_s: float) -> None:
+    stats = [make_stats(f"r{i}", num_blocks_used=i * 5) for i in range(8)]
+    request = RouteRequest("q")
+    a, b = Pow2Policy(seed=1), Pow2Policy(seed=1)
+    runs_a = [a.choose_replicas(stats, request, now_s) for _ in range(50)]
+    runs_b = [b.choose_replicas(stats, request, now_s) for _ in range(50)]
+    assert runs_a == runs_b
+    assert len({tuple(ids(t)[:2]) for t in runs_a}) > 5
+
+
+def test_pow2_never_picks_the_worse_of_its_two(now_s: float) -> None:
+    stats = [make_stats(f"r{i}", num_blocks_used=i * 10) for i in range(6)]
+    by_id = {s.replica_id: s for s in stats}
+    policy = Pow2Policy(seed=0)
+    request = RouteRequest("q")
+    chosen = Counter()
+    for _ in range(300):
+        tiers = policy.choose_replicas(stats, request, now_s)
+        assert sorted(ids(tiers)) == sorted(by_id)
+        best, other = tiers[0][0], tiers[1][0]
+        assert load_fraction(by_id[best], request) <= load_fraction(by_id[other], request)
+        chosen[best] += 1
+    assert chosen["r5"] == 0  # the most loaded replica is always the worse of any pair
+    assert chosen["r0"] > chosen["r4"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    used=st.lists(st.integers(0, 100), min_size=0, max_size=6),
+    policy_name=st.sampled_from(["kv", "prefix", "pow2"]),
+    num_tokens=st.integers(0, 80),
+)
+def test_every_replica_ranked_exactly_once(used: list[int], policy_name: str, num_tokens: int):
+    stats = [make_stats(f"r{i}", num_blocks_used=u) for i, u in enumerate(used)]
+    policy = make_policy(RouterConfig(policy=policy_name))
+    tiers = policy.choose_replicas(stats, RouteRequest.from_tokens("q", range(num_tokens)), 0.0)
+    assert all(tiers)
+    assert sorted(ids(tiers)) == sorted(s.replica_id for s in stats)
