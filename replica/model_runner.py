@@ -50,6 +50,9 @@ class ModelRunner:
         )
         self.vocab_size = self.model_config.vocab_size
         self.use_cuda_graphs = device.type == "cuda" and config.enable_cuda_graphs
+        # On CUDA, eager decode pads to the same buckets as the graphs, so that graphs on and
+        # off run identical shapes (cuBLAS tiling, split-KV choice) and give identical tokens.
+        self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if device.type == "cuda" else []
         pin = device.type == "cuda"
         rows = self.max_num_seqs + 1  # the last row is the null row for padding
         self.block_table = torch.zeros(
@@ -189,7 +192,7 @@ class ModelRunner:
 
     def _run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
         num_seqs = len(seqs)
-        padded = self._graph_size(num_seqs) if self.use_cuda_graphs else num_seqs
+        padded = self._graph_size(num_seqs) if self.graph_sizes else num_seqs
         staging = self.decode_staging.numpy()
         staging[_DEC_INPUT_IDS, :num_seqs] = [s.token_ids[-1] for s in seqs]
         staging[_DEC_POSITIONS, :num_seqs] = [len(s) - 1 for s in seqs]
@@ -201,7 +204,7 @@ class ModelRunner:
             graph, logits = self.graphs[padded]
             graph.replay()
             return logits[:num_seqs]
-        return self._decode_forward(num_seqs)
+        return self._decode_forward(padded)[:num_seqs]
 
     def _decode_forward(self, num_rows: int) -> torch.Tensor:  # [num_rows, vocab]
         inputs = self.decode_inputs[:, :num_rows]
@@ -231,7 +234,6 @@ class ModelRunner:
         raise AssertionError(f"batch of {num_seqs} exceeds max_num_seqs")
 
     def _capture_graphs(self) -> None:
-        self.graph_sizes = graph_batch_sizes(self.max_num_seqs)
         self.decode_inputs.copy_(self.decode_staging)
         pool = None
         with torch.inference_mode():

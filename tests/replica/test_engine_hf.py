@@ -144,3 +144,39 @@ def test_streaming_interface_and_abort_free_blocks(checkpoint):
     assert not engine.abort("drop")
     assert tokens == hf_greedy(hf_model, prompts[0], MAX_NEW) and finished is not None
     assert_no_leak(engine)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_float32_matches_cpu_and_hf(checkpoint):
+    path, hf_model = checkpoint
+    prompts = random_prompts(21, [1, 15, 16, 17, 45, 3, 30])
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    cpu = make_engine(path, 16).generate(prompts, params)
+    gpu_engine = make_engine(path, 16, device="cuda")
+    assert [o.token_ids for o in gpu_engine.generate(prompts, params)] == [o.token_ids for o in cpu]
+    assert_matches_hf(gpu_engine, hf_model, prompts)
+    small = make_engine(path, 16, device="cuda", num_blocks=6, max_num_batched_tokens=8)
+    assert_matches_hf(small, hf_model, prompts)  # preemption and chunked prefill on the GPU
+    assert small.stats().num_preempted_total > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_cuda_graphs_on_and_off_give_identical_tokens(checkpoint, dtype):
+    path, _ = checkpoint
+    prompts = random_prompts(5, [3, 9, 17, 33, 40, 12, 5, 16, 70, 2, 21])
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    results = []
+    for graphs in (True, False):
+        engine = make_engine(
+            path, 16, device="cuda", dtype=dtype, enable_cuda_graphs=graphs, max_num_seqs=24
+        )
+        assert engine.runner.use_cuda_graphs == graphs
+        results.append([o.token_ids for o in engine.generate(prompts, params)])
+        assert_no_leak(engine)
+    assert results[0] == results[1]
