@@ -1,0 +1,132 @@
+"""CLI: `python -m cluster serve ...` runs an app; `python -m cluster demo` shows one working.
+
+The only place here that reads the environment is Ray itself (RAY_ADDRESS for serve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+
+from cluster.app import build_app
+from cluster.client import Client
+from cluster.config import ROUTERS, ClusterConfig
+from replica.sampling_params import SamplingParams
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cluster")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_p = sub.add_parser("serve", help="run a kvfleet app on the Ray cluster")
+    serve_p.add_argument("--model", default="gpt2-tiny")
+    serve_p.add_argument("--replicas", type=int, default=1)
+    serve_p.add_argument("--router", choices=ROUTERS, default="kv")
+    serve_p.add_argument("--num-blocks", type=int, default=None)
+    serve_p.add_argument("--max-num-seqs", type=int, default=256)
+    serve_p.add_argument("--device", default="auto")
+    serve_p.add_argument("--port", type=int, default=8000)
+    serve_p.add_argument("--app-name", default="kvfleet")
+    serve_p.add_argument("--no-http", action="store_true", help="Python client only")
+    serve_p.add_argument("--blocking", action="store_true", help="stay in the foreground")
+    demo = sub.add_parser("demo", help="2 local replicas, a burst of streams, a table")
+    demo.add_argument("--model", default="gpt2-tiny")
+    demo.add_argument("--replicas", type=int, default=2)
+    demo.add_argument("--requests", type=int, default=32)
+    demo.add_argument("--max-tokens", type=int, default=32)
+    return parser
+
+
+def serve_main(args: argparse.Namespace) -> None:
+    import ray
+    from ray import serve
+
+    config = ClusterConfig(
+        model=args.model,
+        num_replicas=args.replicas,
+        router=args.router,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        device=args.device,
+        http=not args.no_http,
+        app_name=args.app_name,
+    )
+    ray.init(ignore_reinit_error=True)
+    serve.start(http_options={"host": "0.0.0.0", "port": args.port})
+    serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=args.blocking)
+    if not args.blocking:
+        where = f"http://localhost:{args.port}" if config.http else f"Client({config.app_name!r})"
+        print(f"kvfleet app {config.app_name!r} is running: {where}")
+
+
+async def _burst(client: Client, num_requests: int, max_tokens: int) -> list[tuple[str, int]]:
+    rng = random.Random(0)
+
+    async def one() -> tuple[str, int]:
+        prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(4, 64))]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        num_tokens, replica_id = 0, ""
+        async for chunk in client.stream(prompt, params):
+            num_tokens += len(chunk.token_ids)
+            replica_id = chunk.replica_id
+        return replica_id, num_tokens
+
+    return await asyncio.gather(*(one() for _ in range(num_requests)))
+
+
+async def _burst_with_peak_kv(
+    client: Client, num_requests: int, max_tokens: int
+) -> tuple[list[tuple[str, int]], dict[str, float]]:
+    peak_kv: dict[str, float] = {}
+
+    async def sample() -> None:
+        while True:
+            for s in await client.stats_async():
+                peak_kv[s.replica_id] = max(peak_kv.get(s.replica_id, 0.0), s.kv_usage)
+            await asyncio.sleep(0.05)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        return await _burst(client, num_requests, max_tokens), peak_kv
+    finally:
+        sampler.cancel()
+
+
+def demo_main(args: argparse.Namespace) -> None:
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=max(4, args.replicas + 2), include_dashboard=False, log_to_driver=False)
+    config = ClusterConfig(
+        model=args.model, num_replicas=args.replicas, num_blocks=512, max_num_seqs=64, device="cpu"
+    )
+    print(f"starting {args.replicas} replicas of {args.model} on local Ray ...")
+    serve.run(build_app(config), name=config.app_name, route_prefix=None)
+    client = Client(config.app_name)
+    start_s = time.perf_counter()
+    results, peak_kv = asyncio.run(_burst_with_peak_kv(client, args.requests, args.max_tokens))
+    elapsed_s = time.perf_counter() - start_s
+    stats = {s.replica_id: s for s in client.stats()}
+    print(f"\n{args.requests} streaming requests in {elapsed_s:.2f} s\n")
+    print(f"{'replica':<12} {'requests':>8} {'tokens':>8} {'tokens/s':>9} {'peak KV':>8}")
+    for replica_id in sorted(stats):
+        mine = [n for r, n in results if r == replica_id]
+        print(
+            f"{replica_id:<12} {len(mine):>8} {sum(mine):>8} "
+            f"{sum(mine) / elapsed_s:>9.1f} {peak_kv.get(replica_id, 0.0):>8.1%}"
+        )
+    serve.shutdown()
+    ray.shutdown()
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.command == "serve":
+        serve_main(args)
+    else:
+        demo_main(args)
+
+
+if __name__ == "__main__":
+    main()

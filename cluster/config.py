@@ -1,0 +1,152 @@
+"""ClusterConfig: the one frozen config of the Ray wiring, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from replica.config import EngineConfig
+from router.config import RouterConfig
+
+ROUTERS = ("kv", "prefix", "pow2")
+ON_OVERLOAD = ("hold", "reject")
+_DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _positive_int(name: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _positive_float(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A kvfleet Serve application: which model, how many replicas, how requests route.
+
+    Engine options (block_size .. device) are passed to every replica's EngineConfig;
+    router options (high_watermark, on_overload, max_hold_s) to the KV request router.
+    num_gpus_per_replica None means auto: 1 when the Ray cluster has GPUs and device
+    is not "cpu", else 0 (resolved by `resolve_num_gpus`, at build time).
+    stats_period_s is how often each replica publishes ReplicaStats to the router.
+    """
+
+    model: str = "gpt2-tiny"
+    num_replicas: int = 1
+    router: str = "kv"
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    stats_period_s: float = 0.05
+    high_watermark: float = 0.95
+    on_overload: str = "hold"
+    max_hold_s: float = 30.0
+    num_gpus_per_replica: float | None = None
+    max_ongoing_requests: int = 4096
+    http: bool = False
+    app_name: str = "kvfleet"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        _positive_int("num_replicas", self.num_replicas)
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+        _positive_int("block_size", self.block_size)
+        _positive_int("num_blocks", self.num_blocks, allow_none=True)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_model_len", self.max_model_len, allow_none=True)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        _positive_float("stats_period_s", self.stats_period_s)
+        if self.stats_period_s > 1.0:
+            raise ValueError(f"stats_period_s must be <= 1.0, got {self.stats_period_s!r}")
+        _positive_float("high_watermark", self.high_watermark)
+        if self.high_watermark > 1.0:
+            raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark!r}")
+        if self.on_overload not in ON_OVERLOAD:
+            raise ValueError(f"on_overload must be one of {ON_OVERLOAD}, got {self.on_overload!r}")
+        _positive_float("max_hold_s", self.max_hold_s)
+        if self.num_gpus_per_replica is not None and (
+            isinstance(self.num_gpus_per_replica, bool)
+            or not isinstance(self.num_gpus_per_replica, int | float)
+            or self.num_gpus_per_replica < 0
+        ):
+            raise ValueError(
+                f"num_gpus_per_replica must be a number >= 0 or None (auto), "
+                f"got {self.num_gpus_per_replica!r}"
+            )
+        if self.device == "cuda" and self.num_gpus_per_replica == 0:
+            raise ValueError("num_gpus_per_replica must be > 0 when device is 'cuda'")
+        _positive_int("max_ongoing_requests", self.max_ongoing_requests)
+        if not isinstance(self.http, bool):
+            raise ValueError(f"http must be a bool, got {self.http!r}")
+        if not isinstance(self.app_name, str) or not self.app_name:
+            raise ValueError(f"app_name must be a non-empty string, got {self.app_name!r}")
+
+    def resolve_num_gpus(self, cluster_gpus: float) -> float:
+        """GPUs per replica actor, given how many GPUs the Ray cluster has in all."""
+        if self.num_gpus_per_replica is not None:
+            return float(self.num_gpus_per_replica)
+        if self.device == "cpu":
+            return 0.0
+        if cluster_gpus > 0:
+            return 1.0
+        if self.device == "cuda":
+            raise ValueError("device is 'cuda' but the Ray cluster has no GPUs")
+        return 0.0
+
+    def engine_config(self, replica_id: str, num_gpus: float) -> EngineConfig:
+        """The EngineConfig one replica builds its engine from."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if num_gpus > 0 else "cpu"
+        return EngineConfig(
+            model=self.model,
+            device=device,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            replica_id=replica_id,
+        )
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(
+            policy=self.router,
+            high_watermark=self.high_watermark,
+            on_overload=self.on_overload,
+            max_hold_s=self.max_hold_s,
+            seed=self.seed,
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ClusterConfig:
+        """Build from a YAML/JSON-like dict; an unknown key raises ValueError naming it."""
+        if not isinstance(data, dict):
+            raise ValueError(f"cluster config must be a mapping, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown cluster config field(s): {', '.join(unknown)}")
+        return cls(**data)

@@ -1,0 +1,288 @@
+"""LLMServer: the Serve deployment that owns one LLMEngine.
+
+The engine is blocking torch code, so it runs in one background thread (`EngineLoop`)
+that owns it exclusively: the replica's asyncio loop never touches the engine, it
+posts commands (add, abort) and receives, once per engine step, one encoded
+StepBatch per caller with requests on this replica (see cluster.transport).
+ReplicaStats are computed by the engine thread every stats_period_s and cached, so
+`record_routing_stats` answers without waiting for a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.config import ClusterConfig
+from cluster.metrics import ReplicaMetrics
+from cluster.request_router import encode_routing_stats
+from cluster.transport import StepBatch, SubmitAck, SubmitRequest, TokenDelta
+from replica.sampling_params import SamplingParams
+from replica.stats import ReplicaStats
+
+logger = logging.getLogger(__name__)
+
+# (caller_id, encoded StepBatch, ids of requests finished in it)
+Deliver = Callable[[str, bytes, list[str]], None]
+
+
+@dataclass
+class _Tracked:
+    caller_id: str
+    admitted_s: float
+    first_token_s: float | None = None
+    num_tokens: int = 0
+
+
+class EngineLoop:
+    """Owns the engine in one thread: drain commands, step, fan out per caller, stats.
+
+    Invariant: every request added here ends with exactly one finished TokenDelta
+    delivered to its caller (length/stop from the engine, or "abort").
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        replica_id: str,
+        stats_period_s: float,
+        deliver: Deliver,
+        metrics: ReplicaMetrics | None = None,
+    ) -> None:
+        self.replica_id = replica_id
+        self._engine = engine
+        self._stats_period_s = stats_period_s
+        self._deliver = deliver
+        self._metrics = metrics
+        self._commands: collections.deque[Callable[[], None]] = collections.deque()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._tracked: dict[str, _Tracked] = {}
+        self._stats = engine.stats()
+        self._stats_at_s = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def stats(self) -> ReplicaStats:
+        return self._stats
+
+    def add(
+        self, caller_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> concurrent.futures.Future:
+        """Admit a request; the future raises the engine's ValueError for bad input."""
+
+        def command() -> None:
+            self._engine.add_request(request_id, prompt_token_ids, params)
+            self._tracked[request_id] = _Tracked(caller_id, time.monotonic())
+
+        return self._post(command)
+
+    def abort(self, request_id: str) -> concurrent.futures.Future:
+        """Abort a request if it runs here (frees its blocks); the future gives a bool."""
+
+        def command() -> bool:
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is None:
+                return False
+            self._engine.abort(request_id)
+            batch = StepBatch(self.replica_id, [TokenDelta(request_id, [], "abort")])
+            self._deliver(tracked.caller_id, batch.encode(), [request_id])
+            return True
+
+        return self._post(command)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        self._thread.join(timeout=5.0)
+
+    def _post(self, command: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(command())
+            except BaseException as exc:  # handed to the awaiting coroutine
+                future.set_exception(exc)
+
+        self._commands.append(run)
+        self._wakeup.set()
+        return future
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wakeup.clear()
+            while self._commands:
+                self._commands.popleft()()
+            if self._engine.has_unfinished():
+                self._fan_out(self._engine.step())
+            else:
+                self._wakeup.wait(timeout=self._stats_period_s)
+            if time.monotonic() - self._stats_at_s >= self._stats_period_s:
+                self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        self._stats = self._engine.stats()
+        self._stats_at_s = time.monotonic()
+        if self._metrics is not None:
+            self._metrics.record_stats(self._stats)
+
+    def _fan_out(self, outputs: list[Any]) -> None:
+        now_s = time.monotonic()
+        per_caller: dict[str, tuple[list[TokenDelta], list[str]]] = {}
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue  # aborted: its final delta is already sent
+            self._observe(tracked, len(out.new_token_ids), out.finished, now_s)
+            reason = (out.finish_reason or "stop") if out.finished else None
+            deltas, finished = per_caller.setdefault(tracked.caller_id, ([], []))
+            deltas.append(
+                TokenDelta(out.request_id, list(out.new_token_ids), reason, out.num_prompt_tokens)
+            )
+            if out.finished:
+                finished.append(out.request_id)
+                del self._tracked[out.request_id]
+        for caller_id, (deltas, finished) in per_caller.items():
+            self._deliver(caller_id, StepBatch(self.replica_id, deltas).encode(), finished)
+
+    def _observe(self, tracked: _Tracked, num_new: int, finished: bool, now_s: float) -> None:
+        if self._metrics is None or num_new == 0:
+            return
+        if tracked.first_token_s is None:
+            tracked.first_token_s = now_s
+            self._metrics.ttft_s.observe(now_s - tracked.admitted_s)
+        tracked.num_tokens += num_new
+        if finished and tracked.num_tokens > 1:
+            self._metrics.tpot_s.observe((now_s - tracked.first_token_s) / (tracked.num_tokens - 1))
+
+
+@dataclass
+class _Carrier:
+    """This replica's live stream to one caller, and that caller's requests here."""
+
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    in_flight: set[str] = field(default_factory=set)
+
+
+def _default_engine_factory(config: ClusterConfig, replica_id: str, num_gpus: float) -> Any:
+    from replica import LLMEngine
+
+    return LLMEngine(config.engine_config(replica_id, num_gpus))
+
+
+class LLMServer:
+    """One replica: an LLMEngine behind the carrier-stream transport."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        num_gpus: float = 0.0,
+        engine_factory: Callable[[ClusterConfig, str, float], Any] | None = None,
+    ) -> None:
+        from ray import serve
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._config = config
+        self._engine = (engine_factory or _default_engine_factory)(
+            config, self.replica_id, num_gpus
+        )
+        self._carriers: dict[str, _Carrier] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._engine_loop = EngineLoop(
+            self._engine,
+            self.replica_id,
+            config.stats_period_s,
+            self._deliver_threadsafe,
+            ReplicaMetrics(self.replica_id),
+        )
+
+    async def submit(self, wire: dict) -> AsyncIterator[bytes]:
+        """Admit one request; this stream becomes the caller's carrier if it has none here."""
+        self._loop = asyncio.get_running_loop()
+        request = SubmitRequest.from_wire(wire)
+        caller_id, rid = request.caller_id, request.request_id
+        carrier = self._carriers.get(caller_id)
+        is_carrier = carrier is None
+        if carrier is None:
+            carrier = self._carriers[caller_id] = _Carrier()
+        carrier.in_flight.add(rid)
+        error: str | None = None
+        try:
+            params = SamplingParams.from_dict(request.params)
+            await asyncio.wrap_future(
+                self._engine_loop.add(caller_id, rid, request.prompt_token_ids, params)
+            )
+        except ValueError as exc:
+            error = str(exc)
+            self._drop(caller_id, carrier, rid)
+        except BaseException:  # cancelled by the caller, or an engine bug: never leak blocks
+            self._drop(caller_id, carrier, rid)
+            self._engine_loop.abort(rid)
+            raise
+        # A carrier whose own request failed still carries requests that attached meanwhile.
+        is_carrier = is_carrier and bool(carrier.in_flight)
+        yield SubmitAck(self.replica_id, is_carrier, error).encode()
+        if is_carrier:
+            async for message in self._carry(caller_id, carrier):
+                yield message
+
+    def _drop(self, caller_id: str, carrier: _Carrier, rid: str) -> None:
+        carrier.in_flight.discard(rid)
+        if not carrier.in_flight and self._carriers.get(caller_id) is carrier:
+            del self._carriers[caller_id]
+        carrier.queue.put_nowait(None)  # wake a running carrier: it may have nothing left
+
+    async def _carry(self, caller_id: str, carrier: _Carrier) -> AsyncIterator[bytes]:
+        try:
+            while carrier.in_flight or not carrier.queue.empty():
+                message = await carrier.queue.get()
+                if message is not None:
+                    yield message
+        finally:
+            if self._carriers.get(caller_id) is carrier:
+                del self._carriers[caller_id]
+            for rid in list(carrier.in_flight):  # caller went away: free its requests
+                self._engine_loop.abort(rid)
+
+    async def abort(self, request_id: str) -> bool:
+        return await asyncio.wrap_future(self._engine_loop.abort(request_id))
+
+    def record_routing_stats(self) -> dict[str, bytes]:
+        return encode_routing_stats(self._engine_loop.stats)
+
+    def stats(self) -> bytes:
+        return self._engine_loop.stats.to_msgpack()
+
+    def model_info(self) -> dict[str, Any]:
+        model_config = self._engine.model_config
+        return {
+            "model": self._config.model,
+            "vocab_size": model_config.vocab_size,
+            "eos_token_id": model_config.eos_token_id,
+            "has_tokenizer": self._engine.tokenizer is not None,
+        }
+
+    def __del__(self) -> None:
+        engine_loop = getattr(self, "_engine_loop", None)
+        if engine_loop is not None:
+            engine_loop.shutdown()
+
+    def _deliver_threadsafe(self, caller_id: str, message: bytes, finished: list[str]) -> None:
+        assert self._loop is not None, "outputs before any submit"
+        self._loop.call_soon_threadsafe(self._deliver, caller_id, message, finished)
+
+    def _deliver(self, caller_id: str, message: bytes, finished: list[str]) -> None:
+        carrier = self._carriers.get(caller_id)
+        if carrier is None:
+            return  # the caller went away; its requests are being aborted
+        carrier.in_flight.difference_update(finished)
+        carrier.queue.put_nowait(message)

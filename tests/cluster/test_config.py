@@ -1,0 +1,83 @@
+"""ClusterConfig validation and building apps from the deploy/ config files (no Ray started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve import Application
+
+from cluster import ClusterConfig, build_app
+from cluster.app import app_builder
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("model", ""),
+        ("num_replicas", 0),
+        ("router", "random"),
+        ("block_size", 0),
+        ("num_blocks", -1),
+        ("max_num_seqs", 0),
+        ("dtype", "int8"),
+        ("device", "tpu"),
+        ("stats_period_s", 0.0),
+        ("stats_period_s", 5.0),
+        ("high_watermark", 1.5),
+        ("on_overload", "drop"),
+        ("max_hold_s", -1.0),
+        ("num_gpus_per_replica", -1),
+        ("http", "yes"),
+    ],
+)
+def test_invalid_field_is_named(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        ClusterConfig(**{field: value})
+
+
+def test_unknown_field_is_named() -> None:
+    with pytest.raises(ValueError, match="replicas"):
+        ClusterConfig.from_dict({"replicas": 2})
+
+
+def test_num_gpus_auto() -> None:
+    assert ClusterConfig().resolve_num_gpus(cluster_gpus=0) == 0
+    assert ClusterConfig().resolve_num_gpus(cluster_gpus=8) == 1
+    assert ClusterConfig(device="cpu").resolve_num_gpus(cluster_gpus=8) == 0
+    with pytest.raises(ValueError, match="GPUs"):
+        ClusterConfig(device="cuda").resolve_num_gpus(cluster_gpus=0)
+    assert ClusterConfig(num_gpus_per_replica=0.5).resolve_num_gpus(cluster_gpus=0) == 0.5
+
+
+def test_router_and_engine_configs_follow_cluster_config() -> None:
+    config = ClusterConfig(router="prefix", high_watermark=0.8, on_overload="reject", num_blocks=64)
+    router = config.router_config()
+    assert (router.policy, router.high_watermark, router.on_overload) == ("prefix", 0.8, "reject")
+    engine = config.engine_config("r1", num_gpus=0)
+    assert (engine.device, engine.num_blocks, engine.replica_id) == ("cpu", 64, "r1")
+    assert config.engine_config("r1", num_gpus=1).device == "cuda"
+
+
+def _app_args(serve_config: dict) -> dict:
+    (app,) = serve_config["applications"]
+    assert app["import_path"] == "cluster.app:app_builder"
+    return app["args"]
+
+
+def test_serve_yaml_builds() -> None:
+    args = _app_args(yaml.safe_load((DEPLOY / "serve.yaml").read_text()))
+    assert isinstance(app_builder(args), Application)
+    assert ClusterConfig.from_dict(args).http
+
+
+def test_kuberay_rayservice_builds() -> None:
+    manifest = yaml.safe_load((DEPLOY / "kuberay-rayservice.yaml").read_text())
+    assert manifest["kind"] == "RayService"
+    args = _app_args(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
+    config = ClusterConfig.from_dict(args)
+    assert config.resolve_num_gpus(cluster_gpus=4) == 1
+    assert isinstance(build_app(config, num_gpus_in_cluster=4), Application)
