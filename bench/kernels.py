@@ -1,14 +1,29 @@
 """Kernel microbenchmarks: KV append and paged decode attention against the copy ceiling.
 
-    python -m bench.kernels --out results/kernels.json [--quick]
+    python -m bench.kernels [--quick] [--out results/kernels.json]
+    python -m bench.kernels --tune [--shapes gpt2,qwen3-0.6b] [--out results/tune.json]
 
-One run measures, on one CUDA GPU: device-to-device copy bandwidth (bytes read +
-written / time, the ceiling); append_kv_slots latency vs append_kv_slots_ref;
-paged decode attention achieved bandwidth (K/V bytes read / time) and its share
-of the copy ceiling; the torch reference decode time for small cases as the peer.
-Every config is checked against its torch reference once before it is timed.
-Timing is triton.testing.do_bench (median; it flushes L2 before each call), and
-each config rotates over several caches when they are small enough to sit in L2.
+The default run measures, on one CUDA GPU: device-to-device copy bandwidth (bytes
+read + written / time, the ceiling); append_kv_slots vs append_kv_slots_ref for
+B in 1..4096; paged decode attention for B in {1, 8, 64, 256} x context in
+{128, 1024, 8192}: achieved bandwidth (K/V bytes read / time), its share of the
+copy ceiling, the split-merge kernel's own time, and the torch reference as the
+peer for small cases. --tune sweeps the decode launch parameters instead (see
+tune_decode) and prints the values to put in kernels/decode_attention.py.
+
+Timing. Primary ("us"): graph-timed. N launches are captured back to back in
+one torch.cuda.CUDAGraph (compiled and warmed before capture), the graph is
+replayed, each replay timed with CUDA events; a launch's time is the median
+replay over N. Serving runs decode inside CUDA graphs, so this is the honest
+number, and it keeps the Python launcher out of the window. Secondary
+("do_bench_us"): triton.testing.do_bench, which flushes L2 but times from event
+to event around a Python call: when the host launch (~20-40 us for a Triton
+launch, two launches and two allocations for split decode) is slower than the
+GPU work, it measures the host. That is why KV append read 33-37 us at every B
+and B=1 decode ctx=1024 (3-4 MB, ~1 us of HBM traffic) read 27-74 us.
+Every graph rotates over copies of its inputs so that one graph's working set is
+at least 4x the L2 (up to MAX_COPIES copies), so small cases are not timed from L2.
+Every config is checked against its torch reference before it is timed.
 """
 
 from __future__ import annotations
@@ -16,6 +31,8 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,8 +41,11 @@ import torch
 from bench.common import copy_bandwidth_gbps, machine_description, markdown_table, write_json
 from kernels import reference as ref
 
-L2_BYTES = 64 * 2**20  # H200: 60 MiB; rotate caches so a config's working set exceeds it
+DEVICE = "cuda"  # a module constant so a CPU smoke test can point the sweep elsewhere
 BLOCK_SIZE = 16
+MAX_COPIES = 256
+GRAPH_LAUNCHES = 20  # at least this many launches per captured graph
+GRAPH_REPS = 15
 
 
 @dataclass(frozen=True)
@@ -43,188 +63,360 @@ SHAPES = [
 ]
 
 
-def _time_us(fn: Callable[[], object]) -> float:
+def print_now(*args: object) -> None:
+    print(*args, flush=True)  # progress survives a timeout of the whole command
+
+
+@functools.cache
+def l2_bytes() -> int:
+    return getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
+
+
+def num_copies(bytes_per_copy: int) -> int:
+    """Copies to rotate over so that their total is >= 4x the L2 (bounded by MAX_COPIES)."""
+    return max(1, min(MAX_COPIES, -(-4 * l2_bytes() // max(1, bytes_per_copy))))
+
+
+def graph_time_us(fns: list[Callable[[], object]]) -> float:
+    """Median device time of one call, from CUDA-graph replays of the calls back to back.
+
+    fns are equivalent calls on different input copies; the graph cycles through
+    all of them (a multiple of len(fns) launches, >= GRAPH_LAUNCHES). Every fn is
+    called once before capture, so compilation and allocator growth stay outside.
+    """
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    num_launches = len(fns) * -(-GRAPH_LAUNCHES // len(fns))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(num_launches):
+            fns[i % len(fns)]()
+    for _ in range(3):
+        graph.replay()
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(GRAPH_REPS)
+    ]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    times_ms = [start.elapsed_time(end) for start, end in events]
+    del graph
+    return statistics.median(times_ms) * 1e3 / num_launches
+
+
+def do_bench_us(fns: list[Callable[[], object]]) -> float:
+    """triton do_bench over the rotating calls (host launch included when host-bound)."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-def _rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
     state = {"i": 0}
 
     def call() -> object:
         state["i"] = (state["i"] + 1) % len(fns)
         return fns[state["i"]]()
 
-    return call
-
-
-def _num_copies(bytes_per_copy: int) -> int:
-    return max(1, min(8, -(-2 * L2_BYTES // max(1, bytes_per_copy))))
+    for fn in fns:
+        fn()
+    return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median") * 1e3
 
 
 def _paged_setup(shape: Shape, batch: int, blocks_per_seq: int, gen: torch.Generator):
     """Caches with one shuffled, disjoint block list per sequence (a fragmented pool)."""
     num_blocks = batch * blocks_per_seq
     cache_shape = (num_blocks, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim)
-    perm = torch.randperm(num_blocks, generator=gen, device="cuda")
+    perm = torch.randperm(num_blocks, generator=gen, device=DEVICE)
     block_table = perm.view(batch, blocks_per_seq).to(torch.int32)
-    slot_mapping = torch.randperm(batch, generator=gen, device="cuda").to(torch.int32)
+    slot_mapping = torch.randperm(batch, generator=gen, device=DEVICE).to(torch.int32)
     return cache_shape, block_table, slot_mapping
+
+
+def _randn(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, device=DEVICE, dtype=dtype)
 
 
 def bench_append(shape: Shape, batch: int) -> dict:
     from kernels.kv_append import append_kv_slots
 
-    gen = torch.Generator(device="cuda").manual_seed(batch)
+    gen = torch.Generator(device=DEVICE).manual_seed(batch)
     blocks_per_seq = 4
     cache_shape, block_table, slot_mapping = _paged_setup(shape, batch, blocks_per_seq, gen)
     kv_shape = (batch, shape.num_kv_heads, shape.head_dim)
-    k = torch.randn(kv_shape, generator=gen, device="cuda").to(shape.dtype)
-    v = torch.randn(kv_shape, generator=gen, device="cuda").to(shape.dtype)
+    row_bytes = shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+    moved_bytes = 4 * batch * row_bytes  # K and V, each read once and written once
+    inputs = [
+        (_randn(kv_shape, shape.dtype, gen), _randn(kv_shape, shape.dtype, gen))
+        for _ in range(num_copies(moved_bytes // 2))
+    ]
     positions = torch.randint(
-        0, blocks_per_seq * BLOCK_SIZE, (batch,), generator=gen, device="cuda"
-    )
-    positions = positions.to(torch.int32)
-    k_cache = torch.zeros(cache_shape, dtype=shape.dtype, device="cuda")
+        0, blocks_per_seq * BLOCK_SIZE, (batch,), generator=gen, device=DEVICE
+    ).to(torch.int32)
+    k_cache = torch.zeros(cache_shape, dtype=shape.dtype, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k, v = inputs[0]
     append_kv_slots(k, v, k_cache, v_cache, block_table, slot_mapping, positions)
     ref.append_kv_slots_ref(k, v, k_ref, v_ref, block_table, slot_mapping, positions)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), "append mismatch"
-    args = (k, v, k_cache, v_cache, block_table, slot_mapping, positions)
-    triton_us = _time_us(lambda: append_kv_slots(*args))
-    torch_us = _time_us(lambda: ref.append_kv_slots_ref(*args))
+    tail = (k_cache, v_cache, block_table, slot_mapping, positions)
+    triton_fns = [lambda k=k, v=v: append_kv_slots(k, v, *tail) for k, v in inputs]
+    torch_fns = [lambda k=k, v=v: ref.append_kv_slots_ref(k, v, *tail) for k, v in inputs]
+    triton_us, torch_us = graph_time_us(triton_fns), graph_time_us(torch_fns)
     return {
         "shape": shape.name, "B": batch, "triton_us": triton_us, "torch_us": torch_us,
-        "speedup": torch_us / triton_us,
+        "speedup": torch_us / triton_us, "GB/s": moved_bytes / triton_us / 1e3,
+        "do_bench_us": do_bench_us(triton_fns),
     }  # fmt: skip
 
 
-@functools.lru_cache(maxsize=1)  # the tuning sweep reuses one config's inputs
+@functools.lru_cache(maxsize=1)  # the tuning sweep reuses one case's inputs and reference
 def _decode_inputs(shape: Shape, batch: int, context: int):
-    gen = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
+    gen = torch.Generator(device=DEVICE).manual_seed(batch * 100003 + context)
     blocks_per_seq = -(-context // BLOCK_SIZE)
     cache_shape, block_table, slot_mapping = _paged_setup(shape, batch, blocks_per_seq, gen)
     kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
     caches = [
-        tuple(
-            torch.randn(cache_shape, generator=gen, device="cuda").to(shape.dtype) for _ in range(2)
-        )
-        for _ in range(_num_copies(kv_bytes))
+        (_randn(cache_shape, shape.dtype, gen), _randn(cache_shape, shape.dtype, gen))
+        for _ in range(num_copies(kv_bytes))
     ]
-    q_shape = (batch, shape.num_heads, shape.head_dim)
-    q = torch.randn(q_shape, generator=gen, device="cuda").to(shape.dtype)
-    context_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    return caches, block_table, slot_mapping, q, context_lens, kv_bytes
-
-
-def _check_decode(q, caches, block_table, slot_mapping, context_lens, scale, out) -> None:
-    rows = min(8, q.shape[0])  # rows are independent; the reference loops in Python
-    k_cache, v_cache = caches[0]
+    q = _randn((batch, shape.num_heads, shape.head_dim), shape.dtype, gen)
+    context_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    rows = min(8, batch)  # rows are independent; the reference loops in Python
     expect = ref.paged_decode_attention_ref(
-        q[:rows], k_cache, v_cache, block_table, slot_mapping[:rows], context_lens[:rows], scale
-    )
-    torch.testing.assert_close(out[:rows].float(), expect.float(), atol=2e-2, rtol=2e-2)
+        q[:rows], *caches[0], block_table, slot_mapping[:rows], context_lens[:rows],
+        shape.head_dim**-0.5,
+    )  # fmt: skip
+    return caches, block_table, slot_mapping, q, context_lens, kv_bytes, expect
 
 
 def bench_decode(
-    shape: Shape, batch: int, context: int, copy_gbps: float, peer: bool, **tunables
+    shape: Shape,
+    batch: int,
+    context: int,
+    copy_gbps: float,
+    peer: bool = False,
+    do_bench: bool = False,
+    **launch,
 ) -> dict:
-    from kernels.decode_attention import choose_num_splits, num_sms, paged_decode_attention
+    """One decode config, graph-timed; do_bench adds the do_bench time, peer the torch reference.
 
-    caches, block_table, slot_mapping, q, context_lens, kv_bytes = _decode_inputs(
+    launch: num_splits / block_n / num_warps / num_stages overrides of the defaults.
+    """
+    from kernels.decode_attention import (
+        choose_decode_launch,
+        default_tiles,
+        merge_splits,
+        num_sms,
+        paged_decode_attention,
+    )
+
+    caches, block_table, slot_mapping, q, context_lens, kv_bytes, expect = _decode_inputs(
         shape, batch, context
     )
+    default = choose_decode_launch(
+        batch, shape.num_kv_heads, shape.head_dim, context, num_sms(q.device)
+    )
+    splits = launch.get("num_splits") or default.num_splits
+    tiles = default_tiles(shape.head_dim, split=splits > 1)
     scale = shape.head_dim**-0.5
-    out = torch.empty_like(q)
-
-    def run(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        return paged_decode_attention(
-            q, k_cache, v_cache, block_table, slot_mapping, context_lens, scale, out=out,
-            **tunables,
-        )  # fmt: skip
-
-    run(*caches[0])
-    _check_decode(q, caches, block_table, slot_mapping, context_lens, scale, out)
-    us = _time_us(_rotating([lambda c=c: run(*c) for c in caches]))
+    out = torch.full_like(q, float("nan"))
+    num_parts = batch * shape.num_heads * splits
+    workspace = (
+        torch.empty(num_parts * shape.head_dim, dtype=torch.float32, device=DEVICE),
+        torch.empty(num_parts, dtype=torch.float32, device=DEVICE),
+    )
+    fns = [
+        lambda c=c: paged_decode_attention(
+            q, *c, block_table, slot_mapping, context_lens, scale, out=out,
+            max_context_len=context, workspace=workspace, **launch,
+        )
+        for c in caches
+    ]  # fmt: skip
+    fns[0]()
+    rows = expect.shape[0]
+    torch.testing.assert_close(out[:rows].float(), expect.float(), atol=2e-2, rtol=2e-2)
+    us = graph_time_us(fns)
     gbps = kv_bytes / us / 1e3
-    splits = choose_num_splits(batch, shape.num_kv_heads, context, num_sms(q.device))
     row = {
-        "shape": shape.name, "B": batch, "ctx": context,
-        "splits": tunables.get("num_splits") or splits, "us": us, "GB/s": gbps,
+        "shape": shape.name, "B": batch, "ctx": context, "splits": splits,
+        "tile": _tile_name(launch, tiles), "us": us, "GB/s": gbps,
         "%copy": 100 * gbps / copy_gbps,
     }  # fmt: skip
-    if tunables:
-        row["tunables"] = str(tunables)
+    if splits > 1:
+        row["merge_us"] = graph_time_us([lambda: merge_splits(*workspace, out, splits)])
+    if do_bench:
+        row["do_bench_us"] = do_bench_us(fns)
     if peer:
-        k_cache, v_cache = caches[0]
-        row["torch_ref_us"] = _time_us(
-            lambda: ref.paged_decode_attention_ref(
-                q, k_cache, v_cache, block_table, slot_mapping, context_lens, scale
-            )
-        )
+        # The reference reads lengths on the host (.tolist()): not graph-capturable.
+        args = (*caches[0], block_table, slot_mapping, context_lens, scale)
+        row["torch_ref_us"] = do_bench_us([lambda: ref.paged_decode_attention_ref(q, *args)])
     return row
 
 
-def tune_decode(copy_gbps: float) -> list[dict]:
-    """Launch-parameter sweep at the two targets: B=256 ctx=1024 and B=1 ctx=8192 (splits)."""
-    tiles, warps = (32, 64, 128), (4, 8)
-    sweeps = [
-        ((256, 1024), [dict(block_n=n, num_warps=w, num_stages=st)
-                       for n, w, st in itertools.product(tiles, warps, (2, 3))]),
-        ((1, 8192), [dict(block_n=n, num_warps=w, num_splits=sp)
-                     for n, w, sp in itertools.product(tiles, warps, (16, 32, 64))]),
-    ]  # fmt: skip
-    rows = []
-    for shape, ((batch, context), configs) in itertools.product(SHAPES, sweeps):
-        for tunables in configs:
-            rows.append(bench_decode(shape, batch, context, copy_gbps, False, **tunables))
-            print(f"tune {shape.name} B={batch} ctx={context} {tunables}: "
-                  f"{rows[-1]['%copy']:.0f}% of copy")  # fmt: skip
-    return rows
+def _tile_name(launch: dict, tiles) -> str:
+    """block_n/num_warps/num_stages as launched, e.g. '64/4w/2s'."""
+    n = launch.get("block_n") or tiles.block_n
+    w = launch.get("num_warps") or tiles.num_warps
+    s = launch.get("num_stages") or tiles.num_stages
+    return f"{n}/{w}w/{s}s"
+
+
+APPEND_BATCHES = [1, 4, 16, 64, 256, 1024, 4096]
+DECODE_BATCHES = [1, 8, 64, 256]
+CONTEXTS = [128, 1024, 8192]
+QUICK_APPEND_BATCHES, QUICK_DECODE_BATCHES, QUICK_CONTEXTS = [1, 64, 1024], [1, 256], [1024, 8192]
+TUNE_CASES = [(1, 8192), (1, 1024), (8, 1024), (256, 1024)]  # (batch, context)
+TUNE_PROGRAMS_PER_SM = (1, 2, 4, 8, 16)
+TUNE_BLOCK_N = (32, 64, 128)
+TUNE_NUM_WARPS = (2, 4, 8)
+TUNE_NUM_STAGES = (1, 2, 3)
+
+
+def tune_tiles(head_dim: int) -> list[tuple[int, int, int]]:
+    """(block_n, num_warps, num_stages) with 16..128 K-tile elements per thread."""
+    return [
+        (n, w, s)
+        for n, w, s in itertools.product(TUNE_BLOCK_N, TUNE_NUM_WARPS, TUNE_NUM_STAGES)
+        if 16 <= n * head_dim // (32 * w) <= 128
+    ]
+
+
+def tune_splits(shape: Shape, batch: int, context: int, sms: int) -> list[int]:
+    """Split counts giving ~TUNE_PROGRAMS_PER_SM programs per SM (>= 32 tokens per split)."""
+    base = batch * shape.num_kv_heads
+    cap = min(128, max(1, context // 32))
+    counts = {min(cap, max(1, -(-p * sms // base))) for p in TUNE_PROGRAMS_PER_SM}
+    if batch >= 8:
+        counts.add(1)
+    return sorted(counts)
+
+
+def tune_decode(copy_gbps: float, shapes: list[Shape]) -> list[dict]:
+    """Sweep splits x (block_n, num_warps, num_stages) per case; print the best per case."""
+    from kernels.decode_attention import num_sms
+
+    sms = num_sms(torch.device(DEVICE))
+    best_rows = []
+    for shape, (batch, context) in itertools.product(shapes, TUNE_CASES):
+        default = bench_decode(shape, batch, context, copy_gbps)
+        rows = [default]
+        for splits in tune_splits(shape, batch, context, sms):
+            for n, w, s in tune_tiles(shape.head_dim):
+                launch = dict(num_splits=splits, block_n=n, num_warps=w, num_stages=s)
+                try:
+                    rows.append(bench_decode(shape, batch, context, copy_gbps, **launch))
+                except Exception as exc:  # a config that fails to compile or launch is skipped
+                    print_now(f"  skip {launch}: {type(exc).__name__}: {exc}"[:200])
+        best = min(rows, key=lambda r: r["us"])
+        best_rows.append(best | {
+            "default_splits": default["splits"], "default_tile": default["tile"],
+            "default_us": default["us"], "default_%copy": default["%copy"],
+            "programs_per_sm": best["splits"] * batch * shape.num_kv_heads / sms,
+            "speedup_vs_default": default["us"] / best["us"],
+        })  # fmt: skip
+        top = sorted(rows, key=lambda r: r["us"])[:5]
+        print_now(f"tune {shape.name} B={batch} ctx={context}: default "
+                  f"{default['splits']} x {default['tile']} {default['us']:.1f} us "
+                  f"({default['%copy']:.0f}%); best five:")  # fmt: skip
+        for r in top:
+            merge = f", merge {r['merge_us']:.1f} us" if "merge_us" in r else ""
+            print_now(f"    splits={r['splits']} tile={r['tile']}: {r['us']:.1f} us "
+                      f"({r['%copy']:.0f}% of copy{merge})")  # fmt: skip
+    return best_rows
+
+
+def print_tune_advice(best_rows: list[dict], shapes: list[Shape], sms: int) -> None:
+    """The exact values for kernels/decode_attention.py, from the target cases."""
+    print_now("\n## Values for kernels/decode_attention.py\n")
+    by_case = {(r["shape"], r["B"], r["ctx"]): r for r in best_rows}
+    for shape in shapes:
+        for table, (batch, context) in (
+            ("SPLIT_TILES", (1, 8192)),
+            ("ONE_PASS_TILES", (256, 1024)),
+        ):
+            r = by_case.get((shape.name, batch, context))
+            if r is None:
+                continue
+            n, w, s = (int(x.rstrip("ws")) for x in r["tile"].split("/"))
+            print_now(f"{table}[{shape.head_dim}] = DecodeTiles(block_n={n}, num_warps={w}, "
+                      f"num_stages={s})  # {shape.name} B={batch} ctx={context}: splits "
+                      f"{r['splits']}, {r['us']:.1f} us, {r['%copy']:.0f}% of copy "
+                      f"(default {r['default_us']:.1f} us, {r['default_%copy']:.0f}%)")  # fmt: skip
+    for r in best_rows:
+        print_now(f"# {r['shape']} B={r['B']} ctx={r['ctx']}: best splits {r['splits']} = "
+                  f"{r['programs_per_sm']:.1f} programs/SM on {sms} SMs, tile {r['tile']} "
+                  f"(default splits {r['default_splits']}, tile {r['default_tile']})")  # fmt: skip
+    targets = [r["programs_per_sm"] for r in best_rows if r["B"] == 1 and r["ctx"] == 8192]
+    if targets:
+        print_now(f"SPLIT_PROGRAMS_PER_SM = {max(1, round(statistics.median(targets)))}  "
+                  "# median best of the B=1 ctx=8192 cases")  # fmt: skip
+    print_now("# A B=8 case whose best splits is 1 means ONE_PASS_PROGRAMS_PER_SM should be "
+              "at most B * kv heads / SMs for that shape.")  # fmt: skip
+
+
+def run_sweep(args: argparse.Namespace, copy_gbps: float) -> dict:
+    append_batches = QUICK_APPEND_BATCHES if args.quick else APPEND_BATCHES
+    decode_batches = QUICK_DECODE_BATCHES if args.quick else DECODE_BATCHES
+    contexts = QUICK_CONTEXTS if args.quick else CONTEXTS
+    append_rows = []
+    for shape, batch in itertools.product(args.shapes, append_batches):
+        append_rows.append(bench_append(shape, batch))
+        print_now(f"append {shape.name} B={batch}: {append_rows[-1]['triton_us']:.1f} us")
+    decode_rows = []
+    for shape, batch, context in itertools.product(args.shapes, decode_batches, contexts):
+        peer = batch <= 8 and context <= 1024
+        decode_rows.append(bench_decode(shape, batch, context, copy_gbps, peer, do_bench=True))
+        r = decode_rows[-1]
+        print_now(f"decode {shape.name} B={batch} ctx={context}: {r['us']:.1f} us "
+                  f"{r['%copy']:.0f}% of copy")  # fmt: skip
+    print_now(f"\n## Copy bandwidth: {copy_gbps:.0f} GB/s (read + written)\n")
+    print_now("## KV append, graph-timed (append_kv_slots vs append_kv_slots_ref)\n")
+    columns = ["shape", "B", "triton_us", "torch_us", "speedup", "GB/s", "do_bench_us"]
+    print_now(markdown_table(append_rows, columns))
+    print_now("\n## Paged decode attention, graph-timed (K/V bytes read / time)\n")
+    columns = ["shape", "B", "ctx", "splits", "tile", "us", "GB/s", "%copy", "merge_us",
+               "do_bench_us", "torch_ref_us"]  # fmt: skip
+    print_now(markdown_table(decode_rows, columns))
+    return {"append": append_rows, "decode": decode_rows}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--quick", action="store_true", help="reduced sweep, no tuning")
+    parser.add_argument("--quick", action="store_true", help="reduced sweep")
+    parser.add_argument("--tune", action="store_true", help="decode launch-parameter sweep")
+    parser.add_argument("--shapes", default=",".join(s.name for s in SHAPES), help="filter")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    names = args.shapes.split(",")
+    args.shapes = [s for s in SHAPES if s.name in names]
+    if len(args.shapes) != len(names):
+        raise SystemExit(f"--shapes: unknown name in {names}; known {[s.name for s in SHAPES]}")
 
-    copy_gbps = copy_bandwidth_gbps(torch.device("cuda"))
-    print(f"{machine_description()}: copy bandwidth {copy_gbps:.0f} GB/s")
-    append_batches = [1, 64, 1024] if args.quick else [1, 4, 16, 64, 256, 1024, 4096]
-    decode_batches = [1, 256] if args.quick else [1, 8, 64, 256]
-    contexts = [1024, 8192] if args.quick else [128, 1024, 8192]
+    from kernels.decode_attention import num_sms
 
-    append_rows = [bench_append(s, b) for s in SHAPES for b in append_batches]
-    decode_rows = []
-    for shape, batch, context in itertools.product(SHAPES, decode_batches, contexts):
-        peer = batch <= 8 and context <= 1024
-        decode_rows.append(bench_decode(shape, batch, context, copy_gbps, peer))
-        print(f"decode {shape.name} B={batch} ctx={context}: {decode_rows[-1]['%copy']:.0f}%")
-    tune_rows = [] if args.quick else tune_decode(copy_gbps)
-
-    print(f"\n## Copy bandwidth: {copy_gbps:.0f} GB/s (read + written)\n")
-    print("## KV append (append_kv_slots vs append_kv_slots_ref)\n")
-    print(markdown_table(append_rows, ["shape", "B", "triton_us", "torch_us", "speedup"]))
-    print("\n## Paged decode attention (K/V bytes read / time)\n")
-    columns = ["shape", "B", "ctx", "splits", "us", "GB/s", "%copy", "torch_ref_us"]
-    print(markdown_table(decode_rows, columns))
-    if tune_rows:
-        print("\n## Decode launch tuning\n")
-        print(markdown_table(tune_rows, ["shape", "B", "ctx", "tunables", "us", "%copy"]))
-    write_json(
-        args.out,
-        {
-            "benchmark": "kernels", "copy_gbps": copy_gbps, "append": append_rows,
-            "decode": decode_rows, "decode_tuning": tune_rows,
-            "triton": __import__("triton").__version__,
-        },
-    )  # fmt: skip
+    copy_gbps = copy_bandwidth_gbps(torch.device(DEVICE))
+    sms = num_sms(torch.device(DEVICE))
+    print_now(f"{machine_description()}: copy bandwidth {copy_gbps:.0f} GB/s, {sms} SMs, "
+              f"L2 {l2_bytes() / 2**20:.0f} MiB")  # fmt: skip
+    payload = {"benchmark": "kernels", "copy_gbps": copy_gbps, "num_sms": sms}
+    if args.tune:
+        best_rows = tune_decode(copy_gbps, args.shapes)
+        print_now("\n## Decode tuning: best config per case (graph-timed)\n")
+        columns = ["shape", "B", "ctx", "splits", "tile", "us", "%copy", "merge_us",
+                   "default_splits", "default_tile", "default_us", "default_%copy",
+                   "speedup_vs_default"]  # fmt: skip
+        print_now(markdown_table(best_rows, columns))
+        print_tune_advice(best_rows, args.shapes, sms)
+        payload["decode_tuning"] = best_rows
+    else:
+        payload |= run_sweep(args, copy_gbps)
+    payload["triton"] = __import__("triton").__version__
+    write_json(args.out, payload)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

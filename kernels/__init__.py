@@ -12,6 +12,9 @@ from typing import Any
 from kernels import reference
 
 _ENTRY_POINTS = {
+    "apply_rotary": "kernels.rotary",
+    "fused_add_rms_norm": "kernels.rms_norm",
+    "silu_and_mul": "kernels.activation",
     "append_kv": "kernels.kv_append",
     "append_kv_prefill": "kernels.kv_append",
     "append_kv_slots": "kernels.kv_append",

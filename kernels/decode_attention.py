@@ -5,11 +5,13 @@ query head that shares the kv head (padded to 16 rows for tl.dot), walks its
 share of the context in tiles of BLOCK_N tokens gathered through the block
 table, and keeps an online softmax in float32. With one split it writes the
 output; with several (flash-decoding) it writes a partial output and its
-log-sum-exp, and a second small kernel merges the splits.
+log-sum-exp, and a second small kernel (merge_splits) merges the splits.
 
-The grid depends only on shapes and host ints (batch, kv heads, num_splits):
-the launcher never reads context_lens, so a launch is CUDA-graph capturable.
-A split's token range is derived in the kernel from the sequence's actual
+Launch parameters (splits, tile, warps, stages) come from choose_decode_launch,
+a pure function of shapes, so they are fixed per captured CUDA graph. The grid
+depends only on shapes and host ints (batch, kv heads, num_splits): the
+launcher never reads context_lens, so a launch is CUDA-graph capturable. A
+split's token range is derived in the kernel from the sequence's actual
 length, so splits past the end of a short sequence exit after writing an
 empty partial (lse = -inf).
 """
@@ -17,15 +19,64 @@ empty partial (lse = -inf).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-_MIN_TOKENS_PER_SPLIT = 256
-_MAX_SPLITS = 64
 _MIN_QUERY_ROWS = 16  # tl.dot needs M >= 16
+
+# Split-KV policy (a-priori for H200; `python -m bench.kernels --tune` prints measured values).
+# A decode program is one (sequence, kv head, split); memory-bound work needs several
+# programs per SM in flight to cover HBM latency.
+SPLIT_PROGRAMS_PER_SM = 4  # split until about this many programs per SM
+ONE_PASS_PROGRAMS_PER_SM = 2  # no split once batch * kv heads reaches this many per SM
+MIN_TOKENS_PER_SPLIT = 128  # two 64-token tiles: a split shorter than this is all latency
+MAX_SPLITS = 128
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Per-program launch parameters of the decode kernel."""
+
+    block_n: int  # tokens per tile
+    num_warps: int
+    num_stages: int  # software-pipelining depth over the tile loop
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of 2 >= 16, got {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"bad num_warps/num_stages: {self.num_warps}/{self.num_stages}")
+
+
+# Keyed by head_dim; the one-pass entries hit >= 92% of copy at B=256 on H200.
+ONE_PASS_TILES = {
+    64: DecodeTiles(block_n=64, num_warps=4, num_stages=2),
+    128: DecodeTiles(block_n=64, num_warps=4, num_stages=2),
+}
+SPLIT_TILES = {
+    64: DecodeTiles(block_n=64, num_warps=4, num_stages=2),
+    128: DecodeTiles(block_n=64, num_warps=4, num_stages=2),
+}
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """Everything paged_decode_attention launches with; fixed per shape (and CUDA graph)."""
+
+    num_splits: int
+    tiles: DecodeTiles
+
+
+def default_tiles(head_dim: int, split: bool) -> DecodeTiles:
+    """The tuned tile for this head_dim; other head dims scale block_n to ~8 KiB of K."""
+    table = SPLIT_TILES if split else ONE_PASS_TILES
+    if head_dim in table:
+        return table[head_dim]
+    return DecodeTiles(block_n=max(16, min(64, 8192 // head_dim)), num_warps=4, num_stages=2)
 
 
 def choose_num_splits(
@@ -33,16 +84,25 @@ def choose_num_splits(
 ) -> int:
     """How many KV splits per (sequence, kv head): a pure function of shapes.
 
-    One pass when batch * num_kv_heads programs already fill the SMs; otherwise
-    enough splits for about two programs per SM, each covering at least
-    _MIN_TOKENS_PER_SPLIT tokens of the longest possible context.
+    One pass when batch * num_kv_heads programs already give ONE_PASS_PROGRAMS_PER_SM
+    per SM; otherwise enough splits for about SPLIT_PROGRAMS_PER_SM programs per SM,
+    each covering at least MIN_TOKENS_PER_SPLIT tokens of the longest possible
+    context, at most MAX_SPLITS. Non-increasing in batch.
     """
     base = batch * num_kv_heads
-    if base >= num_sms:
+    if base >= ONE_PASS_PROGRAMS_PER_SM * num_sms:
         return 1
-    by_occupancy = triton.cdiv(2 * num_sms, base)
-    by_length = max(1, max_context_len_hint // _MIN_TOKENS_PER_SPLIT)
-    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+    by_occupancy = triton.cdiv(SPLIT_PROGRAMS_PER_SM * num_sms, base)
+    by_length = max(1, max_context_len_hint // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def choose_decode_launch(
+    batch: int, num_kv_heads: int, head_dim: int, max_context_len_hint: int, num_sms: int
+) -> DecodeLaunch:
+    """Split count and tile for a decode shape: a pure function, chosen once per shape."""
+    num_splits = choose_num_splits(batch, num_kv_heads, max_context_len_hint, num_sms)
+    return DecodeLaunch(num_splits, default_tiles(head_dim, split=num_splits > 1))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -103,7 +163,9 @@ def _decode_kernel(
         block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         tok_off = block * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_slot + head_off
         kv_off = tok_off[:, None] + d[None, :]  # [BLOCK_N, HEAD_DIM]
+        # V is loaded with K (not after the softmax) so both tiles are in flight together.
         k = tl.load(k_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
         # [GROUP_PAD, BLOCK_N] scores in the log2 domain
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(tok_mask[None, :], s, float("-inf"))
@@ -111,7 +173,6 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -164,20 +225,20 @@ def paged_decode_attention(
     max_context_len: int | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     """Paged decode attention with GQA; split-KV (flash-decoding) when the batch is small.
 
     Constraints: num_heads % num_kv_heads == 0; head_dim a power of 2 >= 16;
     head_dim contiguous in q, out and the caches; fp16/bf16/fp32 (accumulated in
-    fp32). num_splits None: choose_num_splits from the shapes, with
-    max_context_len (default: the block table width * block_size) as the hint.
-    workspace: optional (partial_out [B*num_heads*num_splits*head_dim] fp32,
-    partial_lse [B*num_heads*num_splits] fp32) for the split path; allocated
-    per call when absent. block_n (tokens per tile; default 64, 32 for
-    head_dim >= 256), num_warps and num_stages are launch tunables.
-    Never reads device data on the host.
+    fp32). Launch parameters left None come from choose_decode_launch, with
+    max_context_len (default: the block table width * block_size) as the length
+    hint; explicit num_splits / block_n / num_warps / num_stages override them
+    (the tile defaults then follow the given num_splits). workspace: optional
+    (partial_out [B*num_heads*num_splits*head_dim] fp32, partial_lse
+    [B*num_heads*num_splits] fp32) for the split path; allocated per call when
+    absent. Never reads device data on the host.
     """
     num_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -190,14 +251,16 @@ def paged_decode_attention(
         return out
     if num_splits is None:
         hint = max_context_len or block_table.shape[1] * block_size
-        num_splits = choose_num_splits(num_rows, num_kv_heads, hint, num_sms(q.device))
+        launch = choose_decode_launch(num_rows, num_kv_heads, head_dim, hint, num_sms(q.device))
+    else:
+        launch = DecodeLaunch(num_splits, default_tiles(head_dim, split=num_splits > 1))
+    num_splits, tiles = launch.num_splits, launch.tiles
     group = num_heads // num_kv_heads
     split = num_splits > 1
     if split:
         part_out, part_lse = workspace or _workspace(num_rows, num_heads, num_splits, head_dim, q)
     else:
         part_out = part_lse = out
-    block_n = block_n or (32 if head_dim >= 256 else 64)
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, slot_mapping, context_lens,
         out, part_out, part_lse,
@@ -207,16 +270,33 @@ def paged_decode_attention(
         block_table.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(_MIN_QUERY_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n or tiles.block_n, SPLIT=split,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps or tiles.num_warps, num_stages=num_stages or tiles.num_stages,
     )  # fmt: skip
     if split:
-        _merge_kernel[(num_rows, num_heads)](
-            part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
-        )  # fmt: skip
+        merge_splits(part_out, part_lse, out, num_splits)
     return out
+
+
+def merge_splits(
+    part_out: torch.Tensor,  # [B * num_heads * num_splits * head_dim] fp32
+    part_lse: torch.Tensor,  # [B * num_heads * num_splits] fp32, log2 domain
+    out: torch.Tensor,  # [B, num_heads, head_dim]
+    num_splits: int,
+) -> None:
+    """Combine split partials into out: one program per (row, head), all splits in one load.
+
+    At B=1 this is a latency-bound kernel of num_heads programs; warps grow with
+    the [splits, head_dim] tile so no thread holds more than ~64 floats of it.
+    """
+    num_rows, num_heads, head_dim = out.shape
+    splits_pad = triton.next_power_of_2(num_splits)
+    _merge_kernel[(num_rows, num_heads)](
+        part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, SPLITS_PAD=splits_pad,
+        num_warps=max(1, min(8, splits_pad * head_dim // (32 * 64))),
+    )  # fmt: skip
 
 
 def _workspace(

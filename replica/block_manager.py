@@ -162,7 +162,7 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= seq.num_committed_blocks:
             return
-        hashes = seq.full_block_hashes(self.block_size)
+        hashes = seq.full_block_hashes(self.block_size, seq.num_computed_tokens)
         for index in range(seq.num_committed_blocks, num_full):
             block, h = seq.block_ids[index], hashes[index]
             if self.block_hash[block] is None and h not in self.hash_to_block:

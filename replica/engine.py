@@ -5,18 +5,41 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from replica.block_manager import BlockManager
 from replica.config import CacheConfig, EngineConfig, SchedulerConfig
-from replica.model_runner import ModelRunner
+from replica.model_runner import ModelRunner, StepHandle
 from replica.models import load_model_config, load_tokenizer
 from replica.outputs import CompletionOutput, RequestOutput
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch, Scheduler
-from replica.sequence import Sequence
+from replica.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from replica.stats import ReplicaStats
+
+
+@dataclass
+class InFlightStep:
+    """A launched step: which sequences sample, where their tokens go, and the handle."""
+
+    seqs: list[Sequence]
+    indices: list[int]  # position in each sequence's token_ids of its placeholder
+    handle: StepHandle
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    """Host-side phases of the last step(), for benchmarks (seconds)."""
+
+    schedule_s: float
+    launch_s: float  # input preparation and kernel launches (graph replay)
+    wait_s: float  # waiting for the previous step's tokens from the device
+    drain_s: float  # placeholders, stop checks, outputs
+    num_prefill_tokens: int
+    num_decode_seqs: int
+
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _TOKENS_PER_S_WINDOW_S = 2.0
@@ -79,6 +102,8 @@ class LLMEngine:
         )
         self.tokenizer = load_tokenizer(config.model)
         self.requests: dict[str, Sequence] = {}
+        self.in_flight: InFlightStep | None = None
+        self.last_step: StepTimings | None = None
         self._token_events: deque[tuple[float, int]] = deque()  # (time_s, tokens) per step
         self._next_id = 0
 
@@ -147,48 +172,75 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch the next step, then collect the one before it.
+
+        The device runs step N while the host schedules N + 1 and turns N - 1's
+        tokens into outputs. A request that stops on a sampled stop token is
+        seen one step late; that step's token for it is discarded.
+        """
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        tokens = self.run(batch)
-        return self.postprocess(batch, tokens)
+        t1 = time.perf_counter()
+        launched = self.launch(batch)
+        t2 = time.perf_counter()
+        if self.in_flight is not None:
+            self.in_flight.handle.wait()
+        t3 = time.perf_counter()
+        outputs = self.drain()
+        t4 = time.perf_counter()
+        self.in_flight = launched
+        self.last_step = StepTimings(
+            t1 - t0, t2 - t1, t3 - t2, t4 - t3, sum(batch.prefill_lens), len(batch.decode_seqs)
+        )
+        return outputs
 
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """Run the model on a scheduled batch; one sampled token per sampling sequence."""
+    def launch(self, batch: ScheduledBatch) -> InFlightStep | None:
+        """Enqueue the batch on the device and advance the host-side bookkeeping."""
         if batch.is_empty:
-            return []
-        dirty = self.block_manager.take_dirty_slots()
-        return self.runner.execute(batch, self.block_manager.block_table, dirty)
-
-    def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[RequestOutput]:
-        """Append sampled tokens, retire finished sequences, publish hashes; return deltas."""
-        if batch.is_empty:
-            return []
+            return None
         bm = self.block_manager
-        block_size = bm.block_size
+        handle = self.runner.launch(batch, bm.block_table, bm.take_dirty_slots())
         sampled: list[Sequence] = []
         for seq, n in zip(batch.prefill_seqs, batch.prefill_lens, strict=True):
             seq.num_computed_tokens += n
+            bm.commit(seq)
             if seq.num_computed_tokens == len(seq.token_ids):
                 sampled.append(seq)
-            bm.commit(seq)
+        for seq in batch.decode_seqs:
+            seq.num_computed_tokens += 1
         sampled += batch.decode_seqs
-        num_prefill_sampled = len(sampled) - len(batch.decode_seqs)
+        indices = []
+        for seq in sampled:
+            indices.append(len(seq.token_ids))
+            seq.token_ids.append(PLACEHOLDER)
+        return InFlightStep(sampled, indices, handle)
+
+    def drain(self) -> list[RequestOutput]:
+        """Wait for the in-flight step's tokens; fill placeholders, stop, emit deltas."""
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            return []
+        tokens = step.handle.wait()
+        block_size = self.block_manager.block_size
         outputs = []
-        for i, (seq, token) in enumerate(zip(sampled, tokens, strict=True)):
-            if i >= num_prefill_sampled:
-                seq.num_computed_tokens += 1
-                if seq.num_computed_tokens % block_size == 0:
-                    bm.commit(seq)  # a decode just filled a block
-            seq.token_ids.append(token)
+        for seq, index, token in zip(step.seqs, step.indices, tokens, strict=True):
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # aborted, or stopped a step ago: this token is not part of it
+            seq.token_ids[index] = token
             if token in seq.stop_ids:
-                self._finish(seq, "stop", outputs)
-            elif len(seq.token_ids) >= seq.max_len:
-                self._finish(seq, "length", outputs)
+                self._finish(seq, index, "stop", outputs)
+            elif index + 1 >= seq.max_len:
+                self._finish(seq, index, "length", outputs)
             else:
                 outputs.append(RequestOutput(seq.request_id, [token]))
+                if (index + 1) % block_size == 0:
+                    self.block_manager.commit(seq)  # the block ending here is now known
         self._token_events.append((time.monotonic(), len(tokens)))
         return outputs
 
-    def _finish(self, seq: Sequence, reason: str, outputs: list[RequestOutput]) -> None:
+    def _finish(self, seq: Sequence, index: int, reason: str, outputs: list) -> None:
+        del seq.token_ids[index + 1 :]  # a placeholder launched after the stop
+        seq.num_computed_tokens = min(seq.num_computed_tokens, index)
         self.scheduler.finish(seq, reason)
         del self.requests[seq.request_id]
         self.runner.release(seq.request_id)

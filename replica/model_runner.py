@@ -5,6 +5,13 @@ host-to-device copy per step; block-table rows are copied only when a
 sequence's blocks changed. On CUDA, decode runs as a replay of a CUDA graph
 captured for the next bucketed batch size; padding rows point at a null
 table row whose blocks are all the reserved null block.
+
+Steps overlap with the host: launch() enqueues a step and returns at once with
+a StepHandle. Sampled tokens stay on the device too (token_buf, one entry per
+table row), so the next step's decode reads a token the host has not seen yet
+(a PLACEHOLDER on the host side) straight from token_buf. Host staging buffers
+alternate between two copies, so a step's inputs are never overwritten while
+its copies may still be pending.
 """
 
 from __future__ import annotations
@@ -20,6 +27,22 @@ from replica.scheduler import ScheduledBatch
 from replica.sequence import Sequence
 
 _DEC_INPUT_IDS, _DEC_POSITIONS, _DEC_SLOTS, _DEC_CONTEXT_LENS = range(4)
+
+
+class StepHandle:
+    """A launched step's sampled tokens, on their way to the host."""
+
+    def __init__(self, host_tokens: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self.host_tokens = host_tokens  # [num_sampled], pinned on CUDA
+        self.event = event
+        self.tokens: list[int] | None = None
+
+    def wait(self) -> list[int]:
+        if self.tokens is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self.tokens = self.host_tokens.tolist()
+        return self.tokens
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -58,12 +81,18 @@ class ModelRunner:
         self.block_table = torch.zeros(
             (rows, self.max_blocks_per_seq), dtype=torch.int32, device=device
         )
+        # Host staging, two copies each (see the module docstring); parity picks one per step.
         self.block_table_staging = torch.zeros(
-            (rows, self.max_blocks_per_seq), dtype=torch.int32, pin_memory=pin
+            (2, rows, self.max_blocks_per_seq), dtype=torch.int32, pin_memory=pin
         )
-        self.dirty_rows_staging = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
+        self.dirty_rows_staging = torch.zeros((2, rows), dtype=torch.int64, pin_memory=pin)
+        self.decode_staging = torch.zeros(
+            (2, 4, self.max_num_seqs), dtype=torch.int64, pin_memory=pin
+        )
+        self.token_staging = torch.zeros((2, self.max_num_seqs), dtype=torch.int64, pin_memory=pin)
+        self.parity = 0
         self.decode_inputs = torch.zeros((4, self.max_num_seqs), dtype=torch.int64, device=device)
-        self.decode_staging = torch.zeros((4, self.max_num_seqs), dtype=torch.int64, pin_memory=pin)
+        self.token_buf = torch.zeros(rows, dtype=torch.int64, device=device)  # last token per slot
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.request_generators: dict[str, torch.Generator] = {}
         self.kv_cache: torch.Tensor | None = None
@@ -114,14 +143,16 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------
     @torch.inference_mode()
-    def execute(
+    def launch(
         self, batch: ScheduledBatch, block_table: np.ndarray, dirty_slots: list[int]
-    ) -> list[int]:
-        """Run the batch; return one sampled token per sampling sequence.
+    ) -> StepHandle:
+        """Enqueue the batch; the handle yields one token per sampling sequence.
 
         Sampling sequences are, in order, the prefill sequences whose chunk
-        reaches their last token, then every decode sequence.
+        reaches their last token, then every decode sequence. A decode
+        sequence's last token may be a PLACEHOLDER: it is read from token_buf.
         """
+        self.parity ^= 1
         self._update_block_table(block_table, dirty_slots)
         if batch.block_copies:
             src, dst = zip(*batch.block_copies, strict=True)
@@ -129,20 +160,32 @@ class ModelRunner:
                 self.kv_cache, torch.tensor(src, device=self.device),
                 torch.tensor(dst, device=self.device),
             )  # fmt: skip
-        logits, sampled_seqs = [], []
+        logits, slots, sampled_seqs = [], [], []
         if batch.prefill_seqs:
-            prefill_logits, done = self._run_prefill(batch.prefill_seqs, batch.prefill_lens)
+            prefill_logits, done, done_slots = self._run_prefill(
+                batch.prefill_seqs, batch.prefill_lens
+            )
             if done:
                 logits.append(prefill_logits)
+                slots.append(done_slots)
                 sampled_seqs += done
         if batch.decode_seqs:
             logits.append(self._run_decode(batch.decode_seqs))
+            slots.append(self.decode_inputs[_DEC_SLOTS, : len(batch.decode_seqs)])
             sampled_seqs += batch.decode_seqs
+        host = self.token_staging[self.parity, : len(sampled_seqs)]
         if not sampled_seqs:
-            return []
-        all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
-        tokens = sample(all_logits, self._sampling_batch(sampled_seqs), self.generator)
-        return tokens.tolist()
+            return StepHandle(host, None)
+        cat = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)  # noqa: E731
+        tokens = sample(cat(logits), self._sampling_batch(sampled_seqs), self.generator)
+        self.token_buf.index_copy_(0, cat(slots), tokens)
+        if self.device.type == "cpu":
+            host.copy_(tokens)
+            return StepHandle(host, None)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StepHandle(host, event)
 
     def release(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
@@ -151,15 +194,17 @@ class ModelRunner:
         if not dirty_slots:
             return
         n = len(dirty_slots)
-        staging = self.block_table_staging[:n]
+        staging = self.block_table_staging[self.parity, :n]
         staging.numpy()[:] = block_table[dirty_slots]
-        self.dirty_rows_staging.numpy()[:n] = dirty_slots
-        rows = self.dirty_rows_staging[:n].to(self.device, non_blocking=True)
+        rows = self.dirty_rows_staging[self.parity, :n]
+        rows.numpy()[:] = dirty_slots
+        rows = rows.to(self.device, non_blocking=True)
         self.block_table.index_copy_(0, rows, staging.to(self.device, non_blocking=True))
 
     def _run_prefill(
         self, seqs: list[Sequence], lens: list[int]
-    ) -> tuple[torch.Tensor, list[Sequence]]:
+    ) -> tuple[torch.Tensor, list[Sequence], torch.Tensor]:
+        """Logits at the last token of each sequence whose chunk completes it, and their slots."""
         input_ids: list[int] = []
         positions: list[int] = []
         cu_seqlens = [0]
@@ -187,19 +232,22 @@ class ModelRunner:
         )
         hidden = self.model(as_tensor(input_ids), meta.positions, self.kv_cache, meta)
         if not done:
-            return hidden[:0], done
-        return self.model.compute_logits(hidden[as_tensor(last_rows)]), done
+            return hidden[:0], done, meta.slot_mapping[:0]
+        logits = self.model.compute_logits(hidden[as_tensor(last_rows)])
+        return logits, done, as_tensor([s.slot for s in done])
 
     def _run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
         num_seqs = len(seqs)
         padded = self._graph_size(num_seqs) if self.graph_sizes else num_seqs
-        staging = self.decode_staging.numpy()
-        staging[_DEC_INPUT_IDS, :num_seqs] = [s.token_ids[-1] for s in seqs]
+        staging = self.decode_staging[self.parity].numpy()
+        staging[_DEC_INPUT_IDS, :num_seqs] = [s.token_ids[-1] for s in seqs]  # or PLACEHOLDER
         staging[_DEC_POSITIONS, :num_seqs] = [len(s) - 1 for s in seqs]
         staging[_DEC_SLOTS, :num_seqs] = [s.slot for s in seqs]
         staging[_DEC_CONTEXT_LENS, :num_seqs] = staging[_DEC_POSITIONS, :num_seqs] + 1
         self._reset_decode_padding(num_seqs, padded)
-        self.decode_inputs[:, :padded].copy_(self.decode_staging[:, :padded], non_blocking=True)
+        self.decode_inputs[:, :padded].copy_(
+            self.decode_staging[self.parity, :, :padded], non_blocking=True
+        )
         if self.use_cuda_graphs:
             graph, logits = self.graphs[padded]
             graph.replay()
@@ -215,12 +263,19 @@ class ModelRunner:
             context_lens=inputs[_DEC_CONTEXT_LENS],
             positions=inputs[_DEC_POSITIONS],
         )
-        hidden = self.model(inputs[_DEC_INPUT_IDS], meta.positions, self.kv_cache, meta)
+        # A PLACEHOLDER (negative) id is the token the previous step sampled into token_buf.
+        ids = inputs[_DEC_INPUT_IDS]
+        ids = torch.where(ids >= 0, ids, self.token_buf[inputs[_DEC_SLOTS]])
+        hidden = self.model(ids, meta.positions, self.kv_cache, meta)
         return self.model.compute_logits(hidden)
+
+    def decode_forward_eager(self, num_rows: int) -> torch.Tensor:  # [num_rows, vocab]
+        """One decode forward outside any graph, on whatever the decode buffers hold (profiling)."""
+        return self._decode_forward(num_rows)
 
     def _reset_decode_padding(self, start: int, end: int | None = None) -> None:
         """Padding rows read and write only the null row's null block."""
-        staging = self.decode_staging.numpy()
+        staging = self.decode_staging[self.parity].numpy()
         end = self.max_num_seqs if end is None else end
         staging[_DEC_INPUT_IDS, start:end] = 0
         staging[_DEC_POSITIONS, start:end] = 0
@@ -234,7 +289,7 @@ class ModelRunner:
         raise AssertionError(f"batch of {num_seqs} exceeds max_num_seqs")
 
     def _capture_graphs(self) -> None:
-        self.decode_inputs.copy_(self.decode_staging)
+        self.decode_inputs.copy_(self.decode_staging[self.parity])
         pool = None
         with torch.inference_mode():
             for size in reversed(self.graph_sizes):  # largest first, so smaller reuse its pool

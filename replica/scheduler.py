@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from replica.block_manager import BlockManager
 from replica.config import SchedulerConfig
-from replica.sequence import Sequence, SequenceStatus
+from replica.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 @dataclass
@@ -80,11 +80,14 @@ class Scheduler:
 
     def _schedule_decodes(self) -> list[Sequence]:
         bm = self.block_manager
+        # A sequence whose last allowed token is still in flight needs no decode step.
         if self.prefilling:
             prefilling = set(map(id, self.prefilling))
-            decodes = [s for s in self.running if id(s) not in prefilling]
+            decodes = [
+                s for s in self.running if id(s) not in prefilling and len(s.token_ids) < s.max_len
+            ]
         else:
-            decodes = list(self.running)
+            decodes = [s for s in self.running if len(s.token_ids) < s.max_len]
         while decodes and not bm.can_append(decodes):
             victim = self.running[-1]
             self.preempt(victim)
@@ -107,8 +110,10 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not bm.can_allocate(seq):
-                break  # first come, first served: later arrivals do not overtake
+            if seq.token_ids[-1] == PLACEHOLDER or not bm.can_allocate(seq):
+                # First come, first served: later arrivals do not overtake. A preempted
+                # sequence waits until its in-flight token has come back from the device.
+                break
             self.waiting.popleft()
             bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING

@@ -8,6 +8,8 @@ import time
 from replica.hashing import ROOT_HASH, hash_block
 from replica.sampling_params import SamplingParams
 
+PLACEHOLDER = -1  # a sampled token still on its way from the device
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -97,13 +99,16 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def full_block_hashes(self, block_size: int) -> list[int]:
-        """Extend and return block_hashes to cover every full block of token_ids."""
+    def full_block_hashes(self, block_size: int, num_tokens: int | None = None) -> list[int]:
+        """Extend and return block_hashes over the full blocks of token_ids[:num_tokens].
+
+        num_tokens bounds the hashing to tokens whose values are known (a token
+        still being sampled on the device is a placeholder).
+        """
+        end = len(self.token_ids) if num_tokens is None else num_tokens
         hashes = self.block_hashes
         parent = hashes[-1] if hashes else ROOT_HASH
-        for start in range(
-            len(hashes) * block_size, len(self.token_ids) - block_size + 1, block_size
-        ):
+        for start in range(len(hashes) * block_size, end - block_size + 1, block_size):
             parent = hash_block(parent, self.token_ids[start : start + block_size])
             hashes.append(parent)
         return hashes

@@ -41,3 +41,6 @@ class CausalLM(Protocol):
         ...
 
     def checkpoint_name(self, hf_name: str) -> str | None: ...
+
+    def finalize(self) -> None:
+        """Called once the weights are in place (e.g. to concatenate fused projections)."""

@@ -10,7 +10,7 @@ from torch import nn
 
 from replica.attention import AttentionBackend, AttentionMetadata
 from replica.models.config import ModelConfig
-from replica.models.layers import Conv1D, gelu_new
+from replica.models.layers import Conv1D, gelu_new, gelu_tanh_fused
 
 # Legacy checkpoints carry the causal-mask buffers `h.N.attn.bias` / `h.N.attn.masked_bias`.
 _MASK_BUFFER = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$")
@@ -36,9 +36,7 @@ class GPT2Attention(nn.Module):
         num_tokens = x.shape[0]
         shape = (num_tokens, self.num_heads, self.head_dim)
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # 3 x [T, hidden_size], strided views
-        q = q.contiguous().view(shape)  # [T, num_heads, head_dim]
-        k = k.contiguous().view(shape)
-        v = v.contiguous().view(shape)
+        q, k, v = q.view(shape), k.view(shape), v.view(shape)  # the kernels take row strides
         out = self.backend.forward(
             q, k, v, kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1], meta, self.scale
         )  # [T, num_heads, head_dim]
@@ -46,22 +44,27 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """c_fc, tanh GELU, c_proj; the GELU is HF's exact formula, or one kernel when fused."""
+
+    def __init__(self, config: ModelConfig, fused: bool) -> None:
         super().__init__()
         self.c_fc = Conv1D(config.hidden_size, config.intermediate_size)
         self.c_proj = Conv1D(config.intermediate_size, config.hidden_size)
+        self._act = gelu_tanh_fused if fused else gelu_new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden_size]
-        return self.c_proj(gelu_new(self.c_fc(x)))
+        return self.c_proj(self._act(self.c_fc(x)))
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, fused: bool
+    ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.attn = GPT2Attention(config, layer_idx, backend)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.mlp = GPT2MLP(config)
+        self.mlp = GPT2MLP(config, fused)
 
     def forward(
         self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -71,11 +74,13 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool) -> None:
         super().__init__()
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config, i, backend) for i in range(config.num_layers))
+        self.h = nn.ModuleList(
+            GPT2Block(config, i, backend, fused) for i in range(config.num_layers)
+        )
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
@@ -88,10 +93,11 @@ class GPT2LMHeadModel(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        fused: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
-        self.transformer = GPT2Transformer(config, backend)
+        self.transformer = GPT2Transformer(config, backend, fused)
 
     def forward(
         self,
@@ -108,6 +114,9 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab_size], float32
         return F.linear(hidden, self.transformer.wte.weight).float()
+
+    def finalize(self) -> None:
+        """Nothing to fuse: c_attn is already one projection."""
 
     def checkpoint_name(self, hf_name: str) -> str | None:
         if hf_name == "lm_head.weight" or _MASK_BUFFER.search(hf_name):

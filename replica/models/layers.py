@@ -7,21 +7,56 @@ import math
 import torch
 from torch import nn
 
+from kernels.rms_norm import fused_add_rms_norm, rms_norm
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm: normalise in float32, cast back, then scale by the weight."""
+    input_dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(input_dtype)
+
+
+def add_rms_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = residual + x
+    return rms_norm_torch(residual, weight, eps), residual
+
+
+def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm(x, weight, eps)
+
+
+def add_rms_norm_fused(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return fused_add_rms_norm(x, residual, weight, eps)
+
 
 class RMSNorm(nn.Module):
-    """LlamaRMSNorm: normalise in float32, cast back, then scale by the weight."""
+    """RMSNorm with HF's numerics; `fused` (chosen once, on CUDA) runs one Triton kernel.
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    add_and_norm(x, residual) returns (norm(residual + x), residual + x): the
+    residual add of a decoder layer fused with the next norm.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, fused: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self._norm = rms_norm_fused if fused else rms_norm_torch
+        self._add_norm = add_rms_norm_fused if fused else add_rms_norm_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden_size]
-        input_dtype = x.dtype
-        x = x.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(input_dtype)
+        return self._norm(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, hidden], [T, hidden])
+        return self._add_norm(x, residual, self.weight, self.eps)
 
 
 class Conv1D(nn.Module):
@@ -41,3 +76,8 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return (
         0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
     )
+
+
+def gelu_tanh_fused(x: torch.Tensor) -> torch.Tensor:
+    """The same tanh GELU in one kernel (CUDA path; not bitwise equal to gelu_new)."""
+    return torch.nn.functional.gelu(x, approximate="tanh")

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.activation import silu_and_mul
+from kernels.rotary import apply_rotary
 from replica.attention import AttentionBackend, AttentionMetadata
 from replica.models.config import ModelConfig
 from replica.models.layers import RMSNorm
@@ -17,7 +19,16 @@ from replica.models.rope import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    """Attention with q/k/v projections, optional per-head q/k norm (Qwen3) and RoPE.
+
+    Torch path (CPU): separate projections and HF's exact ops. Fused path (CUDA,
+    chosen once): one q/k/v matmul over weights concatenated by finalize(), then
+    one kernel for q/k norm + RoPE.
+    """
+
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, fused: bool
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
@@ -35,6 +46,23 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
         self.qk_norm = config.qk_norm
+        self.norm_eps = config.norm_eps
+        self.sizes = [q_size, kv_size, kv_size]
+        self._qkv = _qkv_fused if fused else _qkv_torch
+
+    def finalize(self) -> None:
+        """Fused path: replace q/k/v by one projection over their concatenated weights."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight for p in projections])
+        bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None
+        self.qkv_proj = nn.Linear(
+            weight.shape[1], weight.shape[0], bias=bias is not None,
+            device=weight.device, dtype=weight.dtype,
+        ).requires_grad_(False)  # fmt: skip
+        self.qkv_proj.weight.copy_(weight)
+        if bias is not None:
+            self.qkv_proj.bias.copy_(bias)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -45,59 +73,120 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = rotary(positions, q, k)  # [T, num_heads, head_dim], [T, num_kv_heads, head_dim]
+        q, k, v = self._qkv(self, x, positions, rotary)
         out = self.backend.forward(
             q, k, v, kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1], meta, self.scale
         )  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
+def _qkv_torch(
+    attn: LlamaAttention, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_tokens = x.shape[0]
+    q = attn.q_proj(x).view(num_tokens, attn.num_heads, attn.head_dim)
+    k = attn.k_proj(x).view(num_tokens, attn.num_kv_heads, attn.head_dim)
+    v = attn.v_proj(x).view(num_tokens, attn.num_kv_heads, attn.head_dim)
+    if attn.qk_norm:
+        q = attn.q_norm(q)
+        k = attn.k_norm(k)
+    q, k = rotary(positions, q, k)  # [T, num_heads, head_dim], [T, num_kv_heads, head_dim]
+    return q, k, v
+
+
+def _qkv_fused(
+    attn: LlamaAttention, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_tokens = x.shape[0]
+    q, k, v = attn.qkv_proj(x).split(attn.sizes, dim=-1)  # strided views of one matmul
+    q = q.view(num_tokens, attn.num_heads, attn.head_dim)
+    k = k.view(num_tokens, attn.num_kv_heads, attn.head_dim)
+    v = v.view(num_tokens, attn.num_kv_heads, attn.head_dim)
+    q_w = attn.q_norm.weight if attn.qk_norm else None
+    k_w = attn.k_norm.weight if attn.qk_norm else None
+    q, k = apply_rotary(q, k, rotary.cos, rotary.sin, positions, q_w, k_w, attn.norm_eps)
+    return q, k, v
+
+
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """SiLU-gated MLP; the fused path runs one gate|up matmul and one silu_and_mul kernel."""
+
+    def __init__(self, config: ModelConfig, fused: bool) -> None:
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self._act = _mlp_fused if fused else _mlp_torch
+
+    def finalize(self) -> None:
+        """Fused path: one projection over the concatenated gate and up weights."""
+        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        has_bias = self.gate_proj.bias is not None
+        self.gate_up_proj = nn.Linear(
+            weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device,
+            dtype=weight.dtype,
+        ).requires_grad_(False)  # fmt: skip
+        self.gate_up_proj.weight.copy_(weight)
+        if has_bias:
+            self.gate_up_proj.bias.copy_(torch.cat([self.gate_proj.bias, self.up_proj.bias]))
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden_size]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self._act(self, x))
+
+
+def _mlp_torch(mlp: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
+    return F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
+
+
+def _mlp_fused(mlp: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul(mlp.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    """Pre-norm block that carries the residual stream separately.
+
+    forward(x, residual) returns (sublayer output, residual) and folds each
+    residual add into the following norm (add_and_norm): the same additions HF
+    makes (x + residual), so the torch path stays exact, and one kernel on CUDA.
+    """
+
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, fused: bool
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, backend)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, backend, fused)
+        self.mlp = LlamaMLP(config, fused)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, fused)
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden_size]
+        x: torch.Tensor,  # [T, hidden_size]: the previous sublayer's output
+        residual: torch.Tensor | None,  # [T, hidden_size]; None before the first layer
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden_size]
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, backend, fused) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps, fused)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -109,12 +198,14 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        fused: bool = False,
     ) -> None:
         super().__init__()
         if config.rope is None:
             raise ValueError(f"{config.architecture} needs a RoPE config")
         self.config = config
-        self.model = LlamaModel(config, backend)
+        self.fused = fused
+        self.model = LlamaModel(config, backend, self.fused)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope, dtype, device
         )
@@ -128,10 +219,18 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, positions, self.rotary, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
+        return self.model.norm.add_and_norm(x, residual)[0]
+
+    def finalize(self) -> None:
+        """After the weights are in place: on the fused path, concatenate projections."""
+        if not self.fused:
+            return
+        for layer in self.model.layers:
+            layer.self_attn.finalize()
+            layer.mlp.finalize()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab_size], float32
         if self.config.tie_word_embeddings:

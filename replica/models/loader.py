@@ -37,28 +37,40 @@ def load_model(
     device: torch.device,
     seed: int,
     backend: AttentionBackend,
+    fused: bool | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Preset -> seeded random weights; directory -> its safetensors weights.
+
+    fused (default: on CUDA) runs norms, RoPE and activations as fused Triton
+    kernels over concatenated projections; otherwise HF's exact torch ops.
 
     Raises ValueError for an unknown name, an unsupported architecture, a
     directory without safetensors, and missing, unexpected or misshapen weights.
     """
     config = load_model_config(model)
     device = torch.device(device)
-    module = build_model(config, backend, dtype, device)
+    fused = device.type == "cuda" if fused is None else fused
+    module = build_model(config, backend, dtype, device, fused)
     if is_preset(model):
         init_random_weights(module, seed)
     else:
         load_checkpoint_weights(module, model)
-    return module.eval().requires_grad_(False), config
+    module = module.eval().requires_grad_(False)
+    with torch.no_grad():
+        module.finalize()
+    return module, config
 
 
 def build_model(
-    config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+    config: ModelConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    fused: bool = False,
 ) -> nn.Module:
     """The model with uninitialised parameters on `device` in `dtype`."""
     with torch.device("meta"):
-        module = MODEL_CLASSES[config.architecture](config, backend, dtype, device)
+        module = MODEL_CLASSES[config.architecture](config, backend, dtype, device, fused)
     return module.to(dtype=dtype).to_empty(device=device)
 
 

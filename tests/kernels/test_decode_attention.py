@@ -15,12 +15,18 @@ from kernel_helpers import (
 )
 
 from kernels import reference as ref
-from kernels.decode_attention import choose_num_splits, paged_decode_attention
+from kernels.decode_attention import (
+    DecodeTiles,
+    choose_decode_launch,
+    choose_num_splits,
+    paged_decode_attention,
+)
 
 
 def _run_case(
-    dtype, num_heads, num_kv_heads, head_dim, block_size, ctx_lens, num_splits, device, seed=0
-):
+    dtype, num_heads, num_kv_heads, head_dim, block_size, ctx_lens, num_splits, device, seed=0,
+    **launch,
+):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     num_rows = len(ctx_lens)
     max_blocks = max(-(-c // block_size) for c in ctx_lens) + 1
@@ -41,7 +47,7 @@ def _run_case(
     out = torch.full_like(q, float("nan"))
     got = paged_decode_attention(
         q, k_cache, v_cache, block_table, slot_mapping, context_lens, scale, out=out,
-        num_splits=num_splits,
+        num_splits=num_splits, **launch,
     )  # fmt: skip
     assert got is out
     assert not out.isnan().any()
@@ -96,20 +102,61 @@ def test_decode_random_shapes(seed, device):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("num_splits", [1, 6])
+def test_decode_ragged_batch(num_splits, device):
+    """Lengths from 1 token to many tiles in one batch: short rows get empty splits."""
+    _run_case(torch.float16, 4, 2, 64, 16, [1, 300, 17, 64, 2], num_splits, device, seed=3)
+
+
+def test_decode_many_splits(device):
+    """33 splits (merge pads to 64) over a context of 35 tiles of 16 tokens."""
+    _run_case(torch.float32, 2, 1, 64, 16, [560, 40], 33, device, block_n=16)
+
+
+@pytest.mark.parametrize("block_n", [16, 32, 128])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_tile_overrides(block_n, num_splits, device):
+    _run_case(
+        torch.bfloat16, 4, 2, 128, 16, [5, 129, 200], num_splits, device,
+        block_n=block_n, num_warps=2, num_stages=3,
+    )  # fmt: skip
+
+
 def test_choose_num_splits_one_pass_when_grid_fills_gpu():
     assert choose_num_splits(256, 8, 1024, 132) == 1
     assert choose_num_splits(64, 12, 8192, 132) == 1
+    assert choose_num_splits(64, 8, 8192, 132) == 1
 
 
-def test_choose_num_splits_splits_small_batches():
-    splits = choose_num_splits(1, 8, 8192, 132)
-    assert splits > 1
-    assert splits * 8 >= 132  # at least one full wave of programs
+def test_choose_num_splits_fills_gpu_at_batch_one():
+    for num_kv_heads in (8, 12):
+        splits = choose_num_splits(1, num_kv_heads, 8192, 132)
+        assert splits * num_kv_heads >= 2 * 132  # several programs per SM in flight
+        assert splits <= 8192 // 64  # every split has at least one 64-token tile
 
 
 def test_choose_num_splits_bounded_by_context_and_monotone():
     assert choose_num_splits(1, 8, 128, 132) == 1  # too short to be worth splitting
-    assert choose_num_splits(1, 1, 10**6, 132) <= 64
-    counts = [choose_num_splits(b, 4, 8192, 132) for b in (1, 2, 4, 8, 16, 32, 64)]
-    assert counts == sorted(counts, reverse=True)
-    assert all(c >= 1 for c in counts)
+    assert choose_num_splits(1, 1, 10**6, 132) <= 128
+    for num_kv_heads in (1, 4, 8, 12):
+        counts = [choose_num_splits(b, num_kv_heads, 8192, 132) for b in (1, 2, 4, 8, 16, 32, 64)]
+        assert counts == sorted(counts, reverse=True)
+        assert all(c >= 1 for c in counts)
+
+
+def test_choose_decode_launch_is_a_pure_function_of_shapes():
+    launch = choose_decode_launch(1, 8, 128, 8192, 132)
+    assert launch == choose_decode_launch(1, 8, 128, 8192, 132)
+    assert launch.num_splits == choose_num_splits(1, 8, 8192, 132) > 1
+    one_pass = choose_decode_launch(256, 8, 128, 1024, 132)
+    assert one_pass.num_splits == 1
+    for head_dim in (32, 64, 128, 256):
+        tiles = choose_decode_launch(1, 8, head_dim, 8192, 132).tiles
+        assert tiles.block_n * head_dim <= 128 * 128  # a K tile stays in registers
+
+
+def test_decode_tiles_reject_bad_values():
+    with pytest.raises(ValueError):
+        DecodeTiles(block_n=48, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError):
+        DecodeTiles(block_n=64, num_warps=3, num_stages=2)

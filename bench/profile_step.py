@@ -1,0 +1,84 @@
+"""Where one decode step's time goes: host phases, graph replay, sampling, and the kernels.
+
+    python -m bench.profile_step --model gpt2 --dtype float16 --batch 256
+
+Prints (1) a per-phase breakdown of the engine step at a steady decode batch,
+timed with host clocks and CUDA events, and (2) the kernels of one eager
+decode forward from torch.profiler: how many launches and which cost most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.common import percentile
+from bench.engine import random_prompts
+from replica import EngineConfig, LLMEngine, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="gpt2")
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+
+    engine = LLMEngine(
+        EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.batch,
+                     max_model_len=min(2048, 1024 if args.model.startswith("gpt2") else 2048))
+    )  # fmt: skip
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=args.steps + 20, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(args.batch, args.prompt_len, vocab, 0)):
+        engine.add_request(f"p{i}", prompt, params)
+    while engine.scheduler.waiting or engine.scheduler.prefilling:
+        engine.step()
+    engine.step()
+
+    phases: dict[str, list[float]] = {"schedule": [], "launch": [], "wait": [], "drain": []}
+    walls = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(1e3 * (time.perf_counter() - t0))
+        t = engine.last_step
+        for name, dt in zip(phases, (t.schedule_s, t.launch_s, t.wait_s, t.drain_s), strict=True):
+            phases[name].append(1e3 * dt)
+    print(f"\nsteady decode at batch {args.batch}, {args.model} {engine.dtype}, ms per step (p50):")
+    print(f"  {'step wall':12s} {percentile(walls, 50):.3f}")
+    for name, values in phases.items():
+        print(f"  {name:12s} {percentile(values, 50):.3f}")
+
+    runner = engine.runner
+    if runner.use_cuda_graphs:
+        graph, _ = runner.graphs[runner.graph_sizes[-1]]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        replay_ms = start.elapsed_time(end) / 20
+        print(f"  graph replay at {runner.graph_sizes[-1]} rows: {replay_ms:.3f} ms (GPU)")
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.decode_forward_eager(args.batch)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    launches = sum(e.count for e in events)
+    total_us = sum(e.device_time_total for e in events)
+    print(f"\neager decode forward: {launches} kernel launches, {total_us / 1e3:.3f} ms GPU time")
+    events.sort(key=lambda e: -e.device_time_total)
+    for e in events[: args.top]:
+        print(f"  {e.count:5d} x {e.device_time_total / e.count:8.1f} us  {e.key[:90]}")
+
+
+if __name__ == "__main__":
+    main()
