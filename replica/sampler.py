@@ -49,7 +49,7 @@ class SamplingBatch:
 
 
 def sample(
-    logits: torch.Tensor,  # [N, vocab] float32
+    logits: torch.Tensor,  # [N, vocab], float32 or the model dtype (upcast where needed)
     batch: SamplingBatch,
     default_generator: torch.Generator | None = None,
 ) -> torch.Tensor:  # [N] int64

@@ -37,7 +37,7 @@ class CausalLM(Protocol):
     def compute_logits(
         self,
         hidden: torch.Tensor,  # [N, hidden_size]
-    ) -> torch.Tensor:  # [N, vocab_size], float32
+    ) -> torch.Tensor:  # [N, vocab_size]: float32 on the torch path, model dtype when fused
         ...
 
     def checkpoint_name(self, hf_name: str) -> str | None: ...

@@ -5,12 +5,11 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from replica.attention import AttentionBackend, AttentionMetadata
 from replica.models.config import ModelConfig
-from replica.models.layers import Conv1D, gelu_new, gelu_tanh_fused
+from replica.models.layers import Conv1D, LMHead, gelu_new, gelu_tanh_fused
 
 # Legacy checkpoints carry the causal-mask buffers `h.N.attn.bias` / `h.N.attn.masked_bias`.
 _MASK_BUFFER = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$")
@@ -97,6 +96,7 @@ class GPT2LMHeadModel(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        self.fused = fused
         self.transformer = GPT2Transformer(config, backend, fused)
 
     def forward(
@@ -112,11 +112,13 @@ class GPT2LMHeadModel(nn.Module):
             x = block(x, kv_cache, meta)
         return t.ln_f(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab_size], float32
-        return F.linear(hidden, self.transformer.wte.weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab_size]
+        return self.logits_head(hidden)
 
     def finalize(self) -> None:
-        """Nothing to fuse: c_attn is already one projection."""
+        """After the weights are in place: the LM head over the tied embedding."""
+        wte = self.transformer.wte.weight
+        self.logits_head = LMHead(wte, self.config.vocab_size, self.fused)
 
     def checkpoint_name(self, hf_name: str) -> str | None:
         if hf_name == "lm_head.weight" or _MASK_BUFFER.search(hf_name):

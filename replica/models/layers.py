@@ -81,3 +81,31 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_fused(x: torch.Tensor) -> torch.Tensor:
     """The same tanh GELU in one kernel (CUDA path; not bitwise equal to gelu_new)."""
     return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+class LMHead(nn.Module):
+    """Logits over the vocabulary from the final hidden states.
+
+    Torch path: float32 logits, as HF computes them. Fused path: the weight is
+    copied with its rows padded to a multiple of 64, so that the GEMM gets an
+    aligned kernel (an odd vocabulary such as GPT-2's 50257 otherwise falls to a
+    slow unaligned one), and logits stay in the model dtype: argmax is the same,
+    and the sampler upcasts where it computes probabilities.
+    """
+
+    PAD_ROWS_TO = 64
+
+    def __init__(self, weight: torch.Tensor, vocab_size: int, fused: bool) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.fused = fused
+        if fused:
+            rows = -(-vocab_size // self.PAD_ROWS_TO) * self.PAD_ROWS_TO
+            padded = weight.new_zeros(rows, weight.shape[1])
+            padded[:vocab_size] = weight
+            weight = padded
+        self.weight = weight  # a plain attribute: finalize() runs after weight loading
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        logits = torch.nn.functional.linear(hidden, self.weight)
+        return logits[:, : self.vocab_size] if self.fused else logits.float()

@@ -14,7 +14,7 @@ from kernels.activation import silu_and_mul
 from kernels.rotary import apply_rotary
 from replica.attention import AttentionBackend, AttentionMetadata
 from replica.models.config import ModelConfig
-from replica.models.layers import RMSNorm
+from replica.models.layers import LMHead, RMSNorm
 from replica.models.rope import RotaryEmbedding
 
 
@@ -225,17 +225,19 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def finalize(self) -> None:
-        """After the weights are in place: on the fused path, concatenate projections."""
+        """After the weights are in place: the LM head; on the fused path, concatenated
+        projections."""
+        tied = self.config.tie_word_embeddings
+        weight = self.model.embed_tokens.weight if tied else self.lm_head.weight
+        self.logits_head = LMHead(weight, self.config.vocab_size, self.fused)
         if not self.fused:
             return
         for layer in self.model.layers:
             layer.self_attn.finalize()
             layer.mlp.finalize()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab_size], float32
-        if self.config.tie_word_embeddings:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab_size]
+        return self.logits_head(hidden)
 
     def checkpoint_name(self, hf_name: str) -> str | None:
         if hf_name.endswith("rotary_emb.inv_freq"):

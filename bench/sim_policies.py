@@ -1,0 +1,357 @@
+"""Routers the simulator drives: the real router/ code, and peer policies for comparison.
+
+Real: kv, prefix, pow2 run router.Admission + router.make_policy unchanged, on the
+ReplicaStats snapshots the replicas published (stale by the stats period plus the
+propagation delay), with this router's reservations and hold/backoff.
+
+Peers (simulator-side re-implementations, approximate, no admission: they queue
+at the replica as their own systems do):
+  sglang       SGLang router cache_aware: load = requests in flight from this
+               router; if max - min > 64 and max > 1.5 * min, least loaded;
+               else the worker whose router-side tree shares the longest prefix,
+               if that covers > 30% of the prompt, else the smallest tree.
+  dynamo       Dynamo KV router (approximate-index mode): argmin over workers of
+               1.0 * (prefill blocks queued + this prompt's blocks not cached there)
+               + (active blocks + this prompt's blocks), ties at random.
+  random       uniform.
+  round_robin  in turn.
+The router-side tree is a per-worker LRU of chained block hashes (a radix tree's
+paths, one node per block) capped at the replica's block count, with an inverted
+index hash -> workers for longest-prefix search.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from bench.sim_workload import Workload
+from replica.stats import ReplicaStats
+from router import Admission, OverloadedError, RouterConfig, RouteRequest
+from router.admission import Reservation, ReservationBook
+
+REAL_POLICIES = ("kv", "prefix", "pow2")
+PEER_POLICIES = ("sglang", "dynamo", "random", "round_robin")
+ALL_POLICIES = REAL_POLICIES + PEER_POLICIES
+HELD = -1
+REJECTED = -2
+
+
+class SimRouter(Protocol):
+    """route() returns (replica index, 0) or (HELD, retry_after_s) or (REJECTED, 0)."""
+
+    name: str
+    needs_stats: bool
+    needs_hashes: bool
+    tracks_progress: bool
+
+    def route(
+        self, rid: int, now_s: float, stats: list[ReplicaStats], attempt: int, held_since_s: float
+    ) -> tuple[int, float]: ...
+
+    def on_first_token(self, rid: int, replica: int) -> None: ...
+
+    def on_finish(self, rid: int, replica: int) -> None: ...
+
+
+class IndexedReservationBook(ReservationBook):
+    """router.ReservationBook with per-replica indexes: same semantics, O(1) queries.
+
+    The stock book answers num_reserved_blocks by scanning every reservation, so
+    one admit() over N replicas costs O(N x reservations in flight); at 100+
+    replicas that dominates the simulation. Here each replica keeps its
+    reservations in reservation order (the simulated clock never goes back) and
+    a running block total, and expire() drops from the front. tests/bench checks
+    it against ReservationBook on random operation sequences.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        super().__init__(ttl_s)
+        self.by_replica: dict[str, dict[str, Reservation]] = {}
+        self.blocks_by_replica: dict[str, int] = {}
+
+    def reserve(self, request_id: str, replica_id: str, num_blocks: int, now_s: float) -> None:
+        self.release(request_id)
+        r = Reservation(replica_id, num_blocks, now_s)
+        self.by_request[request_id] = r
+        self.by_replica.setdefault(replica_id, {})[request_id] = r
+        self.blocks_by_replica[replica_id] = self.blocks_by_replica.get(replica_id, 0) + num_blocks
+
+    def release(self, request_id: str) -> None:
+        r = self.by_request.pop(request_id, None)
+        if r is not None:
+            del self.by_replica[r.replica_id][request_id]
+            self.blocks_by_replica[r.replica_id] -= r.num_blocks
+
+    def expire(self, stats: Sequence[ReplicaStats], now_s: float) -> None:
+        snapshot_s = {s.replica_id: s.timestamp_s for s in stats}
+        ttl_s = self.ttl_s
+        for replica_id, book in self.by_replica.items():
+            if not book:
+                continue
+            seen_s = snapshot_s.get(replica_id, float("-inf"))
+            while book:
+                request_id, r = next(iter(book.items()))
+                if now_s - r.reserved_at_s < ttl_s and seen_s <= r.reserved_at_s:
+                    break
+                self.release(request_id)
+
+    def num_reserved_blocks(self, replica_id: str) -> int:
+        return self.blocks_by_replica.get(replica_id, 0)
+
+    def num_reservations(self, replica_id: str) -> int:
+        return len(self.by_replica.get(replica_id, ()))
+
+
+class RealRouter:
+    """router.Admission + make_policy, exactly as cluster.request_router calls them."""
+
+    needs_stats = True
+    tracks_progress = False
+
+    def __init__(
+        self, config: RouterConfig, workload: Workload, num_replicas: int, indexed_book: bool
+    ) -> None:
+        self.name = config.policy
+        self.needs_hashes = config.policy == "prefix"
+        self.workload = workload
+        self.admission = Admission(config)
+        if indexed_book:
+            self.admission.reservations = IndexedReservationBook(config.reservation_ttl_s)
+        self.index_of = {f"replica-{i}": i for i in range(num_replicas)}
+        self.rng = random.Random(config.seed)
+
+    def route_request(self, rid: int) -> RouteRequest:
+        wl = self.workload
+        if self.needs_hashes:
+            return RouteRequest(
+                str(rid), wl.prompt_token_ids(rid), max_tokens=wl.output_len_list[rid]
+            )
+        return RouteRequest(
+            str(rid), num_prompt_tokens=wl.prompt_len_list[rid], max_tokens=wl.output_len_list[rid]
+        )
+
+    def route(
+        self, rid: int, now_s: float, stats: list[ReplicaStats], attempt: int, held_since_s: float
+    ) -> tuple[int, float]:
+        request = self.route_request(rid)
+        try:
+            decision = self.admission.admit(
+                stats, request, now_s, attempt=attempt,
+                held_since_s=None if attempt == 0 else held_since_s,
+            )  # fmt: skip
+        except OverloadedError:
+            return REJECTED, 0.0
+        if not decision.admitted:
+            return HELD, decision.retry_after_s
+        tier = decision.tiers[0]
+        replica_id = tier[0] if len(tier) == 1 else self.rng.choice(tier)
+        self.admission.reserve(request, replica_id, now_s)
+        return self.index_of[replica_id], 0.0
+
+    def on_first_token(self, rid: int, replica: int) -> None:
+        pass
+
+    def on_finish(self, rid: int, replica: int) -> None:
+        pass
+
+
+class RandomRouter:
+    name = "random"
+    needs_stats = needs_hashes = tracks_progress = False
+
+    def __init__(self, num_replicas: int, seed: int) -> None:
+        self.num_replicas = num_replicas
+        self.rng = random.Random(seed)
+
+    def route(self, rid, now_s, stats, attempt, held_since_s) -> tuple[int, float]:
+        return self.rng.randrange(self.num_replicas), 0.0
+
+    def on_first_token(self, rid: int, replica: int) -> None:
+        pass
+
+    def on_finish(self, rid: int, replica: int) -> None:
+        pass
+
+
+class RoundRobinRouter(RandomRouter):
+    name = "round_robin"
+
+    def __init__(self, num_replicas: int, seed: int) -> None:
+        super().__init__(num_replicas, seed)
+        self.next = seed % num_replicas
+
+    def route(self, rid, now_s, stats, attempt, held_since_s) -> tuple[int, float]:
+        replica, self.next = self.next, (self.next + 1) % self.num_replicas
+        return replica, 0.0
+
+
+class ApproxPrefixIndex:
+    """Router-side record of which worker was sent which block chains (LRU-capped per worker)."""
+
+    def __init__(self, num_workers: int, max_blocks_per_worker: int) -> None:
+        self.trees: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_workers)]
+        self.owners: dict[int, set[int]] = {}
+        self.max_blocks = max_blocks_per_worker
+
+    def insert(self, worker: int, hashes: Sequence[int]) -> None:
+        tree = self.trees[worker]
+        for h in hashes:
+            if h in tree:
+                tree.move_to_end(h)
+            else:
+                tree[h] = None
+                self.owners.setdefault(h, set()).add(worker)
+        while len(tree) > self.max_blocks:
+            h, _ = tree.popitem(last=False)
+            owners = self.owners[h]
+            owners.discard(worker)
+            if not owners:
+                del self.owners[h]
+
+    def overlaps(self, hashes: Sequence[int]) -> dict[int, int]:
+        """Worker -> leading blocks of `hashes` in its tree (workers with none omitted)."""
+        result: dict[int, int] = {}
+        alive: set[int] | None = None
+        for depth, h in enumerate(hashes):
+            owners = self.owners.get(h)
+            nxt = set() if not owners else (set(owners) if alive is None else alive & owners)
+            if alive is not None:
+                for w in alive - nxt:
+                    result[w] = depth
+            alive = nxt
+            if not alive:
+                return result
+        for w in alive or ():
+            result[w] = len(hashes)
+        return result
+
+
+class SGLangRouter:
+    name = "sglang"
+    needs_stats = needs_hashes = False
+    tracks_progress = True
+
+    def __init__(
+        self,
+        workload: Workload,
+        num_replicas: int,
+        max_blocks: int,
+        seed: int,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+    ) -> None:
+        self.workload = workload
+        self.index = ApproxPrefixIndex(num_replicas, max_blocks)
+        self.loads = [0] * num_replicas
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.rng = random.Random(seed)
+
+    def route(self, rid, now_s, stats, attempt, held_since_s) -> tuple[int, float]:
+        wl = self.workload
+        num_prompt = wl.prompt_len_list[rid]
+        hashes = wl.block_hashes(rid, num_prompt // wl.block_size)
+        loads = self.loads
+        max_load, min_load = max(loads), min(loads)
+        if (
+            max_load - min_load > self.balance_abs_threshold
+            and max_load > self.balance_rel_threshold * min_load
+        ):
+            worker = loads.index(min_load)
+        else:
+            overlaps = self.index.overlaps(hashes)
+            best = max(overlaps.values(), default=0)
+            if best * wl.block_size > self.cache_threshold * num_prompt:
+                ties = [w for w, n in overlaps.items() if n == best]
+                worker = min(ties, key=lambda w: (loads[w], w))
+            else:
+                sizes = [len(t) for t in self.index.trees]
+                smallest = min(sizes)
+                worker = self.rng.choice([w for w, n in enumerate(sizes) if n == smallest])
+        self.index.insert(worker, hashes)
+        loads[worker] += 1
+        return worker, 0.0
+
+    def on_first_token(self, rid: int, replica: int) -> None:
+        pass
+
+    def on_finish(self, rid: int, replica: int) -> None:
+        self.loads[replica] -= 1
+
+
+class DynamoRouter:
+    name = "dynamo"
+    needs_stats = needs_hashes = False
+    tracks_progress = True
+
+    def __init__(
+        self,
+        workload: Workload,
+        num_replicas: int,
+        max_blocks: int,
+        seed: int,
+        overlap_weight: float = 1.0,
+    ) -> None:
+        self.workload = workload
+        self.index = ApproxPrefixIndex(num_replicas, max_blocks)
+        self.prefill_blocks = np.zeros(num_replicas)
+        self.active_blocks = np.zeros(num_replicas)
+        self.overlap_weight = overlap_weight
+        self.inflight: dict[int, tuple[int, int]] = {}  # rid -> (new prefill blocks, blocks)
+        self.rng = np.random.default_rng(seed)
+
+    def route(self, rid, now_s, stats, attempt, held_since_s) -> tuple[int, float]:
+        wl = self.workload
+        bs = wl.block_size
+        num_prompt_blocks = -(-wl.prompt_len_list[rid] // bs)
+        hashes = wl.block_hashes(rid, wl.prompt_len_list[rid] // bs)
+        new_blocks = np.full(len(self.prefill_blocks), float(num_prompt_blocks))
+        for w, n in self.index.overlaps(hashes).items():
+            new_blocks[w] -= n
+        cost = self.overlap_weight * (self.prefill_blocks + new_blocks) + self.active_blocks
+        ties = np.flatnonzero(cost == cost.min())
+        worker = int(ties[0] if len(ties) == 1 else self.rng.choice(ties))
+        num_blocks = num_prompt_blocks + -(-wl.output_len_list[rid] // bs)
+        num_new = int(new_blocks[worker])
+        self.prefill_blocks[worker] += num_new
+        self.active_blocks[worker] += num_blocks
+        self.inflight[rid] = (num_new, num_blocks)
+        self.index.insert(worker, hashes)
+        return worker, 0.0
+
+    def on_first_token(self, rid: int, replica: int) -> None:
+        self.prefill_blocks[replica] -= self.inflight[rid][0]
+
+    def on_finish(self, rid: int, replica: int) -> None:
+        self.active_blocks[replica] -= self.inflight.pop(rid)[1]
+
+
+def make_sim_router(
+    name: str,
+    workload: Workload,
+    num_replicas: int,
+    max_blocks: int,
+    seed: int,
+    router_config: RouterConfig | None = None,
+    indexed_book: bool = True,
+) -> SimRouter:
+    if name in REAL_POLICIES:
+        base = router_config or RouterConfig(seed=seed)
+        config = RouterConfig(**{**base.__dict__, "policy": name})
+        return RealRouter(config, workload, num_replicas, indexed_book)
+    if name == "sglang":
+        return SGLangRouter(workload, num_replicas, max_blocks, seed)
+    if name == "dynamo":
+        return DynamoRouter(workload, num_replicas, max_blocks, seed)
+    if name == "random":
+        return RandomRouter(num_replicas, seed)
+    if name == "round_robin":
+        return RoundRobinRouter(num_replicas, seed)
+    raise ValueError(f"policy must be one of {ALL_POLICIES}, got {name!r}")
