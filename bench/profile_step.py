@@ -10,6 +10,8 @@ decode forward from torch.profiler: how many launches and which cost most.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -28,6 +30,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--cprofile", action="store_true", help="profile the host side too")
     args = parser.parse_args()
 
     engine = LLMEngine(
@@ -35,7 +38,8 @@ def main() -> None:
                      max_model_len=min(2048, 1024 if args.model.startswith("gpt2") else 2048))
     )  # fmt: skip
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=args.steps + 20, temperature=0.0, ignore_eos=True)
+    num_steps = args.steps * (2 if args.cprofile else 1)
+    params = SamplingParams(max_tokens=num_steps + 20, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(args.batch, args.prompt_len, vocab, 0)):
         engine.add_request(f"p{i}", prompt, params)
     while engine.scheduler.waiting or engine.scheduler.prefilling:
@@ -55,6 +59,15 @@ def main() -> None:
     print(f"  {'step wall':12s} {percentile(walls, 50):.3f}")
     for name, values in phases.items():
         print(f"  {name:12s} {percentile(values, 50):.3f}")
+
+    if args.cprofile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.steps):
+            engine.step()
+        profiler.disable()
+        print(f"\nhost side over {args.steps} steps (cProfile, tottime):")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
 
     runner = engine.runner
     if runner.use_cuda_graphs:
