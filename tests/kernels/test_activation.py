@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import bits
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
+from tests.kernels.kernel_helpers import bits
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {

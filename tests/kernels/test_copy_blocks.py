@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import bits
 
 from kernels import reference as ref
 from kernels.copy_blocks import copy_blocks
+from tests.kernels.kernel_helpers import bits
 
 
 @pytest.mark.parametrize(

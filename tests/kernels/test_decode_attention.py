@@ -6,13 +6,6 @@ import random
 
 import pytest
 import torch
-from kernel_helpers import (
-    TOL,
-    filled_cache,
-    poison_outside_context,
-    random_block_table,
-    shuffled_slots,
-)
 
 from kernels import reference as ref
 from kernels.decode_attention import (
@@ -20,6 +13,13 @@ from kernels.decode_attention import (
     choose_decode_launch,
     choose_num_splits,
     paged_decode_attention,
+)
+from tests.kernels.kernel_helpers import (
+    TOL,
+    filled_cache,
+    poison_outside_context,
+    random_block_table,
+    shuffled_slots,
 )
 
 

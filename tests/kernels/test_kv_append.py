@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import bits, random_block_table, shuffled_slots
 
 from kernels import reference as ref
 from kernels.kv_append import append_kv, append_kv_prefill, append_kv_slots
+from tests.kernels.kernel_helpers import bits, random_block_table, shuffled_slots
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

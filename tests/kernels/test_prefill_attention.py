@@ -6,16 +6,16 @@ import random
 
 import pytest
 import torch
-from kernel_helpers import (
+
+from kernels import reference as ref
+from kernels.prefill_attention import paged_prefill_attention
+from tests.kernels.kernel_helpers import (
     TOL,
     filled_cache,
     poison_outside_context,
     random_block_table,
     shuffled_slots,
 )
-
-from kernels import reference as ref
-from kernels.prefill_attention import paged_prefill_attention
 
 
 def _run_case(dtype, num_heads, num_kv_heads, head_dim, block_size, chunks, device, seed=0):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import bits
 
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from replica.models.layers import RMSNorm
+from tests.kernels.kernel_helpers import bits
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import bits
 
 from kernels.rotary import apply_rotary, apply_rotary_ref
 from replica.models.config import RopeConfig
 from replica.models.layers import RMSNorm
 from replica.models.rope import RotaryEmbedding
+from tests.kernels.kernel_helpers import bits
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import TOL, bits, random_block_table, shuffled_slots
 
 from replica.attention import AttentionMetadata, TorchAttention
 from replica.triton_attention import TritonAttention
+from tests.kernels.kernel_helpers import TOL, bits, random_block_table, shuffled_slots
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, MAX_BLOCKS = 4, 2, 64, 16, 4
 

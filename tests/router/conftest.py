@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 import pytest
-from router_fakes import NOW_S
+
+from tests.router.router_fakes import NOW_S
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from router_fakes import NOW_S, make_stats
 
 from router import Admission, OverloadedError, ReservationBook, RouterConfig, RouteRequest
+from tests.router.router_fakes import NOW_S, make_stats
 
 
 def admission(**overrides: object) -> Admission:

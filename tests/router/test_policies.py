@@ -4,11 +4,11 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from router_fakes import make_stats
 
 from replica.hashing import prefix_block_hashes
 from router import KVPolicy, Pow2Policy, PrefixPolicy, RouterConfig, RouteRequest, make_policy
 from router.load import load_fraction
+from tests.router.router_fakes import make_stats
 
 
 def ids(tiers: list[list[str]]) -> list[str]:

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
-from router_fakes import NOW_S, make_stats
 
 import cluster.request_router as adapter
 from router import OverloadedError, RouterConfig
+from tests.router.router_fakes import NOW_S, make_stats
 
 DEPLOYMENT = DeploymentID(name="llm", app_name="kvfleet")
 
