@@ -91,7 +91,10 @@ def run_hf(hf: torch.nn.Module, prompts: list[list[int]], max_new: int, device) 
         pad_token_id=0, min_new_tokens=max_new,
     )  # fmt: skip
     with torch.inference_mode():
-        hf.generate(ids, max_new_tokens=4, **kwargs)  # warm up
+        # Warm up at the timed length: the static cache's shape (prompt + max_new) is what
+        # transformers compiles the forward for, so a shorter warm-up would leave the
+        # compilation inside the timed call.
+        hf.generate(ids, max_new_tokens=max_new, **kwargs)
         torch.cuda.synchronize()
         start = time.perf_counter()
         out = hf.generate(ids, max_new_tokens=max_new, **kwargs)

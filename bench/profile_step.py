@@ -42,9 +42,34 @@ def main() -> None:
     params = SamplingParams(max_tokens=num_steps + 20, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(args.batch, args.prompt_len, vocab, 0)):
         engine.add_request(f"p{i}", prompt, params)
+    prefill_walls = []
+    prefill_prof = None
+    host_prof = cProfile.Profile() if args.cprofile else None
     while engine.scheduler.waiting or engine.scheduler.prefilling:
-        engine.step()
+        t0 = time.perf_counter()
+        if len(prefill_walls) == 2:  # one steady prefill step, kernels and host ops
+            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with profile(activities=activities) as prefill_prof:
+                engine.step()
+                torch.cuda.synchronize()
+        elif host_prof is not None and len(prefill_walls) > 2:
+            host_prof.runcall(engine.step)
+        else:
+            engine.step()
+        prefill_walls.append(1e3 * (time.perf_counter() - t0))
     engine.step()
+    num_prompt_tokens = args.batch * args.prompt_len
+    print(
+        f"\nprefill of {args.batch} x {args.prompt_len} tokens: {len(prefill_walls)} steps, "
+        f"{sum(prefill_walls):.1f} ms, per step ms: "
+        + " ".join(f"{w:.2f}" for w in prefill_walls)
+        + f" ({num_prompt_tokens / sum(prefill_walls):.0f} prompt tokens/ms)"
+    )
+    if prefill_prof is not None:
+        print_profile("prefill step (profiled, synchronized)", prefill_prof, args.top)
+    if host_prof is not None:
+        print("\nhost side of the prefill steps after the profiled one (cProfile, tottime):")
+        pstats.Stats(host_prof).sort_stats("tottime").print_stats(args.top)
 
     phases: dict[str, list[float]] = {"schedule": [], "launch": [], "wait": [], "drain": []}
     walls = []
@@ -84,13 +109,25 @@ def main() -> None:
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         runner.decode_forward_eager(args.batch)
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    print_profile("eager decode forward", prof, args.top)
+
+
+def print_profile(title: str, prof: profile, top: int) -> None:
+    """Kernel count and GPU time, the costliest kernels, and the costliest host ops."""
+    averages = prof.key_averages()
+    events = [e for e in averages if e.device_type.name == "CUDA"]
     launches = sum(e.count for e in events)
     total_us = sum(e.device_time_total for e in events)
-    print(f"\neager decode forward: {launches} kernel launches, {total_us / 1e3:.3f} ms GPU time")
+    print(f"\n{title}: {launches} kernel launches, {total_us / 1e3:.3f} ms GPU time")
     events.sort(key=lambda e: -e.device_time_total)
-    for e in events[: args.top]:
+    for e in events[:top]:
         print(f"  {e.count:5d} x {e.device_time_total / e.count:8.1f} us  {e.key[:90]}")
+    host = [e for e in averages if e.device_type.name == "CPU" and e.self_cpu_time_total > 0]
+    if host:
+        host.sort(key=lambda e: -e.self_cpu_time_total)
+        print(f"  host ops by self CPU time (top {min(top, 15)}):")
+        for e in host[: min(top, 15)]:
+            print(f"  {e.count:5d} x {e.self_cpu_time_total / e.count:8.1f} us  {e.key[:90]}")
 
 
 if __name__ == "__main__":

@@ -52,10 +52,12 @@ class DecodeTiles:
             raise ValueError(f"bad num_warps/num_stages: {self.num_warps}/{self.num_stages}")
 
 
-# Keyed by head_dim; the one-pass entries hit >= 92% of copy at B=256 on H200.
+# Keyed by head_dim; measured by `python -m bench.kernels --tune` on H200 (2026-11-21):
+# one pass at B=256 ctx=1024: 32/2w/2s 98% (gpt2) and 102% (qwen3) of copy bandwidth
+# against 96% / 94% for 64/4w/2s; split at B=1 ctx=8192: 64/4w/2s was best (50% / 52%).
 ONE_PASS_TILES = {
-    64: DecodeTiles(block_n=64, num_warps=4, num_stages=2),
-    128: DecodeTiles(block_n=64, num_warps=4, num_stages=2),
+    64: DecodeTiles(block_n=32, num_warps=2, num_stages=2),
+    128: DecodeTiles(block_n=32, num_warps=2, num_stages=2),
 }
 SPLIT_TILES = {
     64: DecodeTiles(block_n=64, num_warps=4, num_stages=2),
