@@ -14,6 +14,7 @@ not fit and preempts on block exhaustion; admission only keeps the queues short.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -44,7 +45,12 @@ class ReservationBook:
     (the snapshot then counts the request itself), or after ttl_s, whichever
     comes first. charge() shows a snapshot with the reserved blocks taken from
     free (then cached) blocks and counted as used.
-    Invariant: a charged snapshot keeps free + cached + used == total, none negative.
+    Cost: queries are O(1) from per-replica running totals; expiry pops from
+    min-heaps on reserved_at_s (one per replica for snapshots, one global for
+    the TTL), since both release rules release the oldest reservations first.
+    Heap entries of released or moved reservations are skipped when popped.
+    Invariant: a charged snapshot keeps free + cached + used == total, none
+    negative; the totals equal sums over by_request (check_invariants()).
     Failure: snapshot timestamps and now_s must be on one clock (wall clock,
     time.time()); skew between router and replica hosts releases reservations
     early or late, the TTL bounds the late side.
@@ -53,28 +59,94 @@ class ReservationBook:
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self.by_request: dict[str, Reservation] = {}
+        self.num_blocks_by_replica: dict[str, int] = {}
+        self.num_reservations_by_replica: dict[str, int] = {}
+        # Entries (reserved_at_s, sequence number, request id, reservation).
+        self.heap_by_replica: dict[str, list[tuple[float, int, str, Reservation]]] = {}
+        self.ttl_heap: list[tuple[float, int, str, Reservation]] = []
+        self.num_pushed = 0
 
     def reserve(self, request_id: str, replica_id: str, num_blocks: int, now_s: float) -> None:
-        self.by_request[request_id] = Reservation(replica_id, num_blocks, now_s)
+        self.release(request_id)
+        reservation = Reservation(replica_id, num_blocks, now_s)
+        self.by_request[request_id] = reservation
+        self.num_blocks_by_replica[replica_id] = (
+            self.num_blocks_by_replica.get(replica_id, 0) + num_blocks
+        )
+        self.num_reservations_by_replica[replica_id] = (
+            self.num_reservations_by_replica.get(replica_id, 0) + 1
+        )
+        entry = (now_s, self.num_pushed, request_id, reservation)
+        self.num_pushed += 1
+        heapq.heappush(self.heap_by_replica.setdefault(replica_id, []), entry)
+        heapq.heappush(self.ttl_heap, entry)
 
     def release(self, request_id: str) -> None:
-        self.by_request.pop(request_id, None)
+        reservation = self.by_request.pop(request_id, None)
+        if reservation is None:
+            return
+        replica_id = reservation.replica_id
+        num_left = self.num_reservations_by_replica[replica_id] - 1
+        if num_left:
+            self.num_reservations_by_replica[replica_id] = num_left
+            self.num_blocks_by_replica[replica_id] -= reservation.num_blocks
+        else:  # every entry left in its heap is stale
+            del self.num_reservations_by_replica[replica_id]
+            del self.num_blocks_by_replica[replica_id]
+            del self.heap_by_replica[replica_id]
+
+    def is_live(self, entry: tuple[float, int, str, Reservation]) -> bool:
+        return self.by_request.get(entry[2]) is entry[3]
+
+    def expire_replica(self, replica_id: str, snapshot_s: float, now_s: float) -> None:
+        """Drop replica_id's reservations covered by its snapshot at snapshot_s, or past the TTL."""
+        heap = self.heap_by_replica.get(replica_id)
+        ttl_s = self.ttl_s
+        while heap:
+            entry = heap[0]
+            reserved_at_s = entry[0]
+            if self.is_live(entry):
+                if now_s - reserved_at_s < ttl_s and snapshot_s <= reserved_at_s:
+                    return
+                self.release(entry[2])
+                if replica_id not in self.heap_by_replica:  # that was its last one
+                    return
+            heapq.heappop(heap)
+
+    def expire_ttl(self, now_s: float) -> None:
+        """Drop every reservation, of any replica, that outlived the TTL."""
+        heap, ttl_s = self.ttl_heap, self.ttl_s
+        while heap and (not self.is_live(heap[0]) or now_s - heap[0][0] >= ttl_s):
+            entry = heapq.heappop(heap)
+            if self.is_live(entry):
+                self.release(entry[2])
 
     def expire(self, stats: Sequence[ReplicaStats], now_s: float) -> None:
         """Drop reservations that a newer snapshot covers or that outlived the TTL."""
-        snapshot_s = {s.replica_id: s.timestamp_s for s in stats}
-        self.by_request = {
-            request_id: r
-            for request_id, r in self.by_request.items()
-            if now_s - r.reserved_at_s < self.ttl_s
-            and snapshot_s.get(r.replica_id, float("-inf")) <= r.reserved_at_s
-        }
+        self.expire_ttl(now_s)
+        for s in stats:
+            self.expire_replica(s.replica_id, s.timestamp_s, now_s)
 
     def num_reserved_blocks(self, replica_id: str) -> int:
-        return sum(r.num_blocks for r in self.by_request.values() if r.replica_id == replica_id)
+        return self.num_blocks_by_replica.get(replica_id, 0)
 
     def num_reservations(self, replica_id: str) -> int:
-        return sum(1 for r in self.by_request.values() if r.replica_id == replica_id)
+        return self.num_reservations_by_replica.get(replica_id, 0)
+
+    def check_invariants(self) -> None:
+        blocks: dict[str, int] = {}
+        counts: dict[str, int] = {}
+        for r in self.by_request.values():
+            blocks[r.replica_id] = blocks.get(r.replica_id, 0) + r.num_blocks
+            counts[r.replica_id] = counts.get(r.replica_id, 0) + 1
+        assert blocks == self.num_blocks_by_replica, (blocks, self.num_blocks_by_replica)
+        assert counts == self.num_reservations_by_replica, (
+            counts,
+            self.num_reservations_by_replica,
+        )
+        assert set(self.heap_by_replica) == set(counts)
+        live = {e[2] for e in self.ttl_heap if self.is_live(e)}
+        assert live == set(self.by_request)
 
     def charge(self, stats: ReplicaStats) -> ReplicaStats:
         num_reserved = self.num_reserved_blocks(stats.replica_id)
