@@ -35,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--replicas", type=int, default=2)
     demo.add_argument("--requests", type=int, default=32)
     demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--router", choices=ROUTERS, default="kv")
     return parser
 
 
@@ -97,27 +98,39 @@ def demo_main(args: argparse.Namespace) -> None:
     import ray
     from ray import serve
 
-    ray.init(num_cpus=max(4, args.replicas + 2), include_dashboard=False, log_to_driver=False)
-    config = ClusterConfig(
-        model=args.model, num_replicas=args.replicas, num_blocks=512, max_num_seqs=64, device="cpu"
+    ray.init(
+        address="local",
+        num_cpus=max(4, args.replicas + 2),
+        include_dashboard=False,
+        log_to_driver=False,
     )
-    print(f"starting {args.replicas} replicas of {args.model} on local Ray ...")
-    serve.run(build_app(config), name=config.app_name, route_prefix=None)
-    client = Client(config.app_name)
-    start_s = time.perf_counter()
-    results, peak_kv = asyncio.run(_burst_with_peak_kv(client, args.requests, args.max_tokens))
-    elapsed_s = time.perf_counter() - start_s
-    stats = {s.replica_id: s for s in client.stats()}
-    print(f"\n{args.requests} streaming requests in {elapsed_s:.2f} s\n")
-    print(f"{'replica':<12} {'requests':>8} {'tokens':>8} {'tokens/s':>9} {'peak KV':>8}")
-    for replica_id in sorted(stats):
-        mine = [n for r, n in results if r == replica_id]
-        print(
-            f"{replica_id:<12} {len(mine):>8} {sum(mine):>8} "
-            f"{sum(mine) / elapsed_s:>9.1f} {peak_kv.get(replica_id, 0.0):>8.1%}"
-        )
-    serve.shutdown()
-    ray.shutdown()
+    config = ClusterConfig(
+        model=args.model,
+        num_replicas=args.replicas,
+        router=args.router,
+        num_blocks=512,
+        max_num_seqs=64,
+        device="cpu",
+    )
+    print(f"starting {args.replicas} replicas of {args.model} ({args.router} router) on local Ray")
+    try:
+        serve.run(build_app(config), name=config.app_name, route_prefix=None)
+        client = Client(config.app_name)
+        start_s = time.perf_counter()
+        results, peak_kv = asyncio.run(_burst_with_peak_kv(client, args.requests, args.max_tokens))
+        elapsed_s = time.perf_counter() - start_s
+        stats = {s.replica_id: s for s in client.stats()}
+        print(f"\n{args.requests} streaming requests in {elapsed_s:.2f} s\n")
+        print(f"{'replica':<12} {'requests':>8} {'tokens':>8} {'tokens/s':>9} {'peak KV':>8}")
+        for replica_id in sorted(stats):
+            mine = [n for r, n in results if r == replica_id]
+            print(
+                f"{replica_id:<12} {len(mine):>8} {sum(mine):>8} "
+                f"{sum(mine) / elapsed_s:>9.1f} {peak_kv.get(replica_id, 0.0):>8.1%}"
+            )
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def main() -> None:

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from cluster.client import LLM_DEPLOYMENT
 from cluster.config import ClusterConfig
 from cluster.deployment import LLMServer
-from cluster.request_router import request_router_config
+from cluster.request_router import request_router_config, serve_request_router_config
+
+# (config, replica_id, num_gpus) -> an engine with LLMEngine's step interface.
+EngineFactory = Callable[[ClusterConfig, str, float], Any]
 
 
 def cluster_gpus() -> float:
@@ -20,23 +25,37 @@ def cluster_gpus() -> float:
     return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
 
 
-def build_app(config: ClusterConfig, num_gpus_in_cluster: float | None = None) -> Application:
-    """The LLMServer deployment (KV request router in front), behind the HTTP ingress if http.
+def routing_config(config: ClusterConfig) -> RequestRouterConfig:
+    """The Serve RequestRouterConfig for config.router: kvfleet's adapter or Serve's own."""
+    if config.is_serve_router:
+        return serve_request_router_config(config.router, stats_period_s=config.stats_period_s)
+    return request_router_config(config.router_config(), stats_period_s=config.stats_period_s)
 
-    Replicas get `num_gpus` Ray resources as ClusterConfig.resolve_num_gpus decides.
+
+def build_app(
+    config: ClusterConfig,
+    num_gpus_in_cluster: float | None = None,
+    engine_factory: EngineFactory | None = None,
+) -> Application:
+    """The LLMServer deployment (config.router in front), behind the HTTP ingress if http.
+
+    Replicas get `num_gpus` Ray resources as ClusterConfig.resolve_num_gpus decides,
+    plus config.replica_resources. engine_factory (picklable; default: LLMEngine)
+    builds each replica's engine: benchmarks and tests pass fake or paced engines.
     """
     gpus = cluster_gpus() if num_gpus_in_cluster is None else num_gpus_in_cluster
     num_gpus = config.resolve_num_gpus(gpus)
+    actor_options: dict[str, Any] = {"num_gpus": num_gpus, "num_cpus": 0 if num_gpus else 1}
+    if config.replica_resources:
+        actor_options["resources"] = dict(config.replica_resources)
     llm = serve.deployment(
         LLMServer,
         name=LLM_DEPLOYMENT,
         num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options={"num_gpus": num_gpus, "num_cpus": 0 if num_gpus else 1},
-        request_router_config=request_router_config(
-            config.router_config(), stats_period_s=config.stats_period_s
-        ),
-    ).bind(config, num_gpus)
+        ray_actor_options=actor_options,
+        request_router_config=routing_config(config),
+    ).bind(config, num_gpus, engine_factory)
     if not config.http:
         return llm
     from cluster.ingress import Ingress

@@ -3,6 +3,15 @@
 Every method has an async form (stream, generate_async, stats_async) that runs on the
 caller's event loop, and sync forms (generate, stats) that run the async ones on a
 private event-loop thread. One CallerTransport per event loop carries the tokens.
+
+Retry and idempotency (Client.stream): a request whose replica dies (ReplicaDiedError)
+before the caller has received any of its tokens is resubmitted through the router, up
+to max_retries times, each time under a fresh wire request id ("<id>~<attempt>") after
+aborting the failed attempt everywhere, so no replica can keep generating it and no
+token of a failed attempt ever reaches the caller: the caller sees one attempt's tokens,
+or none. Once tokens were received, a failure ends the request with the typed error
+carrying them (ReplicaError.token_ids); it is never replayed, since sampling need not
+reproduce what the caller has already seen.
 """
 
 from __future__ import annotations
@@ -15,8 +24,9 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from cluster.errors import ReplicaDiedError, ReplicaError
 from cluster.metrics import CallerMetrics
-from cluster.transport import CallerTransport, SubmitRequest, TokenDelta
+from cluster.transport import CallerTransport, TokenDelta
 from replica.models.loader import load_tokenizer
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
@@ -52,12 +62,45 @@ class ModelInfo:
     vocab_size: int
     eos_token_id: int | None
     has_tokenizer: bool
+    max_model_len: int | None = None
 
 
 class Client:
-    """Talks to the LLMServer deployment of app `app_name` (see cluster.transport)."""
+    """Talks to the LLMServer deployment of app `app_name` (see cluster.transport).
 
-    def __init__(self, app_name: str = "kvfleet", handle: Any | None = None) -> None:
+    max_retries: resubmissions of a request whose replica died before it streamed a
+    token; retry_backoff_s: the first delay between them (doubling). carrier_timeout_s:
+    how long a carrier stream may stay silent (no step, no heartbeat) before its replica
+    is declared lost. abort_timeout_s bounds how long an abort waits for replicas.
+    """
+
+    def __init__(
+        self,
+        app_name: str = "kvfleet",
+        handle: Any | None = None,
+        *,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.1,
+        carrier_timeout_s: float = 10.0,
+        abort_timeout_s: float = 5.0,
+        stats_timeout_s: float = 10.0,
+    ) -> None:
+        if not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+        for name, value in (
+            ("retry_backoff_s", retry_backoff_s),
+            ("carrier_timeout_s", carrier_timeout_s),
+            ("abort_timeout_s", abort_timeout_s),
+            ("stats_timeout_s", stats_timeout_s),
+        ):
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.carrier_timeout_s = carrier_timeout_s
+        self.abort_timeout_s = abort_timeout_s
+        self.stats_timeout_s = stats_timeout_s
+        self.num_retries = 0  # resubmissions after a replica died (all requests)
         if handle is None:
             from ray import serve
 
@@ -85,39 +128,67 @@ class Client:
         """Yield the request's tokens as they are produced, one chunk per engine step.
 
         Raises ValueError naming the field for bad input, OverloadedError when
-        admission control refuses the request, ReplicaError if its replica fails.
-        Leaving the iteration early (break, cancel, disconnect) aborts the request.
+        admission control refuses the request, ReplicaDiedError when its replica is
+        lost after streaming tokens (or on every retry), ReplicaError when the replica
+        fails otherwise; both carry the tokens streamed so far. Leaving the iteration
+        early (break, cancel, disconnect) aborts the request and frees its blocks.
         """
-        prompt_ids = await self._encode(prompt)
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: must be SamplingParams, got {type(params).__name__}")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        prompt_ids = await self._encode(prompt, params)
         rid = request_id or uuid.uuid4().hex
         transport = self._transport()
-        request = SubmitRequest(rid, transport.caller_id, prompt_ids, params.to_dict())
-        replica_id, queue = await self._submit(transport, request)
-        finished = False
-        try:
-            while not finished:
-                item: TokenDelta | BaseException = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield Chunk(rid, item.token_ids, item.finish_reason, self._decode(item), replica_id)
-        finally:
-            if not finished:
-                await asyncio.shield(transport.abort(rid))
+        token_ids: list[int] = []
+        for attempt in range(self.max_retries + 1):
+            wire_id = rid if attempt == 0 else f"{rid}~{attempt}"
+            done = False  # the attempt ended; no abort needed
+            try:
+                try:
+                    replica_id, queue = await self._submit(transport, wire_id, prompt_ids, params)
+                except ReplicaDiedError as exc:
+                    done = True
+                    transport.abort_soon(wire_id)
+                    if attempt == self.max_retries:
+                        raise exc.with_progress(rid, token_ids, attempt + 1) from exc
+                    self.num_retries += 1
+                    await asyncio.sleep(self.retry_backoff_s * 2**attempt)
+                    continue
+                while True:
+                    item: TokenDelta | BaseException = await queue.get()
+                    if isinstance(item, BaseException):
+                        done = True
+                        retry = isinstance(item, ReplicaDiedError) and not token_ids
+                        if not retry or attempt == self.max_retries:
+                            if isinstance(item, ReplicaError):
+                                raise item.with_progress(rid, token_ids, attempt + 1)
+                            raise item
+                        self.num_retries += 1
+                        break
+                    done = item.finished
+                    token_ids.extend(item.token_ids)
+                    text = self._decode(item)
+                    yield Chunk(rid, item.token_ids, item.finish_reason, text, replica_id)
+                    if done:
+                        return
+            finally:
+                if not done:
+                    await asyncio.shield(transport.abort(wire_id))
+            await asyncio.sleep(self.retry_backoff_s * 2**attempt)
 
     async def generate_async(
         self, prompt: list[int] | str, params: SamplingParams | None = None
     ) -> Completion:
-        prompt_ids = await self._encode(prompt)
         token_ids: list[int] = []
         last: Chunk | None = None
-        async for chunk in self.stream(prompt_ids, params):
+        async for chunk in self.stream(prompt, params):
             token_ids.extend(chunk.token_ids)
             last = chunk
         assert last is not None and last.finish_reason is not None
         text = self._tokenizer.decode(token_ids) if self._tokenizer is not None else None
+        prompt_ids = await self._encode(prompt, params)
         return Completion(
             last.request_id, prompt_ids, token_ids, last.finish_reason, text, last.replica_id
         )
@@ -125,7 +196,9 @@ class Client:
     async def stats_async(self) -> list[ReplicaStats]:
         """One ReplicaStats per live replica, fresh to within the stats period."""
         response = self._handle.broadcast("stats")
-        results = await response.results_async(return_exceptions=True)
+        results = await response.results_async(
+            timeout_s=self.stats_timeout_s, return_exceptions=True
+        )
         return [ReplicaStats.from_msgpack(r) for r in results if isinstance(r, bytes)]
 
     async def model_info_async(self) -> ModelInfo:
@@ -162,33 +235,61 @@ class Client:
         loop = asyncio.get_running_loop()
         transport = self._transports.get(loop)
         if transport is None:
-            transport = self._transports[loop] = CallerTransport(self._handle)
+            transport = CallerTransport(self._handle, self.carrier_timeout_s, self.abort_timeout_s)
+            self._transports[loop] = transport
         return transport
 
-    async def _submit(self, transport: CallerTransport, request: SubmitRequest) -> tuple[str, Any]:
+    async def _submit(
+        self,
+        transport: CallerTransport,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+    ) -> tuple[str, Any]:
         from router.errors import OverloadedError
 
         if self._metrics is None:
             self._metrics = CallerMetrics()
         try:
-            replica_id, queue = await transport.submit(request)
+            replica_id, queue = await transport.submit(request_id, prompt_ids, params.to_dict())
         except OverloadedError:
             self._metrics.admissions_rejected.inc()
             raise
         self._metrics.routing_decisions.inc(tags={"replica": replica_id})
         return replica_id, queue
 
-    async def _encode(self, prompt: list[int] | str) -> list[int]:
-        await self.model_info_async()  # loads the tokenizer once, when the model has one
+    async def _encode(self, prompt: list[int] | str, params: SamplingParams) -> list[int]:
+        """Token ids of the prompt; checks here what the router needs to be right.
+
+        Lengths are checked before routing because the router would otherwise take a
+        prompt longer than any replica's cache for overload; the replica checks the
+        rest (each id an int inside the vocabulary) and is the authority.
+        """
+        info = await self.model_info_async()  # loads the tokenizer once, when there is one
         if isinstance(prompt, str):
             if self._tokenizer is None:
                 raise ValueError("prompt: text prompts need a model with a tokenizer")
-            return list(self._tokenizer.encode(prompt))
-        if not isinstance(prompt, list | tuple):
+            prompt_ids = list(self._tokenizer.encode(prompt))
+        elif isinstance(prompt, list | tuple):
+            prompt_ids = list(prompt)
+        else:
             raise ValueError(
                 f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}"
             )
-        return list(prompt)
+        if not prompt_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        max_len = info.max_model_len
+        if max_len is not None and len(prompt_ids) >= max_len:
+            raise ValueError(
+                f"prompt_token_ids: {len(prompt_ids)} tokens leave no room under "
+                f"max_model_len ({max_len})"
+            )
+        if max_len is not None and len(prompt_ids) + params.max_tokens > max_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) exceeds max_model_len ({max_len})"
+            )
+        return prompt_ids
 
     def _decode(self, delta: TokenDelta) -> str | None:
         if self._tokenizer is None or not delta.token_ids:

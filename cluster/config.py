@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from replica.config import EngineConfig
-from router.config import RouterConfig
+from router.config import POLICIES, RouterConfig
 
-ROUTERS = ("kv", "prefix", "pow2")
+# Ray Serve's own request routers, run as peers of the kvfleet policies (no admission).
+SERVE_ROUTERS = ("serve-pow2", "serve-round-robin", "serve-consistent-hash")
+ROUTERS = (*POLICIES, *SERVE_ROUTERS)
+# ClusterConfig fields that only kvfleet's admission control reads.
+ADMISSION_FIELDS = ("high_watermark", "on_overload", "max_hold_s")
 ON_OVERLOAD = ("hold", "reject")
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -37,6 +41,12 @@ class ClusterConfig:
 
     Engine options (block_size .. device) are passed to every replica's EngineConfig;
     router options (high_watermark, on_overload, max_hold_s) to the KV request router.
+    router is a kvfleet policy ("kv", "prefix", "pow2": router/ behind admission
+    control) or one of Ray Serve's own routers as a peer: "serve-pow2" (Serve's
+    default, power of two choices over queue lengths), "serve-round-robin", or
+    "serve-consistent-hash" (a hash ring keyed by the prompt's first tokens, see
+    cluster.request_router.PromptHashRouter). Serve's routers have no admission
+    control, so setting an admission field away from its default raises with them.
     num_gpus_per_replica None means auto: 1 when the Ray cluster has GPUs and device
     is not "cpu", else 0 (resolved by `resolve_num_gpus`, at build time).
     stats_period_s is how often each replica publishes ReplicaStats to the router.
@@ -57,6 +67,9 @@ class ClusterConfig:
     on_overload: str = "hold"
     max_hold_s: float = 30.0
     num_gpus_per_replica: float | None = None
+    # Custom Ray resources each replica actor needs, e.g. {"kvfleet_slot": 1} with one
+    # slot per node to place one replica per node.
+    replica_resources: dict[str, float] = field(default_factory=dict)
     max_ongoing_requests: int = 4096
     http: bool = False
     app_name: str = "kvfleet"
@@ -86,6 +99,14 @@ class ClusterConfig:
         if self.on_overload not in ON_OVERLOAD:
             raise ValueError(f"on_overload must be one of {ON_OVERLOAD}, got {self.on_overload!r}")
         _positive_float("max_hold_s", self.max_hold_s)
+        if self.is_serve_router:
+            defaults = {f.name: f.default for f in fields(self)}
+            for name in ADMISSION_FIELDS:
+                if getattr(self, name) != defaults[name]:
+                    raise ValueError(
+                        f"{name} is admission control, which router {self.router!r} does not "
+                        f"have; use a kvfleet router {POLICIES} or leave {name} at its default"
+                    )
         if self.num_gpus_per_replica is not None and (
             isinstance(self.num_gpus_per_replica, bool)
             or not isinstance(self.num_gpus_per_replica, int | float)
@@ -97,11 +118,33 @@ class ClusterConfig:
             )
         if self.device == "cuda" and self.num_gpus_per_replica == 0:
             raise ValueError("num_gpus_per_replica must be > 0 when device is 'cuda'")
+        if not isinstance(self.replica_resources, dict) or not all(
+            isinstance(k, str)
+            and k
+            and not isinstance(v, bool)
+            and isinstance(v, int | float)
+            and math.isfinite(v)
+            and v >= 0
+            for k, v in self.replica_resources.items()
+        ):
+            raise ValueError(
+                "replica_resources must map resource names to numbers >= 0, "
+                f"got {self.replica_resources!r}"
+            )
+        if {"CPU", "GPU"} & set(self.replica_resources):
+            raise ValueError(
+                "replica_resources is for custom resources; GPUs are num_gpus_per_replica"
+            )
         _positive_int("max_ongoing_requests", self.max_ongoing_requests)
         if not isinstance(self.http, bool):
             raise ValueError(f"http must be a bool, got {self.http!r}")
         if not isinstance(self.app_name, str) or not self.app_name:
             raise ValueError(f"app_name must be a non-empty string, got {self.app_name!r}")
+
+    @property
+    def is_serve_router(self) -> bool:
+        """True when router is one of Ray Serve's own routers (no kvfleet admission)."""
+        return self.router in SERVE_ROUTERS
 
     def resolve_num_gpus(self, cluster_gpus: float) -> float:
         """GPUs per replica actor, given how many GPUs the Ray cluster has in all."""
@@ -133,6 +176,9 @@ class ClusterConfig:
         )
 
     def router_config(self) -> RouterConfig:
+        """The kvfleet RouterConfig; ValueError for Serve's routers, which take none."""
+        if self.is_serve_router:
+            raise ValueError(f"router {self.router!r} is Ray Serve's, it has no RouterConfig")
         return RouterConfig(
             policy=self.router,
             high_watermark=self.high_watermark,

@@ -16,6 +16,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,17 @@ from typing import Any
 from cluster.config import ClusterConfig
 from cluster.metrics import ReplicaMetrics
 from cluster.request_router import encode_routing_stats
-from cluster.transport import StepBatch, SubmitAck, SubmitRequest, TokenDelta
+from cluster.transport import (
+    ABORTED,
+    ERROR_FINISH,
+    INVALID,
+    UNAVAILABLE,
+    Heartbeat,
+    StepBatch,
+    SubmitAck,
+    SubmitRequest,
+    TokenDelta,
+)
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
 
@@ -41,12 +52,27 @@ class _Tracked:
     num_tokens: int = 0
 
 
+class EngineUnavailableError(RuntimeError):
+    """The engine loop has stopped (its engine failed, or the replica is shutting down)."""
+
+
+class AbortedBeforeAdmissionError(RuntimeError):
+    """The caller aborted this request id before its add reached the engine."""
+
+
 class EngineLoop:
     """Owns the engine in one thread: drain commands, step, fan out per caller, stats.
 
     Invariant: every request added here ends with exactly one finished TokenDelta
-    delivered to its caller (length/stop from the engine, or "abort").
+    delivered to its caller (length/stop from the engine, "abort", or "error" when the
+    engine raised). Failure: an exception out of the engine stops the loop for good
+    (its state may be inconsistent): every tracked request gets "error", every later
+    command fails with EngineUnavailableError, and `failure` says why, so the replica's
+    health check fails and Serve replaces it. An abort that arrives before its add
+    leaves a tombstone, so the add is refused instead of running unobserved.
     """
+
+    MAX_TOMBSTONES = 4096
 
     def __init__(
         self,
@@ -61,10 +87,15 @@ class EngineLoop:
         self._stats_period_s = stats_period_s
         self._deliver = deliver
         self._metrics = metrics
-        self._commands: collections.deque[Callable[[], None]] = collections.deque()
+        self._lock = threading.Lock()  # guards _commands against _closed
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]]
+        self._commands = collections.deque()
+        self._closed = False
+        self.failure: str | None = None
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._tracked: dict[str, _Tracked] = {}
+        self._tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._stats = engine.stats()
         self._stats_at_s = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
@@ -74,12 +105,19 @@ class EngineLoop:
     def stats(self) -> ReplicaStats:
         return self._stats
 
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None
+
     def add(
         self, caller_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> concurrent.futures.Future:
         """Admit a request; the future raises the engine's ValueError for bad input."""
 
         def command() -> None:
+            if request_id in self._tombstones:
+                del self._tombstones[request_id]
+                raise AbortedBeforeAdmissionError(f"request {request_id!r} was aborted")
             self._engine.add_request(request_id, prompt_token_ids, params)
             self._tracked[request_id] = _Tracked(caller_id, time.monotonic())
 
@@ -91,6 +129,9 @@ class EngineLoop:
         def command() -> bool:
             tracked = self._tracked.pop(request_id, None)
             if tracked is None:
+                self._tombstones[request_id] = None
+                while len(self._tombstones) > self.MAX_TOMBSTONES:
+                    self._tombstones.popitem(last=False)
                 return False
             self._engine.abort(request_id)
             batch = StepBatch(self.replica_id, [TokenDelta(request_id, [], "abort")])
@@ -106,28 +147,49 @@ class EngineLoop:
 
     def _post(self, command: Callable[[], Any]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(command())
-            except BaseException as exc:  # handed to the awaiting coroutine
-                future.set_exception(exc)
-
-        self._commands.append(run)
+        with self._lock:
+            if self._closed:
+                future.set_exception(EngineUnavailableError(self.failure or "shutting down"))
+                return future
+            self._commands.append((command, future))
         self._wakeup.set()
         return future
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wakeup.clear()
-            while self._commands:
-                self._commands.popleft()()
-            if self._engine.has_unfinished():
-                self._fan_out(self._engine.step())
-            else:
-                self._wakeup.wait(timeout=self._stats_period_s)
-            if time.monotonic() - self._stats_at_s >= self._stats_period_s:
-                self._refresh_stats()
+        try:
+            while not self._stop.is_set():
+                self._wakeup.clear()
+                while self._commands:
+                    command, future = self._commands.popleft()
+                    try:
+                        future.set_result(command())
+                    except Exception as exc:  # handed to the awaiting coroutine
+                        future.set_exception(exc)
+                if self._engine.has_unfinished():
+                    self._fan_out(self._engine.step())
+                else:
+                    self._wakeup.wait(timeout=self._stats_period_s)
+                if time.monotonic() - self._stats_at_s >= self._stats_period_s:
+                    self._refresh_stats()
+        except BaseException as exc:
+            self.failure = f"engine loop failed: {exc!r}"
+            logger.exception("kvfleet engine loop of replica %s failed", self.replica_id)
+            self._fail_tracked()
+        finally:
+            with self._lock:
+                self._closed = True
+                pending, self._commands = list(self._commands), collections.deque()
+            for _, future in pending:
+                future.set_exception(EngineUnavailableError(self.failure or "shutting down"))
+
+    def _fail_tracked(self) -> None:
+        per_caller: dict[str, list[str]] = {}
+        for request_id, tracked in self._tracked.items():
+            per_caller.setdefault(tracked.caller_id, []).append(request_id)
+        self._tracked.clear()
+        for caller_id, request_ids in per_caller.items():
+            deltas = [TokenDelta(rid, [], ERROR_FINISH) for rid in request_ids]
+            self._deliver(caller_id, StepBatch(self.replica_id, deltas).encode(), request_ids)
 
     def _refresh_stats(self) -> None:
         self._stats = self._engine.stats()
@@ -169,8 +231,28 @@ class EngineLoop:
 class _Carrier:
     """This replica's live stream to one caller, and that caller's requests here."""
 
+    carrier_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     in_flight: set[str] = field(default_factory=set)
+
+
+# torch.Generator.manual_seed takes [-2**63, 2**64); the sampler builds int64 tensors.
+_SEED_RANGE = (-(2**63), 2**64)
+_INT64_MAX = 2**63 - 1
+
+
+def check_engine_ranges(params: SamplingParams) -> None:
+    """Reject values SamplingParams accepts but the engine's step would raise on.
+
+    Without this a seed of 2**64 or a top_k of 2**63 passes add_request and then
+    fails every step of the replica (torch overflow), killing it for all callers.
+    """
+    if params.seed is not None and not _SEED_RANGE[0] <= params.seed < _SEED_RANGE[1]:
+        raise ValueError(f"seed must be in [-2**63, 2**64), got {params.seed!r}")
+    if params.top_k > _INT64_MAX:
+        raise ValueError(f"top_k must be at most 2**63 - 1, got {params.top_k!r}")
+    if any(t > _INT64_MAX for t in params.stop_token_ids):
+        raise ValueError("stop_token_ids: each must be at most 2**63 - 1")
 
 
 def _default_engine_factory(config: ClusterConfig, replica_id: str, num_gpus: float) -> Any:
@@ -180,18 +262,27 @@ def _default_engine_factory(config: ClusterConfig, replica_id: str, num_gpus: fl
 
 
 class LLMServer:
-    """One replica: an LLMEngine behind the carrier-stream transport."""
+    """One replica: an LLMEngine behind the carrier-stream transport.
+
+    heartbeat_s: an idle carrier (requests in flight, no output for its caller) sends a
+    Heartbeat this often, so callers can tell a slow replica from a lost one.
+    """
 
     def __init__(
         self,
         config: ClusterConfig,
         num_gpus: float = 0.0,
         engine_factory: Callable[[ClusterConfig, str, float], Any] | None = None,
+        heartbeat_s: float = 1.0,
     ) -> None:
         from ray import serve
 
+        if heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s!r}")
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._config = config
+        self._heartbeat = Heartbeat(self.replica_id).encode()
+        self._heartbeat_s = heartbeat_s
         self._engine = (engine_factory or _default_engine_factory)(
             config, self.replica_id, num_gpus
         )
@@ -208,7 +299,11 @@ class LLMServer:
     async def submit(self, wire: dict) -> AsyncIterator[bytes]:
         """Admit one request; this stream becomes the caller's carrier if it has none here."""
         self._loop = asyncio.get_running_loop()
-        request = SubmitRequest.from_wire(wire)
+        try:
+            request = SubmitRequest.from_wire(wire)
+        except ValueError as exc:
+            yield SubmitAck(self.replica_id, False, "", str(exc), INVALID).encode()
+            return
         caller_id, rid = request.caller_id, request.request_id
         carrier = self._carriers.get(caller_id)
         is_carrier = carrier is None
@@ -216,21 +311,29 @@ class LLMServer:
             carrier = self._carriers[caller_id] = _Carrier()
         carrier.in_flight.add(rid)
         error: str | None = None
+        error_kind: str | None = None
         try:
             params = SamplingParams.from_dict(request.params)
+            check_engine_ranges(params)
             await asyncio.wrap_future(
                 self._engine_loop.add(caller_id, rid, request.prompt_token_ids, params)
             )
-        except ValueError as exc:
-            error = str(exc)
-            self._drop(caller_id, carrier, rid)
+        except (ValueError, TypeError) as exc:  # TypeError: from_dict on a wrong-typed field
+            error, error_kind = str(exc), INVALID
+        except EngineUnavailableError as exc:
+            error, error_kind = str(exc), UNAVAILABLE
+        except AbortedBeforeAdmissionError as exc:
+            error, error_kind = str(exc), ABORTED
         except BaseException:  # cancelled by the caller, or an engine bug: never leak blocks
             self._drop(caller_id, carrier, rid)
             self._engine_loop.abort(rid)
             raise
+        if error is not None:
+            self._drop(caller_id, carrier, rid)
         # A carrier whose own request failed still carries requests that attached meanwhile.
         is_carrier = is_carrier and bool(carrier.in_flight)
-        yield SubmitAck(self.replica_id, is_carrier, error).encode()
+        carrier_id = carrier.carrier_id if error is None or is_carrier else ""
+        yield SubmitAck(self.replica_id, is_carrier, carrier_id, error, error_kind).encode()
         if is_carrier:
             async for message in self._carry(caller_id, carrier):
                 yield message
@@ -242,19 +345,36 @@ class LLMServer:
         carrier.queue.put_nowait(None)  # wake a running carrier: it may have nothing left
 
     async def _carry(self, caller_id: str, carrier: _Carrier) -> AsyncIterator[bytes]:
+        getter: asyncio.Future | None = None
         try:
             while carrier.in_flight or not carrier.queue.empty():
-                message = await carrier.queue.get()
+                if getter is None:
+                    getter = asyncio.ensure_future(carrier.queue.get())
+                done, _ = await asyncio.wait((getter,), timeout=self._heartbeat_s)
+                if not done:
+                    yield self._heartbeat
+                    continue
+                message, getter = getter.result(), None
                 if message is not None:
                     yield message
         finally:
+            if getter is not None:
+                getter.cancel()
             if self._carriers.get(caller_id) is carrier:
                 del self._carriers[caller_id]
             for rid in list(carrier.in_flight):  # caller went away: free its requests
                 self._engine_loop.abort(rid)
 
     async def abort(self, request_id: str) -> bool:
-        return await asyncio.wrap_future(self._engine_loop.abort(request_id))
+        try:
+            return await asyncio.wrap_future(self._engine_loop.abort(request_id))
+        except EngineUnavailableError:
+            return False
+
+    def check_health(self) -> None:
+        """Serve's health probe: fails once the engine loop has stopped, so it is replaced."""
+        if not self._engine_loop.is_alive:
+            raise RuntimeError(self._engine_loop.failure or "engine loop is not running")
 
     def record_routing_stats(self) -> dict[str, bytes]:
         return encode_routing_stats(self._engine_loop.stats)
@@ -269,6 +389,7 @@ class LLMServer:
             "vocab_size": model_config.vocab_size,
             "eos_token_id": model_config.eos_token_id,
             "has_tokenizer": self._engine.tokenizer is not None,
+            "max_model_len": self._engine.max_model_len,
         }
 
     def __del__(self) -> None:

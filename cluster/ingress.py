@@ -1,13 +1,18 @@
 """OpenAI-compatible HTTP ingress (Serve FastAPI integration) in front of LLMServer.
 
 POST /v1/completions (prompt: string or token ids; stream: SSE), GET /v1/models,
-/health, /stats. Bad input -> 400 naming the field; OverloadedError -> 503 with
-Retry-After; a replica failing mid-request -> 502. An SSE stream is one unit per
-request anyway, so it carries one event per engine step per request.
+/health, /stats. Bad input (malformed JSON, unknown or invalid fields) -> 400 naming
+the field; a body over MAX_BODY_BYTES -> 413; OverloadedError -> 503 with Retry-After;
+a replica failing mid-request -> 502 (or, once an SSE stream has started, an error
+event before [DONE]); anything else -> 500. An SSE stream is one unit per request
+anyway, so it carries one event per engine step per request. A client that disconnects
+aborts its request (the stream is closed, which aborts it on its replica).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handler signatures
-# (`request: Request`) at runtime, through Serve's class-based ingress wrapper.
+# (`request: Request`) at runtime, through Serve's class-based ingress wrapper. Every
+# helper the handlers call is defined above the class: Serve pickles the wrapped class
+# with the module globals that exist when it is decorated.
 
 import json
 import math
@@ -22,27 +27,43 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from cluster.client import Chunk, Client
-from cluster.transport import ReplicaError
+from cluster.errors import ReplicaError
 from replica.sampling_params import SamplingParams
 from router.errors import OverloadedError
 
 api = FastAPI(title="kvfleet")
 
+MAX_BODY_BYTES = 1 << 20
+
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids")
 _OTHER_FIELDS = ("model", "prompt", "stream", "ignore_eos", "n", "user")
 
 
-def parse_completion_request(body: Any) -> tuple[list[int] | str, SamplingParams, bool]:
-    """(prompt, params, stream) from an OpenAI /v1/completions body; ValueError names the field."""
+class BodyTooLargeError(ValueError):
+    """The request body is over MAX_BODY_BYTES."""
+
+
+def parse_completion_request(
+    body: Any, model: str | None = None
+) -> tuple[list[int] | str, SamplingParams, bool]:
+    """(prompt, params, stream) from an OpenAI /v1/completions body; ValueError names the field.
+
+    model: the served model's name; a body naming another one is refused.
+    """
     if not isinstance(body, dict):
         raise ValueError("body: must be a JSON object")
     unknown = sorted(set(body) - set(_SAMPLING_FIELDS) - set(_OTHER_FIELDS))
     if unknown:
-        raise ValueError(f"unknown field(s): {', '.join(unknown)}")
-    if body.get("n", 1) != 1:
+        raise ValueError(f"unknown field(s): {', '.join(map(str, unknown))}")
+    if body.get("model") is not None and model is not None and body["model"] != model:
+        raise ValueError(f"model: {body['model']!r} is not served here (serving {model!r})")
+    n = body.get("n", 1)
+    if n is not None and (n != 1 or isinstance(n, bool)):
         raise ValueError("n: only n=1 is supported")
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list | str):
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+        if len(prompt) != 1:
+            raise ValueError(f"prompt: one prompt per request, got a batch of {len(prompt)}")
         prompt = prompt[0]  # OpenAI's batch-of-one form
     if not isinstance(prompt, str | list):
         raise ValueError("prompt: must be a string or a list of token ids")
@@ -63,6 +84,19 @@ def _error(status: int, message: str, kind: str, headers: dict | None = None) ->
 def _overloaded(error: OverloadedError) -> JSONResponse:
     retry_after = str(max(1, math.ceil(error.retry_after_s)))
     return _error(503, str(error), "overloaded", {"Retry-After": retry_after})
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request body, refused (BodyTooLargeError) past MAX_BODY_BYTES without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BodyTooLargeError(f"body: {declared} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise BodyTooLargeError(f"body: exceeds the limit of {MAX_BODY_BYTES} bytes")
+    return bytes(body)
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=4096)
@@ -90,15 +124,22 @@ class Ingress:
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
         try:
-            body = await request.json()
-        except ValueError:
+            body = json.loads(await _read_body(request))
+        except BodyTooLargeError as exc:
+            return _error(413, str(exc), "invalid_request_error")
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             return _error(400, "body: not valid JSON", "invalid_request_error")
+        chunks: AsyncIterator[Chunk] | None = None
         try:
-            prompt, params, stream = parse_completion_request(body)
+            prompt, params, stream = parse_completion_request(body, self.model)
             if stream:
                 chunks = self.client.stream(prompt, params)
                 first = await chunks.__anext__()  # surfaces bad input / overload as a status
-                return StreamingResponse(self._sse(first, chunks), media_type="text/event-stream")
+                response = StreamingResponse(
+                    self._sse(first, chunks), media_type="text/event-stream"
+                )
+                chunks = None  # the response owns it now
+                return response
             done = await self.client.generate_async(prompt, params)
         except ValueError as exc:
             return _error(400, str(exc), "invalid_request_error")
@@ -106,6 +147,11 @@ class Ingress:
             return _overloaded(exc)
         except ReplicaError as exc:
             return _error(502, str(exc), "replica_error")
+        except Exception as exc:  # never a hang or a bare 500 page: a typed JSON error
+            return _error(500, f"internal error: {exc!r}", "internal_error")
+        finally:
+            if chunks is not None:
+                await chunks.aclose()
         return {
             "id": f"cmpl-{done.request_id}",
             "object": "text_completion",
@@ -152,6 +198,9 @@ class Ingress:
                 chunk = await anext(chunks, None)
         except ReplicaError as exc:
             error = {"error": {"message": str(exc), "type": "replica_error"}}
+            yield f"data: {json.dumps(error)}\n\n"
+        except Exception as exc:
+            error = {"error": {"message": f"internal error: {exc!r}", "type": "internal_error"}}
             yield f"data: {json.dumps(error)}\n\n"
         finally:
             await chunks.aclose()  # aborts the request if the client disconnected

@@ -12,6 +12,8 @@ Wiring: request_router_config(RouterConfig(...)) -> RequestRouterConfig, passed 
 `request_router_config=` to `@serve.deployment` / `.options()`. Ray Serve hands
 its request_router_kwargs (dataclasses.asdict of the RouterConfig) to
 KVFleetRequestRouter.initialize_state in every handle and proxy.
+serve_request_router_config("serve-...") does the same for Ray Serve's own routers,
+the peers kvfleet's policies are measured against.
 
 All routing logic lives in router/; this module only translates Serve's types.
 """
@@ -26,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ray.serve.config import RequestRouterConfig
+from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from replica.stats import ReplicaStats
@@ -35,6 +38,13 @@ logger = logging.getLogger(__name__)
 
 ROUTING_STATS_KEY = "stats"
 REQUEST_ROUTER_CLASS_PATH = "cluster.request_router.KVFleetRequestRouter"
+# ClusterConfig.router names of Ray Serve's own routers -> their class paths (Ray 2.60).
+SERVE_ROUTER_CLASS_PATHS = {
+    "serve-pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+    "serve-round-robin": "ray.serve.experimental.round_robin_router:RoundRobinRouter",
+    "serve-consistent-hash": "cluster.request_router.PromptHashRouter",
+}
+DEFAULT_NUM_PREFIX_TOKENS = 64
 
 
 def encode_routing_stats(stats: ReplicaStats) -> dict[str, bytes]:
@@ -240,4 +250,84 @@ def request_router_config(
         initial_backoff_s=router_config.backoff_initial_s,
         backoff_multiplier=router_config.backoff_multiplier,
         max_backoff_s=router_config.backoff_max_s,
+    )
+
+
+def prompt_hash_key(
+    args: Sequence[Any], kwargs: Mapping[str, Any], num_prefix_tokens: int
+) -> str | None:
+    """The consistent-hash key of a call: its first num_prefix_tokens prompt token ids."""
+    prompt = route_request_from_call("", args, kwargs).prompt_token_ids
+    if not prompt:
+        return None
+    return "prompt:" + ",".join(map(str, prompt[:num_prefix_tokens]))
+
+
+class PromptHashRouter(ConsistentHashRouter):
+    """Ray Serve's ConsistentHashRouter, keyed by the prompt's first tokens.
+
+    Algorithm: Serve's hash ring with virtual nodes (its own code, unchanged); the
+    key is the call's session_id when one is set (Serve's own key: the HTTP
+    x-session-id header, or handle.options(session_id=...)), else the first
+    num_prefix_tokens prompt token ids, so requests sharing that prefix land on the
+    same replica (prefix-cache affinity without any stats), else Serve's fallback,
+    the internal request id (uniform spread).
+    Invariant: the same key and the same replica set give the same replica.
+    Failure: no load signal at all; a hot prefix stays on its replica (and its
+    num_fallback_replicas successors once that replica refuses new requests).
+    """
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        num_prefix_tokens = kwargs.pop("num_prefix_tokens", DEFAULT_NUM_PREFIX_TOKENS)
+        if (
+            not isinstance(num_prefix_tokens, int)
+            or isinstance(num_prefix_tokens, bool)
+            or num_prefix_tokens < 1
+        ):
+            raise ValueError(
+                f"num_prefix_tokens must be a positive integer, got {num_prefix_tokens!r}"
+            )
+        self.num_prefix_tokens = num_prefix_tokens
+        super().initialize_state(**kwargs)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None and not pending_request.metadata.session_id:
+            key = prompt_hash_key(
+                pending_request.args, pending_request.kwargs, self.num_prefix_tokens
+            )
+            if key is not None:
+                # A copy: the caller's request keeps its metadata; future and
+                # routing context are shared, so Serve's bookkeeping is unchanged.
+                metadata = dataclasses.replace(pending_request.metadata, session_id=key)
+                pending_request = dataclasses.replace(pending_request, metadata=metadata)
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+
+def serve_request_router_config(
+    router: str,
+    *,
+    stats_period_s: float = 0.1,
+    stats_timeout_s: float = 1.0,
+    num_prefix_tokens: int = DEFAULT_NUM_PREFIX_TOKENS,
+) -> RequestRouterConfig:
+    """The RequestRouterConfig of one of Ray Serve's own routers (ClusterConfig.router "serve-*").
+
+    Routing stats are still collected every stats_period_s (unused by these routers),
+    so the controller does the same work as with a kvfleet router and only the
+    decision differs.
+    """
+    if router not in SERVE_ROUTER_CLASS_PATHS:
+        raise ValueError(f"router must be one of {tuple(SERVE_ROUTER_CLASS_PATHS)}, got {router!r}")
+    kwargs: dict[str, Any] = {}
+    if router == "serve-consistent-hash":
+        kwargs["num_prefix_tokens"] = num_prefix_tokens
+    return RequestRouterConfig(
+        request_router_class=SERVE_ROUTER_CLASS_PATHS[router],
+        request_router_kwargs=kwargs,
+        request_routing_stats_period_s=stats_period_s,
+        request_routing_stats_timeout_s=stats_timeout_s,
     )

@@ -5,10 +5,11 @@ Serve request router as a streaming call `submit(request)`, so the KV router see
 prompt (first positional argument: a dict with "prompt_token_ids" and "max_tokens")
 and picks the replica. The replica answers with one `SubmitAck`:
 
-- if the caller (`caller_id`, one per transport, i.e. per process and event loop) has no
-  live stream on that replica yet, this submit's stream *becomes* the carrier: it stays
-  open and carries one `StepBatch` per engine step holding the new tokens of every
-  request that caller has in flight there, and it closes once that set is empty;
+- if the caller (`caller_id`) has no live stream on that replica yet, this submit's
+  stream *becomes* the carrier: it stays open and carries one `StepBatch` per engine
+  step holding the new tokens of every request that caller has in flight there (and a
+  `Heartbeat` every heartbeat period while no step has output for it), and it closes
+  once that set is empty;
 - otherwise the ack says "attached" and the submit stream ends at once; the request's
   tokens ride on the existing carrier.
 
@@ -21,28 +22,61 @@ path is one message per (caller, step) whatever the number of requests, as DESIG
 asks. Per request the cost is one short streaming call (ack + end). Aborts are rare and
 go through `handle.broadcast("abort", request_id)`; only the owning replica acts on it.
 
-Nothing is lost silently: a bad request gets an ack carrying the error (raised as
-ValueError naming the field); a carrier that fails (replica died) fails every request
-of this caller on that replica with ReplicaError; a carrier cancelled on the caller side
-(process gone) makes the replica abort that caller's requests and free their blocks.
+Failure handling, caller side. Invariant: every request submitted here ends with exactly
+one last item on its queue: a finished TokenDelta, or a ReplicaError instance; or submit
+raises. Nothing hangs:
+- a bad request gets an ack carrying the error: submit raises ValueError naming the field;
+- a submit whose replica died before acking raises ReplicaDiedError (nothing was
+  streamed, so the caller may resubmit it: see Client.stream);
+- a carrier that fails (actor died, stream broke) or stays silent for carrier_timeout_s
+  (node lost: the heartbeat stops) fails every request it carried with ReplicaDiedError;
+  a silent one is cancelled, which makes the replica abort that caller's requests there;
+- a request attached to a carrier that this caller never sees alive within
+  carrier_timeout_s (its carrier's submit failed) fails the same way;
+- after a carrier failure the transport takes a new caller_id, so a replica that is in
+  fact alive elects a fresh carrier instead of attaching to the one given up on;
+- an engine that fails on the replica ends its requests with finish_reason "error"
+  (ReplicaError, not retried: the request may be what broke it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
+from cluster.errors import ReplicaDiedError, ReplicaError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CallerTransport",
+    "Heartbeat",
+    "ReplicaDiedError",
+    "ReplicaError",
+    "StepBatch",
+    "SubmitAck",
+    "SubmitRequest",
+    "TokenDelta",
+    "decode_message",
+]
+
 _ACK = 0
 _BATCH = 1
+_BEAT = 2
 
+# SubmitAck.error_kind values.
+INVALID = "invalid"  # bad input: ValueError naming the field
+UNAVAILABLE = "unavailable"  # the replica cannot serve (engine failed, shutting down)
+ABORTED = "aborted"  # the caller aborted the request before it was admitted
 
-class ReplicaError(RuntimeError):
-    """The replica serving a request failed (died, or its stream broke) mid-request."""
+ERROR_FINISH = "error"  # TokenDelta.finish_reason when the replica's engine failed
 
 
 @dataclass(frozen=True)
@@ -65,11 +99,19 @@ class SubmitRequest:
         }
 
     @classmethod
-    def from_wire(cls, wire: dict[str, Any]) -> SubmitRequest:
+    def from_wire(cls, wire: Any) -> SubmitRequest:
+        """Parse a submit payload; anything malformed raises ValueError naming the field."""
+        if not isinstance(wire, dict):
+            raise ValueError(f"request: must be a dict, got {type(wire).__name__}")
+        for name in ("request_id", "caller_id"):
+            if not isinstance(wire.get(name), str) or not wire[name]:
+                raise ValueError(f"{name}: must be a non-empty string, got {wire.get(name)!r}")
+        if not isinstance(wire.get("params"), dict):
+            raise ValueError(f"params: must be a dict, got {type(wire.get('params')).__name__}")
         return cls(
-            request_id=str(wire["request_id"]),
-            caller_id=str(wire["caller_id"]),
-            prompt_token_ids=wire["prompt_token_ids"],
+            request_id=wire["request_id"],
+            caller_id=wire["caller_id"],
+            prompt_token_ids=wire.get("prompt_token_ids"),  # type: ignore[arg-type]
             params=wire["params"],
         )
 
@@ -79,11 +121,25 @@ class SubmitAck:
     """The first (and, unless carrier, only) message of a submit stream."""
 
     replica_id: str
-    carrier: bool
+    carrier: bool  # this submit's stream is the carrier (else: attached to carrier_id)
+    carrier_id: str = ""  # the carrier this request's tokens ride on ("" when rejected)
     error: str | None = None
+    error_kind: str | None = None  # INVALID | UNAVAILABLE | ABORTED when error is set
 
     def encode(self) -> bytes:
-        return msgpack.packb([_ACK, self.replica_id, self.carrier, self.error])
+        return msgpack.packb(
+            [_ACK, self.replica_id, self.carrier, self.carrier_id, self.error, self.error_kind]
+        )
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent on an idle carrier every heartbeat period: the replica is alive."""
+
+    replica_id: str
+
+    def encode(self) -> bytes:
+        return msgpack.packb([_BEAT, self.replica_id])
 
 
 @dataclass(frozen=True)
@@ -92,7 +148,7 @@ class TokenDelta:
 
     request_id: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "length" | "stop" | "abort" once finished
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error" once finished
     num_prompt_tokens: int = 0
 
     @property
@@ -114,95 +170,240 @@ class StepBatch:
         return msgpack.packb([_BATCH, self.replica_id, rows])
 
 
-def decode_message(data: bytes) -> SubmitAck | StepBatch:
+def decode_message(data: bytes) -> SubmitAck | StepBatch | Heartbeat:
     raw = msgpack.unpackb(data)
     if raw[0] == _ACK:
-        return SubmitAck(replica_id=raw[1], carrier=raw[2], error=raw[3])
+        return SubmitAck(*raw[1:6])
     if raw[0] == _BATCH:
         return StepBatch(raw[1], [TokenDelta(r[0], r[1], r[2], r[3]) for r in raw[2]])
+    if raw[0] == _BEAT:
+        return Heartbeat(raw[1])
     raise ValueError(f"unknown transport message kind {raw[0]!r}")
+
+
+def is_replica_gone(exc: BaseException) -> bool:
+    """Whether a Ray/Serve call failed because its replica died or is unreachable."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    gone = (ActorDiedError, ActorUnavailableError, RayActorError)
+    return isinstance(exc, gone) or isinstance(getattr(exc, "cause", None), gone)
+
+
+@dataclass
+class _Attempt:
+    """One submission of a request, from submit until its last queue item."""
+
+    queue: asyncio.Queue
+    replica_id: str = ""
+    carrier_id: str | None = None  # set by the ack
+    acked_s: float = 0.0
+
+
+@dataclass
+class _Link:
+    """A live carrier stream being read."""
+
+    replica_id: str
+    caller_id: str
+    gen: Any
+    last_message_s: float
+    task: asyncio.Task | None = None
+    cut: bool = False  # cancelled by the watchdog (silent), not by the loop closing
 
 
 class CallerTransport:
     """The caller side: submits requests and demultiplexes carrier streams.
 
     Bound to the event loop it is first used on. Each in-flight request has an
-    asyncio.Queue receiving TokenDelta items, then either a finished delta or an
-    exception instance (ReplicaError) as its last item.
+    asyncio.Queue receiving TokenDelta items, then either a finished delta or a
+    ReplicaError instance as its last item (see the module docstring).
     """
 
-    def __init__(self, handle: Any) -> None:
-        self.caller_id = uuid.uuid4().hex
+    def __init__(
+        self, handle: Any, carrier_timeout_s: float = 10.0, abort_timeout_s: float = 5.0
+    ) -> None:
+        if carrier_timeout_s <= 0 or abort_timeout_s <= 0:
+            raise ValueError("carrier_timeout_s and abort_timeout_s must be > 0")
+        self._base_caller_id = uuid.uuid4().hex
+        self._epoch = 0
+        self.caller_id = f"{self._base_caller_id}.0"
+        self.carrier_timeout_s = carrier_timeout_s
+        self.abort_timeout_s = abort_timeout_s
         self._handle = handle
         self._submit = handle.options(method_name="submit", stream=True)
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._replica_of: dict[str, str] = {}
+        self._attempts: dict[str, _Attempt] = {}
+        self._links: dict[str, _Link] = {}  # by carrier id
+        self._given_up: set[str] = set()  # carrier ids
         self._tasks: set[asyncio.Task] = set()
+        self._watchdog: asyncio.Task | None = None
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._queues)
+        return len(self._attempts)
 
-    async def submit(self, request: SubmitRequest) -> tuple[str, asyncio.Queue]:
+    @property
+    def num_carriers(self) -> int:
+        return len(self._links)
+
+    async def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any]
+    ) -> tuple[str, asyncio.Queue]:
         """Route one request; returns (replica_id, queue of its deltas).
 
         Raises ValueError (naming the field) when the replica rejects the request,
-        and whatever the router raises (e.g. OverloadedError) when it is not admitted.
+        whatever the router raises (e.g. OverloadedError) when it is not admitted,
+        ReplicaDiedError when the replica died or cannot serve before acknowledging
+        (nothing was generated: safe to resubmit under a new request id), and
+        ReplicaError for any other failure of the call.
         """
-        rid = request.request_id
-        queue: asyncio.Queue = asyncio.Queue()
+        request = SubmitRequest(request_id, self.caller_id, prompt_token_ids, params)
+        attempt = _Attempt(asyncio.Queue())
         # Registered before sending: tokens may arrive on a live carrier before the ack.
-        self._queues[rid] = queue
+        self._attempts[request_id] = attempt
+        self._ensure_watchdog()
         try:
             gen = self._submit.remote(request.to_wire())
             ack = decode_message(await gen.__anext__())
-        except BaseException:
-            self._forget(rid)
-            raise
-        assert isinstance(ack, SubmitAck)
+        except BaseException as exc:
+            self._forget(request_id)
+            if isinstance(exc, asyncio.CancelledError | ValueError | ReplicaError):
+                raise
+            if is_replica_gone(exc):
+                raise ReplicaDiedError(
+                    f"replica died before acknowledging: {exc!r}", request_id
+                ) from exc
+            if type(exc).__name__ == "OverloadedError":  # router.OverloadedError, as sent
+                raise
+            raise ReplicaError(f"submit failed: {exc!r}", request_id) from exc
+        assert isinstance(ack, SubmitAck), ack
         if ack.carrier:
-            self._spawn(self._read_carrier(gen, ack.replica_id))
+            self._start_carrier(ack.carrier_id, ack.replica_id, request.caller_id, gen)
         else:
             self._spawn(_drain(gen))
         if ack.error is not None:
-            self._forget(rid)
+            self._forget(request_id)
+            if ack.error_kind == UNAVAILABLE:
+                raise ReplicaDiedError(ack.error, request_id, ack.replica_id)
+            if ack.error_kind == ABORTED:
+                raise asyncio.CancelledError(ack.error)
             raise ValueError(ack.error)
-        if rid in self._queues:  # not already finished on the carrier
-            self._replica_of[rid] = ack.replica_id
-        return ack.replica_id, queue
+        if request_id in self._attempts:  # not already finished on the carrier
+            attempt.replica_id, attempt.carrier_id = ack.replica_id, ack.carrier_id
+            attempt.acked_s = time.monotonic()
+            if ack.carrier_id in self._given_up:
+                error = ReplicaDiedError("its carrier was lost", request_id, ack.replica_id)
+                self._fail(request_id, error)
+        return ack.replica_id, attempt.queue
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request wherever it runs; its queue gets no more items."""
+        """Abort a request wherever it runs (or will run); its queue gets no more items."""
         self._forget(request_id)
-        await self._handle.broadcast("abort", request_id).results_async(return_exceptions=True)
+        response = self._handle.broadcast("abort", request_id)
+        try:
+            await response.results_async(timeout_s=self.abort_timeout_s, return_exceptions=True)
+        except TimeoutError:
+            # A replica that does not answer in time is gone or its carrier is cut: either
+            # way the request's blocks are (or will be) freed on the replica side.
+            logger.warning("abort of %s not acknowledged by every replica in time", request_id)
+
+    def abort_soon(self, request_id: str) -> None:
+        """abort() in the background (after a failure, where nobody needs to wait)."""
+        self._spawn(self.abort(request_id))
+
+    # --- carriers --------------------------------------------------------------------
+
+    def _start_carrier(self, carrier_id: str, replica_id: str, caller_id: str, gen: Any) -> None:
+        link = _Link(replica_id, caller_id, gen, time.monotonic())
+        self._links[carrier_id] = link
+        link.task = self._spawn(self._read_carrier(carrier_id, link))
+
+    async def _read_carrier(self, carrier_id: str, link: _Link) -> None:
+        error: ReplicaError | None = None
+        try:
+            async for data in link.gen:
+                link.last_message_s = time.monotonic()
+                message = decode_message(data)
+                if isinstance(message, StepBatch):
+                    self._dispatch(link.replica_id, message)
+        except asyncio.CancelledError:  # by the watchdog, or the loop is closing
+            with contextlib.suppress(Exception):
+                link.gen.cancel()  # the replica then aborts this caller's requests there
+            if not link.cut:
+                raise
+            error = ReplicaDiedError(
+                f"carrier silent for more than {self.carrier_timeout_s}s",
+                replica_id=link.replica_id,
+            )
+        except Exception as exc:  # the replica or its stream is gone
+            error = ReplicaDiedError(f"carrier failed: {exc!r}", replica_id=link.replica_id)
+        finally:
+            self._links.pop(carrier_id, None)
+        if error is not None:
+            self._give_up(carrier_id, link, error)
+
+    def _dispatch(self, replica_id: str, batch: StepBatch) -> None:
+        for delta in batch.deltas:
+            attempt = self._attempts.get(delta.request_id)
+            if attempt is None:
+                continue  # aborted by this caller
+            if delta.finish_reason == ERROR_FINISH:
+                error = ReplicaError("the replica's engine failed", delta.request_id, replica_id)
+                self._fail(delta.request_id, error)
+                continue
+            attempt.queue.put_nowait(delta)
+            if delta.finished:
+                self._forget(delta.request_id)
+
+    def _give_up(self, carrier_id: str, link: _Link, error: ReplicaError) -> None:
+        """Fail every request on a lost carrier; later submits use a fresh caller_id."""
+        logger.warning("giving up on carrier %s of %s: %s", carrier_id, link.replica_id, error)
+        self._given_up.add(carrier_id)
+        if link.caller_id == self.caller_id:
+            self._epoch += 1
+            self.caller_id = f"{self._base_caller_id}.{self._epoch}"
+        for rid, attempt in list(self._attempts.items()):
+            if attempt.carrier_id == carrier_id:
+                self._fail(rid, error.with_progress(rid, (), 1))
+
+    def _fail(self, request_id: str, error: ReplicaError) -> None:
+        attempt = self._attempts.get(request_id)
+        if attempt is None:
+            return
+        attempt.queue.put_nowait(error)
+        self._forget(request_id)
+        self.abort_soon(request_id)  # in case its replica is in fact alive
+
+    # --- watchdog --------------------------------------------------------------------
+
+    def _ensure_watchdog(self) -> None:
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = self._spawn(self._watch())
+
+    async def _watch(self) -> None:
+        """While requests are in flight: cut silent carriers, fail requests with none."""
+        period_s = min(1.0, self.carrier_timeout_s / 4)
+        while self._attempts:
+            await asyncio.sleep(period_s)
+            deadline_s = time.monotonic() - self.carrier_timeout_s
+            for link in list(self._links.values()):
+                if link.last_message_s < deadline_s and link.task is not None:
+                    link.cut = True
+                    link.task.cancel()
+            for rid, attempt in list(self._attempts.items()):
+                carrier_id = attempt.carrier_id
+                if carrier_id is None or carrier_id in self._links:
+                    continue
+                if attempt.acked_s < deadline_s:
+                    self._fail(rid, ReplicaDiedError("no live carrier", rid, attempt.replica_id))
 
     def _forget(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
-        self._replica_of.pop(request_id, None)
+        self._attempts.pop(request_id, None)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _read_carrier(self, gen: Any, replica_id: str) -> None:
-        try:
-            async for data in gen:
-                batch = decode_message(data)
-                assert isinstance(batch, StepBatch)
-                for delta in batch.deltas:
-                    queue = self._queues.get(delta.request_id)
-                    if queue is None:
-                        continue  # aborted by this caller
-                    queue.put_nowait(delta)
-                    if delta.finished:
-                        self._forget(delta.request_id)
-        except Exception as exc:  # the replica or its stream is gone
-            error = ReplicaError(f"replica {replica_id} failed mid-request: {exc!r}")
-            for rid, owner in list(self._replica_of.items()):
-                if owner == replica_id:
-                    self._queues[rid].put_nowait(error)
-                    self._forget(rid)
+        return task
 
 
 async def _drain(gen: Any) -> None:

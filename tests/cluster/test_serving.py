@@ -139,8 +139,12 @@ def test_client_abort_frees_blocks(running_app: RunningApp) -> None:
     async def start_then_abandon() -> float:
         chunks = client.stream(list(range(1, 65)), long)
         await chunks.__anext__()
-        await chunks.__anext__()
-        busy = max(s.kv_usage for s in await client.stats_async())
+        # Stats are as fresh as the stats period: wait for a snapshot taken mid-request.
+        busy = 0.0
+        deadline_s = time.monotonic() + 10
+        while busy == 0 and time.monotonic() < deadline_s:
+            await chunks.__anext__()
+            busy = max(s.kv_usage for s in await client.stats_async())
         await chunks.aclose()  # the caller walks away mid-request
         return busy
 
