@@ -1,0 +1,333 @@
+"""Cluster load test: a seeded trace against a kvfleet app, vLLM-style serving metrics.
+
+    # start 2 local CPU replicas of gpt2-tiny, same trace under two routers
+    python -m bench.load --model gpt2-tiny --replicas 2 --device cpu --num-blocks 256 \
+        --routers kv,pow2 --num-requests 64 --rate 20 --input-len 64 --output-len 16 --out r.json
+    # attach to a running app (python -m cluster serve ...), closed loop of 32 users
+    python -m bench.load --app-name kvfleet --concurrency 32 --dataset prefix --num-prefixes 8
+
+Open loop (--rate, --burstiness: gamma gaps, 1 = Poisson) or closed loop (--concurrency).
+The requests are spread round-robin over --num-procs generator processes (bench.load_worker),
+each with its own Ray driver, event loop and Client; each reports its CPU use, and the
+report flags a saturated generator. With --routers the app is redeployed per router (fresh
+replicas, fresh caches) and the same trace replays; ratios are against serve-pow2 (Ray
+Serve's default router) when it ran. Exit status 1 if any request was lost (neither a
+completion nor a typed error), a replica leaked, or a generator process failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+
+from bench.common import write_json
+from bench.load_metrics import SLO, RequestRecord, compute_metrics
+from bench.load_pool import GeneratorPool, Round
+from bench.load_report import (
+    BASELINE_ROUTER,
+    plot_kv_usage,
+    plot_latency_cdfs,
+    ratio_table,
+    ratios_against,
+    summary_table,
+)
+from bench.load_target import (
+    attach_ray,
+    deploy,
+    leak_check,
+    shutdown,
+    start_local_ray,
+    stats_rows,
+    undeploy,
+)
+from bench.load_worker import WorkerResult
+from bench.load_workload import (
+    DATASETS,
+    TAILS,
+    RequestSpec,
+    WorkloadConfig,
+    build_trace,
+)
+from cluster.config import ROUTERS, ClusterConfig
+
+# Ray Serve's own routers (cluster.config has them once they are wired); kept in the CLI.
+SERVE_ROUTERS = ("serve-pow2", "serve-round-robin", "serve-consistent-hash")
+STATS_PERIOD_S = 0.2
+
+
+class Progress:
+    """tqdm when installed, else one rewritten stderr line."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        try:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, mininterval=0.5)
+        except ImportError:
+            self._bar = None
+        self.total, self.desc, self.n = total, desc, 0
+
+    def update_to(self, n: int) -> None:
+        if self._bar is not None:
+            self._bar.update(n - self._bar.n)
+        elif n != self.n:
+            print(f"\r{self.desc}: {n}/{self.total}", end="", file=sys.stderr, flush=True)
+        self.n = n
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            print(file=sys.stderr)
+
+
+def run_trace(
+    args: argparse.Namespace, router: str, trace: list[RequestSpec], pool: GeneratorPool
+) -> dict:
+    """Replay the trace against the app as it is now deployed; metrics, CPU, KV samples."""
+    from cluster.client import Client
+
+    client = Client(args.app_name)
+    samples: list[dict] = []
+    bar = Progress(len(trace), router)
+    next_poll_s = 0.0
+
+    def on_tick(state: Round) -> None:
+        nonlocal next_poll_s
+        t_s = time.time() - state.start_wall_s
+        if time.monotonic() >= next_poll_s and t_s >= 0:
+            samples.extend(stats_rows(client.stats(), t_s))
+            next_poll_s = time.monotonic() + STATS_PERIOD_S
+        bar.update_to(sum(state.done_by_proc.values()))
+
+    state = pool.run_round(args.app_name, trace, args.concurrency, args.timeout_s, on_tick)
+    bar.update_to(sum(state.done_by_proc.values()))
+    bar.close()
+    records = [r for res in state.results.values() for r in res.records]
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+    return {
+        "records": records,
+        "metrics": compute_metrics(records, [s.index for s in trace], slo),
+        "leak_check": leak_check(client),
+        "generator": [
+            _generator_row(p, state.results.get(p), state.failures.get(p))
+            for p in range(pool.num_procs)
+        ],
+        "kv_samples": samples,
+    }
+
+
+def _generator_row(proc: int, result: WorkerResult | None, failure: str | None) -> dict:
+    if result is None:
+        return {"proc": proc, "failed": failure or "no result", "saturated": None}
+    return {
+        "proc": proc,
+        "failed": None,
+        "cpu_fraction": round(result.cpu_fraction, 3),
+        "cpu_max_window": round(max(result.cpu_windows, default=math.nan), 3),
+        "saturated_windows": result.num_saturated_windows,
+        "num_windows": len(result.cpu_windows),
+        "saturated": result.saturated,
+    }
+
+
+def _cluster_config(args: argparse.Namespace, router: str) -> ClusterConfig:
+    # Serve's own routers have no admission control; ClusterConfig refuses its fields.
+    admission = (
+        {}
+        if router in SERVE_ROUTERS
+        else {"on_overload": args.on_overload, "max_hold_s": args.max_hold_s}
+    )
+    return ClusterConfig(
+        model=args.model,
+        num_replicas=args.replicas,
+        router=router,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        device=args.device,
+        seed=args.seed,
+        app_name=args.app_name,
+        **admission,
+    )
+
+
+def _workload(args: argparse.Namespace, vocab_size: int) -> WorkloadConfig:
+    names = (
+        "num_requests rate burstiness dataset input_len output_len range_ratio num_prefixes "
+        "prefix_len tail sigma alpha max_input_len max_output_len seed"
+    ).split()
+    return WorkloadConfig(**{n: getattr(args, n) for n in names}, vocab_size=vocab_size)
+
+
+def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
+    """Every router's run on one trace; (workload description, runs by router)."""
+    from cluster.client import Client
+
+    routers = args.routers.split(",") if args.routers else [args.router]
+    if args.model is None:
+        if len(routers) > 1:
+            raise SystemExit("--routers needs --model: an attached app cannot be redeployed")
+        configs = {routers[0]: None}
+        ray_address = attach_ray(args.address)
+    else:
+        configs = {r: _cluster_config(args, r) for r in routers}  # validates every router
+        ray_address = start_local_ray(args.ray_num_cpus or args.replicas + 2)
+    num_procs = min(args.num_procs, args.concurrency or args.num_procs, args.num_requests)
+    trace: list[RequestSpec] | None = None
+    workload: dict = {}
+    runs: dict[str, dict] = {}
+    pool: GeneratorPool | None = None
+    try:
+        pool = GeneratorPool(num_procs, ray_address)  # starts while the first app deploys
+        for router, config in configs.items():
+            if config is not None:
+                t_deploy = time.monotonic()
+                deploy(config)
+                print(
+                    f"deployed {args.replicas} x {args.model} with router {router!r} "
+                    f"in {time.monotonic() - t_deploy:.1f} s"
+                )
+            if trace is None:
+                vocab = args.vocab_size or Client(args.app_name).model_info().vocab_size
+                workload_config = _workload(args, vocab)
+                trace = build_trace(workload_config)
+                workload = asdict(workload_config) | {"concurrency": args.concurrency}
+            runs[router] = run_trace(args, router, trace, pool)
+            if config is not None:
+                undeploy(args.app_name)
+    finally:
+        if pool is not None:
+            pool.close()
+        if args.model is not None:
+            shutdown()
+    return workload, runs
+
+
+def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> int:
+    """Print the tables, write JSON and plots; the exit status."""
+    print("\n" + summary_table(runs))
+    ratios = ratios_against(runs)
+    if ratios:
+        print(f"\nratios against {BASELINE_ROUTER} (Ray Serve's default router):")
+        print(ratio_table(ratios))
+    status = 0
+    for router, run in runs.items():
+        m, leaks = run["metrics"], run["leak_check"]
+        if m["lost"]:
+            print(f"{router}: {m['lost']} LOST requests (first: {m['lost_indices'][:10]})")
+            status = 1
+        if m["errors_by_type"]:
+            print(f"{router}: rejected/errors by type: {m['errors_by_type']}")
+            for examples in m["error_examples"].values():
+                print("  " + "\n  ".join(examples))
+        if not leaks["ok"]:
+            print(f"{router}: LEAK CHECK FAILED: {leaks['replicas']}")
+            status = 1
+        else:
+            print(f"{router}: leak check ok ({len(leaks['replicas'])} replicas drained)")
+        for gen in run["generator"]:
+            if gen["failed"]:
+                print(f"{router}: generator {gen['proc']} FAILED: {gen['failed']}")
+                status = 1
+            elif gen["saturated"]:
+                print(
+                    f"{router}: generator {gen['proc']} SATURATED: {gen['cpu_fraction']:.0%} of a"
+                    f" core on average, {gen['saturated_windows']}/{gen['num_windows']} windows"
+                    " over 90%: add --num-procs"
+                )
+    if args.out:
+        payload = {
+            "command": "python -m bench.load " + " ".join(sys.argv[1:]),
+            "workload": workload,
+            "target": {k: getattr(args, k) for k in _TARGET_KEYS},
+            "runs": {
+                r: {k: v for k, v in run.items() if k != "records"}
+                | ({"requests": [asdict(x) for x in run["records"]]} if args.save_requests else {})
+                for r, run in runs.items()
+            },
+            "ratios_vs_" + BASELINE_ROUTER: ratios,
+        }
+        write_json(args.out, payload)
+        prefix = os.path.splitext(args.out)[0]
+        records: dict[str, list[RequestRecord]] = {r: run["records"] for r, run in runs.items()}
+        plot_latency_cdfs(records, prefix + "_latency_cdf.png")
+        plot_kv_usage({r: run["kv_samples"] for r, run in runs.items()}, prefix + "_kv_usage.png")
+        print(f"wrote {args.out}, {prefix}_latency_cdf.png, {prefix}_kv_usage.png")
+    return status
+
+
+_TARGET_KEYS = (
+    "app_name model replicas routers router num_blocks max_num_seqs block_size device "
+    "on_overload num_procs"
+).split()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n")[0])
+    t = p.add_argument_group("target (--model starts a local app; without it, attach)")
+    t.add_argument("--app-name", default="kvfleet")
+    t.add_argument("--address", default="auto", help="Ray address when attaching")
+    t.add_argument("--model", default=None)
+    t.add_argument("--replicas", type=int, default=2)
+    routers = list(dict.fromkeys([*ROUTERS, *SERVE_ROUTERS]))
+    t.add_argument("--router", choices=routers, default="kv")
+    t.add_argument("--routers", default=None, help=f"comma list of {routers}")
+    t.add_argument("--num-blocks", type=int, default=None)
+    t.add_argument("--max-num-seqs", type=int, default=256)
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    t.add_argument("--on-overload", default="hold", choices=("hold", "reject"))
+    t.add_argument("--max-hold-s", type=float, default=30.0)
+    t.add_argument("--ray-num-cpus", type=int, default=None)
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", type=int, default=200)
+    w.add_argument("--rate", type=float, default=math.inf, help="req/s; inf: all at once")
+    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1: Poisson")
+    w.add_argument("--concurrency", type=int, default=None, help="closed loop of N users")
+    w.add_argument("--dataset", choices=DATASETS, default="random")
+    w.add_argument("--input-len", type=int, default=128)
+    w.add_argument("--output-len", type=int, default=32)
+    w.add_argument("--range-ratio", type=float, default=0.0)
+    w.add_argument("--num-prefixes", type=int, default=4)
+    w.add_argument("--prefix-len", type=int, default=256)
+    w.add_argument("--tail", choices=TAILS, default="lognormal")
+    w.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma (longtail)")
+    w.add_argument("--alpha", type=float, default=1.5, help="Pareto shape (longtail)")
+    w.add_argument("--max-input-len", type=int, default=1024)
+    w.add_argument("--max-output-len", type=int, default=256)
+    w.add_argument("--vocab-size", type=int, default=None, help="default: the model's")
+    w.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("measurement")
+    m.add_argument("--slo-ttft-ms", type=float, default=None)
+    m.add_argument("--slo-tpot-ms", type=float, default=None)
+    m.add_argument("--slo-e2e-ms", type=float, default=None)
+    m.add_argument("--num-procs", type=int, default=2)
+    m.add_argument("--timeout-s", type=float, default=300.0, help="after the last arrival")
+    m.add_argument("--out", default=None, help="JSON path; PNGs are written beside it")
+    m.add_argument("--save-requests", action="store_true", help="per-request rows in JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.concurrency is not None and not math.isinf(args.rate):
+        raise SystemExit("--rate and --concurrency are exclusive (open or closed loop)")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise SystemExit("--concurrency must be >= 1")
+    if args.num_procs < 1:
+        raise SystemExit("--num-procs must be >= 1")
+    known = set(ROUTERS) | set(SERVE_ROUTERS)
+    unknown = [r for r in (args.routers or "").split(",") if r and r not in known]
+    if unknown:
+        raise SystemExit(f"--routers: unknown router(s) {unknown}; known: {sorted(known)}")
+    workload, runs = run_all(args)
+    return report(args, workload, runs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

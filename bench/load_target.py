@@ -1,0 +1,107 @@
+"""The load test's target: a local Ray + Serve app it starts itself, or a running app.
+
+Also the two things the parent does against the target while generators run: sampling
+every replica's ReplicaStats (KV usage over time) and, after the run, the leak check.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+from replica.stats import ReplicaStats
+
+LEAK_CHECK_TIMEOUT_S = 10.0
+
+
+def start_local_ray(num_cpus: int) -> str:
+    """Start a small local Ray; returns the GCS address generator processes connect to."""
+    import ray
+
+    # "local": always a new cluster, never one another user started with `ray start`.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    return ray.get_runtime_context().gcs_address
+
+
+def attach_ray(address: str) -> str:
+    import ray
+
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    return ray.get_runtime_context().gcs_address
+
+
+def deploy(config: Any) -> None:
+    """Run build_app(config) as app config.app_name (Python client only, no HTTP route)."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    serve.run(build_app(config), name=config.app_name, route_prefix=None)
+
+
+def undeploy(app_name: str) -> None:
+    from ray import serve
+
+    serve.delete(app_name)
+
+
+def shutdown() -> None:
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+
+
+def stats_rows(stats: list[ReplicaStats], t_s: float) -> list[dict]:
+    """One sample row per replica for the KV-usage-over-time plot."""
+    return [
+        {
+            "t_s": round(t_s, 4),
+            "replica_id": s.replica_id,
+            "kv_usage": s.kv_usage,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_blocks_free": s.num_blocks_free,
+            "num_blocks_cached": s.num_blocks_cached,
+        }
+        for s in stats
+    ]
+
+
+def is_drained(s: ReplicaStats) -> bool:
+    """Idle and every block back: free + cached == total, nothing running or waiting."""
+    return (
+        s.num_running == 0
+        and s.num_waiting == 0
+        and s.num_blocks_free + s.num_blocks_cached == s.num_blocks_total
+    )
+
+
+def leak_check(client: Any, timeout_s: float = LEAK_CHECK_TIMEOUT_S) -> dict:
+    """Poll until every replica is drained, or report the ones that are not.
+
+    Waits because aborts and the last steps land asynchronously; a replica still
+    holding blocks or sequences after timeout_s is a leak.
+    """
+    start = time.perf_counter()
+    while True:
+        stats = client.stats()
+        ok = bool(stats) and all(is_drained(s) for s in stats)
+        waited_s = time.perf_counter() - start
+        if ok or waited_s > timeout_s:
+            break
+        time.sleep(0.2)
+    keys = ("num_running", "num_waiting", "num_blocks_free", "num_blocks_cached")
+    return {
+        "ok": ok,
+        "waited_s": round(waited_s, 2),
+        "replicas": [
+            {"replica_id": s.replica_id, "num_blocks_total": s.num_blocks_total}
+            | {k: asdict(s)[k] for k in keys}
+            | {"drained": is_drained(s)}
+            for s in stats
+        ],
+    }

@@ -1,0 +1,301 @@
+"""bench.load: arrivals, datasets, metrics, goodput and lost-request accounting; one real run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from bench.load_metrics import SLO, RequestRecord, account, compute_metrics
+from bench.load_report import plot_kv_usage, plot_latency_cdfs, ratios_against
+from bench.load_worker import send_one
+from bench.load_workload import (
+    RequestSpec,
+    WorkloadConfig,
+    arrival_offsets,
+    build_trace,
+    long_tailed_lengths,
+    split_concurrency,
+    split_round_robin,
+)
+from router.errors import OverloadedError
+
+# --- arrivals ---------------------------------------------------------------------------
+
+
+def _gaps(rate: float, burstiness: float, seed: int, n: int = 20_000) -> list[float]:
+    t = arrival_offsets(n, rate, burstiness, np.random.default_rng(seed))
+    return [b - a for a, b in zip(t, t[1:])]
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_arrival_gaps_have_mean_one_over_rate_and_gamma_cv(burstiness: float) -> None:
+    gaps = _gaps(rate=10.0, burstiness=burstiness, seed=1)
+    mean = statistics.fmean(gaps)
+    cv = statistics.pstdev(gaps) / mean
+    assert mean == pytest.approx(0.1, rel=0.05)
+    # gamma(shape k): coefficient of variation 1/sqrt(k); Poisson (k = 1) has CV 1
+    assert cv == pytest.approx(1 / math.sqrt(burstiness), rel=0.06)
+    assert all(g >= 0 for g in gaps)
+
+
+def test_arrivals_are_seeded_start_at_zero_and_inf_rate_is_a_burst() -> None:
+    a = arrival_offsets(50, 5.0, 1.0, np.random.default_rng(7))
+    assert a == arrival_offsets(50, 5.0, 1.0, np.random.default_rng(7))
+    assert a != arrival_offsets(50, 5.0, 1.0, np.random.default_rng(8))
+    assert a[0] == 0.0 and a == sorted(a)
+    assert arrival_offsets(4, math.inf, 1.0, np.random.default_rng(0)) == [0.0] * 4
+
+
+# --- datasets ---------------------------------------------------------------------------
+
+
+def test_random_dataset_lengths_in_range_and_token_ids_in_vocab() -> None:
+    config = WorkloadConfig(
+        num_requests=300, input_len=40, output_len=10, range_ratio=0.5, vocab_size=100
+    )
+    trace = build_trace(config)
+    assert [r.index for r in trace] == list(range(300))
+    assert all(20 <= len(r.prompt_token_ids) <= 60 for r in trace)
+    assert all(5 <= r.max_tokens <= 15 for r in trace)
+    assert all(0 <= t < 99 for r in trace for t in r.prompt_token_ids)  # 99 = last id, kept out
+    assert len({len(r.prompt_token_ids) for r in trace}) > 10  # really a range
+    assert all(r.arrival_s == 0.0 for r in trace)  # default rate inf
+
+
+def test_prefix_dataset_shares_k_long_prefixes_with_short_suffixes() -> None:
+    config = WorkloadConfig(
+        num_requests=200, dataset="prefix", num_prefixes=3, prefix_len=64, input_len=8, seed=3
+    )
+    trace = build_trace(config)
+    prefixes: dict[int, list[int]] = {}
+    for r in trace:
+        assert r.prefix_id in range(3)
+        head, suffix = r.prompt_token_ids[:64], r.prompt_token_ids[64:]
+        assert prefixes.setdefault(r.prefix_id, head) == head
+        assert len(suffix) == 8
+    assert len(prefixes) == 3
+    assert len({tuple(p) for p in prefixes.values()}) == 3
+    # suffixes differ, so requests share exactly the prefix
+    assert len({tuple(r.prompt_token_ids[64:]) for r in trace}) == 200
+
+
+def test_trace_is_seeded_and_rate_does_not_change_prompts() -> None:
+    base = WorkloadConfig(num_requests=40, rate=5.0, dataset="prefix", seed=11)
+    assert build_trace(base) == build_trace(base)
+    other_rate = build_trace(WorkloadConfig(num_requests=40, rate=50.0, dataset="prefix", seed=11))
+    assert [r.prompt_token_ids for r in other_rate] == [
+        r.prompt_token_ids for r in build_trace(base)
+    ]
+    other_seed = build_trace(WorkloadConfig(num_requests=40, rate=5.0, dataset="prefix", seed=12))
+    assert [r.prompt_token_ids for r in other_seed] != [
+        r.prompt_token_ids for r in build_trace(base)
+    ]
+
+
+@pytest.mark.parametrize("tail,spread", [("lognormal", 1.0), ("pareto", 1.5)])
+def test_long_tailed_lengths_have_the_median_a_heavy_tail_and_the_cap(
+    tail: str, spread: float
+) -> None:
+    lengths = long_tailed_lengths(100, tail, spread, 5000, 20_000, np.random.default_rng(0))
+    assert statistics.median(lengths) == pytest.approx(100, rel=0.08)
+    assert np.percentile(lengths, 99) > 5 * statistics.median(lengths)
+    assert 1 <= min(lengths) and max(lengths) <= 5000
+
+
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="rate"):
+        WorkloadConfig(rate=0)
+    with pytest.raises(ValueError, match="dataset"):
+        WorkloadConfig(dataset="nope")
+    with pytest.raises(ValueError, match="range_ratio"):
+        WorkloadConfig(range_ratio=1.0)
+
+
+def test_splits_cover_every_request_once_and_every_user() -> None:
+    trace = build_trace(WorkloadConfig(num_requests=10))
+    parts = split_round_robin(trace, 3)
+    assert sorted(r.index for p in parts for r in p) == list(range(10))
+    assert [len(p) for p in parts] == [4, 3, 3]
+    assert split_concurrency(7, 3) == [3, 2, 2]
+
+
+# --- metrics (hand-computed) ------------------------------------------------------------
+
+
+def _record(index, sent_s, chunks, tokens, outcome="ok", error_type=None) -> RequestRecord:
+    end_s = sent_s + (chunks[-1] if chunks else 0.1)
+    return RequestRecord(
+        index,
+        10,
+        4,
+        sent_s,
+        sent_s,
+        end_s,
+        outcome,
+        error_type,
+        None,
+        None,
+        "r0",
+        list(chunks),
+        list(tokens),
+    )
+
+
+def _records() -> list[RequestRecord]:
+    return [
+        _record(0, 0.0, [0.1, 0.15, 0.25], [1, 1, 1]),  # TTFT .1, TPOT .075, ITL .05 .1
+        _record(1, 0.5, [0.2, 0.4], [1, 2]),  # TTFT .2, TPOT (.4-.2)/2 = .1, ITL .2
+        _record(2, 1.0, [0.3], [1]),  # one token: TTFT .3, no TPOT, ends at 1.3
+        _record(3, 0.0, [], [], outcome="rejected", error_type="OverloadedError"),
+    ]  # index 4 never reported: lost
+
+
+def test_metrics_match_hand_computed_values() -> None:
+    m = compute_metrics(_records(), list(range(5)))
+    assert (m["completed"], m["rejected"], m["errors"], m["lost"]) == (3, 1, 0, 1)
+    assert m["lost_indices"] == [4]
+    assert m["errors_by_type"] == {"OverloadedError": 1}
+    assert m["duration_s"] == pytest.approx(1.3)
+    assert m["request_throughput"] == pytest.approx(3 / 1.3)
+    assert m["total_output_tokens"] == 7
+    assert m["output_token_throughput"] == pytest.approx(7 / 1.3)
+    assert m["total_token_throughput"] == pytest.approx((30 + 7) / 1.3)
+    assert m["ttft_ms"]["mean"] == pytest.approx(200)
+    assert m["ttft_ms"]["p50"] == pytest.approx(200)
+    assert m["ttft_ms"]["p90"] == pytest.approx(280)  # linear: .2 + .8 * (.3 - .2)
+    assert m["tpot_ms"]["mean"] == pytest.approx(87.5)
+    assert m["itl_ms"]["p50"] == pytest.approx(100)  # of [50, 100, 200]
+    assert m["e2e_ms"]["p50"] == pytest.approx(300)  # of [250, 400, 300]
+    assert "goodput" not in m
+
+
+def test_goodput_counts_requests_meeting_every_slo() -> None:
+    m = compute_metrics(_records(), list(range(5)), SLO(ttft_ms=250, tpot_ms=90))
+    assert m["good_requests"] == 1  # 1 misses TPOT (100 ms), 2 misses TTFT (300 ms)
+    assert m["goodput"] == pytest.approx(1 / 1.3)
+    m = compute_metrics(_records(), list(range(5)), SLO(ttft_ms=350, tpot_ms=90))
+    assert m["good_requests"] == 2  # the one-token request has TPOT 0
+    m = compute_metrics(_records(), list(range(5)), SLO(e2e_ms=260))
+    assert m["good_requests"] == 1
+
+
+def test_accounting_loses_missing_and_unfinished_requests_and_refuses_duplicates() -> None:
+    records = _records() + [RequestRecord(5, 10, 4, 0.0)]  # sent, never ended: "lost"
+    acc = account(records, list(range(7)))
+    assert (acc.num_ok, acc.num_rejected, acc.num_errors) == (3, 1, 0)
+    assert acc.lost_indices == [4, 5, 6]
+    with pytest.raises(ValueError, match="twice"):
+        account(_records() + _records()[:1], list(range(5)))
+    with pytest.raises(ValueError, match="not in the trace"):
+        account(_records(), [0, 1, 2])
+
+
+# --- the generator's per-request outcome -------------------------------------------------
+
+
+class _Chunk:
+    def __init__(self, token_ids, finish_reason=None) -> None:
+        self.token_ids, self.finish_reason, self.replica_id = token_ids, finish_reason, "r1"
+
+
+class _FakeClient:
+    def __init__(self, script: str) -> None:
+        self.script = script
+
+    async def stream(self, prompt, params):
+        if self.script == "overloaded":
+            raise OverloadedError(0.5)
+        yield _Chunk([1])
+        if self.script == "hang":
+            await asyncio.sleep(3600)
+        if self.script == "boom":
+            raise RuntimeError("replica fell over")
+        yield _Chunk([2, 3], None if self.script == "no-finish" else "length")
+
+
+@pytest.mark.parametrize(
+    "script,outcome,error_type,num_tokens",
+    [
+        ("ok", "ok", None, 3),
+        ("overloaded", "rejected", "OverloadedError", 0),
+        ("boom", "error", "RuntimeError", 1),
+        ("no-finish", "lost", None, 3),
+    ],
+)
+def test_send_one_records_every_ending(script, outcome, error_type, num_tokens) -> None:
+    spec = RequestSpec(0, [1, 2, 3], 3, 0.0)
+    record = RequestRecord(0, 3, 3, 0.0)
+    asyncio.run(send_one(_FakeClient(script), spec, record, t0=0.0))
+    assert (record.outcome, record.error_type) == (outcome, error_type)
+    assert record.num_output_tokens == num_tokens
+    assert math.isnan(record.end_s) == (outcome == "lost")
+
+
+def test_a_request_cancelled_at_the_timeout_stays_lost() -> None:
+    record = RequestRecord(0, 3, 3, 0.0)
+
+    async def run() -> None:
+        task = asyncio.create_task(
+            send_one(_FakeClient("hang"), RequestSpec(0, [1], 3, 0.0), record, 0.0)
+        )
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(run())
+    assert record.outcome == "lost" and "timeout" in record.error_message
+    assert account([record], [0]).lost_indices == [0]
+
+
+# --- report -----------------------------------------------------------------------------
+
+
+def test_ratios_against_serve_pow2_and_plots(tmp_path) -> None:
+    m = compute_metrics(_records(), list(range(5)), SLO(ttft_ms=250))
+    faster = dict(m, request_throughput=2 * m["request_throughput"])
+    runs = {"serve-pow2": {"metrics": m}, "kv": {"metrics": faster}}
+    ratios = ratios_against(runs)
+    assert ratios["kv"]["request_throughput"] == pytest.approx(2.0)
+    assert ratios["serve-pow2"]["ttft_ms_p99"] == pytest.approx(1.0)
+    assert ratios_against({"kv": runs["kv"]}) == {}
+    plot_latency_cdfs({"kv": _records()}, str(tmp_path / "cdf.png"))
+    samples = [{"t_s": 0.1 * i, "replica_id": "abc", "kv_usage": 0.1 * i} for i in range(5)]
+    plot_kv_usage({"kv": samples}, str(tmp_path / "kv.png"))
+    assert (tmp_path / "cdf.png").stat().st_size > 1000
+    assert (tmp_path / "kv.png").stat().st_size > 1000
+
+
+# --- one real run -----------------------------------------------------------------------
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_end_to_end_two_routers_lose_nothing_and_leak_nothing(tmp_path) -> None:
+    from bench.load import main
+
+    out = tmp_path / "load.json"
+    argv = (
+        "--model gpt2-tiny --replicas 2 --device cpu --num-blocks 128 --max-num-seqs 16 "
+        "--routers kv,pow2 --num-requests 24 --rate 30 --dataset prefix --num-prefixes 2 "
+        "--prefix-len 32 --input-len 8 --output-len 8 --num-procs 2 --timeout-s 60 "
+        f"--slo-ttft-ms 2000 --out {out}"
+    ).split()
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    for router in ("kv", "pow2"):
+        run = result["runs"][router]
+        m = run["metrics"]
+        assert m["lost"] == 0
+        assert m["completed"] + m["rejected"] + m["errors"] == 24
+        assert m["completed"] > 0
+        assert run["leak_check"]["ok"]
+        assert len(run["leak_check"]["replicas"]) == 2
+        assert run["kv_samples"]
+    assert (tmp_path / "load_latency_cdf.png").exists()
+    assert (tmp_path / "load_kv_usage.png").exists()
