@@ -9,7 +9,7 @@ from torch import nn
 
 from replica.attention import AttentionBackend, AttentionMetadata
 from replica.models.config import ModelConfig
-from replica.models.layers import Conv1D, LMHead, gelu_new, gelu_tanh_fused
+from replica.models.layers import Conv1D, LayerNorm, LMHead, gelu_new, gelu_tanh_fused
 
 # Legacy checkpoints carry the causal-mask buffers `h.N.attn.bias` / `h.N.attn.masked_bias`.
 _MASK_BUFFER = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$")
@@ -56,20 +56,33 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
+    """Pre-LayerNorm block that carries the residual stream separately, as LlamaDecoderLayer.
+
+    forward(x, residual) returns (MLP output, residual) and folds each residual add
+    into the following norm (add_and_norm): the same additions HF makes, so the
+    torch path stays exact, and one kernel per norm on CUDA.
+    """
+
     def __init__(
         self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, fused: bool
     ) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.ln_1 = LayerNorm(config.hidden_size, config.norm_eps, fused)
         self.attn = GPT2Attention(config, layer_idx, backend)
-        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.ln_2 = LayerNorm(config.hidden_size, config.norm_eps, fused)
         self.mlp = GPT2MLP(config, fused)
 
     def forward(
-        self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:  # [T, hidden_size]
-        x = self.attn(self.ln_1(x), kv_cache, meta) + x
-        return self.mlp(self.ln_2(x)) + x
+        self,
+        x: torch.Tensor,  # [T, hidden_size]: the previous sublayer's output
+        residual: torch.Tensor,  # [T, hidden_size]: the residual stream before x is added
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.ln_1.add_and_norm(x, residual)
+        h = self.attn(h, kv_cache, meta)
+        h, residual = self.ln_2.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class GPT2Transformer(nn.Module):
@@ -80,7 +93,7 @@ class GPT2Transformer(nn.Module):
         self.h = nn.ModuleList(
             GPT2Block(config, i, backend, fused) for i in range(config.num_layers)
         )
-        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.ln_f = LayerNorm(config.hidden_size, config.norm_eps, fused)
 
 
 class GPT2LMHeadModel(nn.Module):
@@ -107,10 +120,11 @@ class GPT2LMHeadModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         t = self.transformer
-        x = t.wte(input_ids) + t.wpe(positions)
+        # The embedding sum (HF: wte + wpe) is the first block's residual add.
+        x, residual = t.wpe(positions), t.wte(input_ids)
         for block in t.h:
-            x = block(x, kv_cache, meta)
-        return t.ln_f(x)
+            x, residual = block(x, residual, kv_cache, meta)
+        return t.ln_f.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab_size]
         return self.logits_head(hidden)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from kernels.layer_norm import fused_add_layer_norm, layer_norm
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 
 
@@ -57,6 +59,52 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, hidden], [T, hidden])
         return self._add_norm(x, residual, self.weight, self.eps)
+
+
+def layer_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def add_layer_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = residual + x
+    return layer_norm_torch(residual, weight, bias, eps), residual
+
+
+def layer_norm_fused(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    return layer_norm(x, weight, bias, eps)
+
+
+def add_layer_norm_fused(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return fused_add_layer_norm(x, residual, weight, bias, eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (GPT-2's ln_*); `fused` (chosen once, on CUDA) runs one Triton kernel.
+
+    add_and_norm(x, residual) returns (norm(residual + x), residual + x), like
+    RMSNorm's; the fused kernel writes the sum into residual in place.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, fused: bool = False) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self._norm = layer_norm_fused if fused else layer_norm_torch
+        self._add_norm = add_layer_norm_fused if fused else add_layer_norm_torch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden_size]
+        return self._norm(x, self.weight, self.bias, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, hidden], [T, hidden])
+        return self._add_norm(x, residual, self.weight, self.bias, self.eps)
 
 
 class Conv1D(nn.Module):

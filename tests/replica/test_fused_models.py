@@ -6,55 +6,109 @@ On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
+from torch import nn
 
 from replica.attention import AttentionMetadata, TorchAttention
-from replica.models import load_model
+from replica.models import layers, load_model
+from replica.models.config import ModelConfig
+from replica.models.layers import RMSNorm
 
 PRESETS = ["gpt2-tiny", "llama-tiny", "qwen3-tiny"]
 BLOCK_SIZE = 8
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def prefill_meta(lengths: list[int], block_table: torch.Tensor) -> AttentionMetadata:
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    positions = torch.cat([torch.arange(n) for n in lengths])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(DEVICE)
     return AttentionMetadata(
-        is_decode=False, block_table=block_table, slot_mapping=torch.arange(len(lengths)),
-        context_lens=torch.tensor(lengths), positions=positions, cu_seqlens_q=cu,
-        start_positions=torch.zeros(len(lengths), dtype=torch.long), max_q_len=max(lengths),
+        is_decode=False, block_table=block_table,
+        slot_mapping=torch.arange(len(lengths), device=DEVICE),
+        context_lens=torch.tensor(lengths, device=DEVICE), positions=positions, cu_seqlens_q=cu,
+        start_positions=torch.zeros(len(lengths), dtype=torch.long, device=DEVICE),
+        max_q_len=max(lengths),
     )  # fmt: skip
 
 
 def decode_meta(lengths: list[int], block_table: torch.Tensor) -> AttentionMetadata:
-    positions = torch.tensor(lengths)  # each sequence's next position
+    positions = torch.tensor(lengths, device=DEVICE)  # each sequence's next position
     return AttentionMetadata(
-        is_decode=True, block_table=block_table, slot_mapping=torch.arange(len(lengths)),
+        is_decode=True, block_table=block_table,
+        slot_mapping=torch.arange(len(lengths), device=DEVICE),
         context_lens=positions + 1, positions=positions,
     )  # fmt: skip
+
+
+def perturb_norms(model: nn.Module) -> None:
+    """Norm weights away from ones and biases away from zeros (the loader's init), seeded,
+    so that a fused norm that drops or misplaces its weight or bias changes the logits."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm | RMSNorm):
+                weight = 1 + 0.2 * torch.randn(module.weight.shape, generator=gen)
+                module.weight.copy_(weight)
+            if isinstance(module, nn.LayerNorm):
+                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
+
+
+def run_prefill_and_decode(
+    model: nn.Module, config: ModelConfig, lengths: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:  # prefill and decode logits
+    blocks_per_seq = 4
+    block_table = torch.arange(len(lengths) * blocks_per_seq, device=DEVICE).view(len(lengths), -1)
+    shape = (config.num_layers, 2, block_table.numel(), BLOCK_SIZE,
+             config.num_kv_heads, config.head_dim)  # fmt: skip
+    kv_cache = torch.full(shape, float("nan"), device=DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (sum(lengths),), generator=gen).to(DEVICE)
+    with torch.inference_mode():
+        meta = prefill_meta(lengths, block_table)
+        prefill = model.compute_logits(model(ids, meta.positions, kv_cache, meta))
+        next_ids = prefill[torch.tensor(lengths, device=DEVICE).cumsum(0) - 1].argmax(-1)
+        meta = decode_meta(lengths, block_table)
+        decode = model.compute_logits(model(next_ids, meta.positions, kv_cache, meta))
+    return prefill, decode
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_fused_path_matches_torch_path(preset):
     lengths = [5, 17, 9]
-    backend = TorchAttention()
     logits = []
     for fused in (False, True):
-        model, config = load_model(preset, torch.float32, torch.device("cpu"), 3, backend, fused)
-        blocks_per_seq = 4
-        block_table = torch.arange(len(lengths) * blocks_per_seq).view(len(lengths), -1)
-        shape = (config.num_layers, 2, block_table.numel(), BLOCK_SIZE,
-                 config.num_kv_heads, config.head_dim)  # fmt: skip
-        kv_cache = torch.full(shape, float("nan"))
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, config.vocab_size, (sum(lengths),), generator=gen)
-        with torch.inference_mode():
-            meta = prefill_meta(lengths, block_table)
-            prefill = model.compute_logits(model(ids, meta.positions, kv_cache, meta))
-            next_ids = prefill[torch.tensor(lengths).cumsum(0) - 1].argmax(-1)
-            meta = decode_meta(lengths, block_table)
-            decode = model.compute_logits(model(next_ids, meta.positions, kv_cache, meta))
-        logits.append((prefill, decode))
+        model, config = load_model(preset, torch.float32, DEVICE, 3, TorchAttention(), fused)
+        perturb_norms(model)
+        logits.append(run_prefill_and_decode(model, config, lengths))
     (p0, d0), (p1, d1) = logits
     torch.testing.assert_close(p1, p0, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(d1, d0, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpt2_norms_run_the_chosen_path(fused, monkeypatch):
+    """Fused GPT-2 runs every norm as one fused add + LayerNorm kernel (the embedding sum and
+    each residual add folded in) and never torch's layer_norm; the torch path the reverse."""
+    calls = Counter()
+
+    def count(key: str, owner: object, name: str) -> None:
+        fn = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            calls[key] += 1
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    count("kernel", layers, "fused_add_layer_norm")
+    count("kernel", layers, "layer_norm")
+    count("torch", layers.F, "layer_norm")
+    model, config = load_model("gpt2-tiny", torch.float32, DEVICE, 3, TorchAttention(), fused)
+
+    run_prefill_and_decode(model, config, [5, 17, 9])
+
+    norms = 2 * (2 * config.num_layers + 1)  # ln_1, ln_2 per block and ln_f; two passes
+    assert calls == ({"kernel": norms} if fused else {"torch": norms})

@@ -1,0 +1,148 @@
+"""Triton LayerNorm with torch's nn.LayerNorm semantics, plain and fused with the residual add.
+
+    mean = mean(x.float()); var = mean((x.float() - mean) ** 2)    # biased, as torch
+    out = ((x.float() - mean) * rsqrt(var + eps) * weight.float() + bias.float()).to(x.dtype)
+
+Everything is computed in float32 and rounded once to x.dtype, as torch's CUDA
+layer_norm does (weight and bias may be any of fp32 / fp16 / bf16), so float32
+matches torch to reduction order and half precision to ~1 ulp.
+
+x is [num_tokens, hidden] with any row stride; the last dim must be contiguous. A
+program owns ROWS rows of one BLOCK = next_pow2(hidden) tile each; the grid depends
+on shapes only and nothing is read on the host, so every launch is CUDA-graph
+capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_BLOCK = 32768  # one row lives in registers: hidden sizes up to 32k
+
+
+@triton.jit
+def _layer_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr,
+    num_rows, eps,
+    stride_x, stride_res, stride_out,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    col = tl.arange(0, BLOCK)
+    col_mask = col < HIDDEN
+    mask = (row < num_rows)[:, None] & col_mask[None, :]
+    row = row.to(tl.int64)
+    x = tl.load(x_ptr + (row * stride_x)[:, None] + col[None, :], mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        # residual = x + residual, rounded to x.dtype as torch's add is.
+        res_ptrs = residual_ptr + (row * stride_res)[:, None] + col[None, :]
+        res = tl.load(res_ptrs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_ptrs, x, mask=mask)
+    xf = x.to(tl.float32)
+    mean = tl.sum(xf, axis=1) / HIDDEN  # [ROWS]
+    centered = tl.where(col_mask[None, :], xf - mean[:, None], 0.0)
+    variance = tl.sum(centered * centered, axis=1) / HIDDEN  # [ROWS]
+    y = centered * tl.math.rsqrt(variance + eps)[:, None]
+    w = tl.load(weight_ptr + col, mask=col_mask, other=0.0).to(tl.float32)
+    b = tl.load(bias_ptr + col, mask=col_mask, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + (row * stride_out)[:, None] + col[None, :]
+    tl.store(out_ptrs, (y * w[None, :] + b[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    assert x.dim() == 2, "x must be [T, hidden]"
+    assert x.dtype in _DTYPES and weight.dtype in _DTYPES, "fp32, fp16 or bf16 only"
+    assert bias.dtype in _DTYPES, "fp32, fp16 or bf16 only"
+    hidden = x.shape[1]
+    assert weight.shape == (hidden,) and weight.stride(0) == 1, "weight must be [hidden]"
+    assert bias.shape == (hidden,) and bias.stride(0) == 1, "bias must be [hidden]"
+    assert x.stride(1) == 1, "the normalised (last) dim of x must be contiguous"
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    assert out.shape == x.shape and out.stride(1) == 1, "out must match x, last dim contiguous"
+    assert out.dtype == x.dtype, f"out must be {x.dtype} (torch's layer_norm keeps x.dtype)"
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x"
+        assert residual.stride(1) == 1, "the last dim of residual must be contiguous"
+    num_rows = x.shape[0]
+    block = triton.next_power_of_2(hidden)
+    assert block <= _MAX_BLOCK, f"hidden size {hidden} exceeds {_MAX_BLOCK}"
+    if num_rows == 0:
+        return out
+    # Short rows are batched so a program moves >= ~2K elements; independent of num_rows,
+    # so every batch size shares one compiled variant.
+    rows = max(1, min(16, 2048 // block))
+    vec = 16 // x.element_size()
+    num_warps = max(1, min(8, rows * block // (vec * 32)))
+    res = residual if residual is not None else x
+    _layer_norm_kernel[(triton.cdiv(num_rows, rows),)](
+        x, res, weight, bias, out,
+        num_rows, eps,
+        x.stride(0), res.stride(0), out.stride(0),
+        HIDDEN=hidden, BLOCK=block, ROWS=rows,
+        ADD_RESIDUAL=residual is not None,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def layer_norm(
+    x: torch.Tensor,  # [T, hidden], last dim contiguous
+    weight: torch.Tensor,  # [hidden]
+    bias: torch.Tensor,  # [hidden]
+    eps: float,
+    out: torch.Tensor | None = None,  # [T, hidden], x.dtype, last dim contiguous
+) -> torch.Tensor:
+    """LayerNorm of every row over the last dim, one launch; returns out.
+
+    out may be x itself (each program reads its rows before writing them).
+    """
+    return _launch(x, weight, bias, eps, out, residual=None)
+
+
+def fused_add_layer_norm(
+    x: torch.Tensor,  # [T, hidden], last dim contiguous
+    residual: torch.Tensor,  # like x, same dtype; updated in place
+    weight: torch.Tensor,  # [hidden]
+    bias: torch.Tensor,  # [hidden]
+    eps: float,
+    out: torch.Tensor | None = None,  # [T, hidden], x.dtype, last dim contiguous
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual = x + residual; normed = layer_norm(residual)` in one launch.
+
+    residual is overwritten with the sum (rounded to x.dtype, as torch's add), and
+    the normalised sum is returned with it: (normed, residual). out must not alias
+    residual; it may alias x.
+    """
+    normed = _launch(x, weight, bias, eps, out, residual=residual)
+    return normed, residual
+
+
+def layer_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """nn.LayerNorm over the last dim, computed in float32 and rounded to x.dtype."""
+    xf = x.to(torch.float32)
+    normed = F.layer_norm(xf, (x.shape[-1],), weight.to(torch.float32), bias.to(torch.float32), eps)
+    return normed.to(x.dtype)
+
+
+def fused_add_layer_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`h = h + x; normed = norm(h)`, with h (residual) updated in place."""
+    residual.copy_(x + residual)
+    return layer_norm_ref(residual, weight, bias, eps), residual
