@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -127,6 +128,7 @@ def main() -> None:
     parser.add_argument("--itl-batch", type=int, default=0, help="ITL run: batch size")
     parser.add_argument("--itl-steps", type=int, default=1000)
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--max-batched-tokens", type=int, default=None, help="prefill chunk")
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
 
@@ -146,6 +148,8 @@ def main() -> None:
                 model=model, dtype=args.dtype, block_size=args.block_size,
                 max_num_seqs=max_num_seqs, enable_cuda_graphs=not args.no_cuda_graphs,
                 max_model_len=min(2048, _max_positions(model)),
+                **({"max_num_batched_tokens": args.max_batched_tokens}
+                   if args.max_batched_tokens else {}),
             )
         )  # fmt: skip
         vocab = engine.model_config.vocab_size
@@ -186,7 +190,10 @@ def main() -> None:
               f"p50 {itl['p50_ms']:.3f} ms, p99 {itl['p99_ms']:.3f} ms, "
               f"p99/p50 {itl['p99_ms'] / itl['p50_ms']:.2f}, max {itl['max_ms']:.3f} ms; "
               f"p50 at block boundaries {itl['boundary_p50_ms']:.3f} ms, "
-              f"elsewhere {itl['inner_p50_ms']:.3f} ms")  # fmt: skip
+              f"elsewhere {itl['inner_p50_ms']:.3f} ms; first 50 steps p50 "
+              f"{itl['first_50_p50_ms']:.3f} ms, last 50 {itl['last_50_p50_ms']:.3f} ms; "
+              f"step / median of its 33-step neighbourhood: p99 {itl['local_p99_ratio']:.2f}, "
+              f"max {itl['local_max_ratio']:.2f}")  # fmt: skip
     write_json(args.out, {"model": args.model or model, "prompt_len": prompt_len,
                           "max_new": max_new, "rows": rows, "itl": itl})  # fmt: skip
 
@@ -200,11 +207,17 @@ def _itl_run(engine: LLMEngine, args, vocab: int) -> dict:
     # Decode step j writes position prompt_len + j: a new block when that is a multiple.
     boundary = [t for j, t in enumerate(steps) if (prompt_len + j) % args.block_size == 0]
     inner = [t for j, t in enumerate(steps) if (prompt_len + j) % args.block_size != 0]
+    # The context grows from prompt_len to prompt_len + steps, so attention makes later
+    # steps slower by design; spikes are steps slow against their own neighbourhood.
+    local = [t / statistics.median(steps[max(0, j - 16) : j + 17]) for j, t in enumerate(steps)]
     return {
         "steps": len(steps), "p50_ms": 1e3 * percentile(steps, 50),
         "p99_ms": 1e3 * percentile(steps, 99), "max_ms": 1e3 * max(steps),
         "boundary_p50_ms": 1e3 * percentile(boundary, 50),
         "inner_p50_ms": 1e3 * percentile(inner, 50),
+        "first_50_p50_ms": 1e3 * percentile(steps[:50], 50),
+        "last_50_p50_ms": 1e3 * percentile(steps[-50:], 50),
+        "local_p99_ratio": percentile(local, 99), "local_max_ratio": max(local),
     }  # fmt: skip
 
 

@@ -60,7 +60,7 @@ class EngineConfig:
     num_blocks: int | None = None
     max_num_seqs: int = 256
     max_model_len: int | None = None
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
     seed: int = 0
     gpu_memory_utilization: float = 0.85

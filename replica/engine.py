@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
@@ -106,6 +107,9 @@ class LLMEngine:
         self.last_step: StepTimings | None = None
         self._token_events: deque[tuple[float, int]] = deque()  # (time_s, tokens) per step
         self._next_id = 0
+        # Start-up objects (model, graphs, tokenizer) go to the collector's permanent
+        # generation, so its full passes during serving do not walk them (ITL spikes).
+        gc.freeze()
 
     # ---- requests -------------------------------------------------------------
     def add_request(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+_INT64_MAX = 2**63 - 1  # seeds, top_k and token ids become int64 tensors in the sampler
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -37,18 +39,20 @@ class SamplingParams:
             or self.temperature < 0
         ):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (<= 0 disables), got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= _INT64_MAX:
+            raise ValueError(
+                f"top_k must be an integer in [-1, 2**63 - 1] (<= 0 disables), got {self.top_k!r}"
+            )
         if (
             isinstance(self.top_p, bool)
             or not isinstance(self.top_p, int | float)
             or not (0.0 < self.top_p <= 1.0)
         ):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed <= _INT64_MAX):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
         if isinstance(self.stop_token_ids, str | bytes) or not all(
-            _is_int(t) and t >= 0 for t in _iter_or_none(self.stop_token_ids)
+            _is_int(t) and 0 <= t <= _INT64_MAX for t in _iter_or_none(self.stop_token_ids)
         ):
             raise ValueError(
                 f"stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}"
