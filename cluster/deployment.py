@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -58,6 +59,16 @@ class EngineUnavailableError(RuntimeError):
 
 class AbortedBeforeAdmissionError(RuntimeError):
     """The caller aborted this request id before its add reached the engine."""
+
+
+def _settle(future: concurrent.futures.Future, setter: Callable[[Any], None], value: Any) -> None:
+    """Hand a command's outcome to its future, unless the awaiting caller cancelled it.
+
+    A command runs even when its caller has gone (an abort must still happen; an add
+    is followed by the caller's abort), so only the hand-over is skipped.
+    """
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        setter(value)
 
 
 class EngineLoop:
@@ -162,9 +173,11 @@ class EngineLoop:
                 while self._commands:
                     command, future = self._commands.popleft()
                     try:
-                        future.set_result(command())
+                        result = command()
                     except Exception as exc:  # handed to the awaiting coroutine
-                        future.set_exception(exc)
+                        _settle(future, future.set_exception, exc)
+                    else:
+                        _settle(future, future.set_result, result)
                 if self._engine.has_unfinished():
                     self._fan_out(self._engine.step())
                 else:
@@ -180,7 +193,8 @@ class EngineLoop:
                 self._closed = True
                 pending, self._commands = list(self._commands), collections.deque()
             for _, future in pending:
-                future.set_exception(EngineUnavailableError(self.failure or "shutting down"))
+                error = EngineUnavailableError(self.failure or "shutting down")
+                _settle(future, future.set_exception, error)
 
     def _fail_tracked(self) -> None:
         per_caller: dict[str, list[str]] = {}
