@@ -20,8 +20,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.rms_norm import row_tiling
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_BLOCK = 32768  # one row lives in registers: hidden sizes up to 32k
 
 
 @triton.jit
@@ -78,15 +79,9 @@ def _launch(
         assert residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x"
         assert residual.stride(1) == 1, "the last dim of residual must be contiguous"
     num_rows = x.shape[0]
-    block = triton.next_power_of_2(hidden)
-    assert block <= _MAX_BLOCK, f"hidden size {hidden} exceeds {_MAX_BLOCK}"
+    block, rows, num_warps = row_tiling(hidden, x.element_size())
     if num_rows == 0:
         return out
-    # Short rows are batched so a program moves >= ~2K elements; independent of num_rows,
-    # so every batch size shares one compiled variant.
-    rows = max(1, min(16, 2048 // block))
-    vec = 16 // x.element_size()
-    num_warps = max(1, min(8, rows * block // (vec * 32)))
     res = residual if residual is not None else x
     _layer_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, res, weight, bias, out,

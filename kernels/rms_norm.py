@@ -58,6 +58,20 @@ def _rms_norm_kernel(
     tl.store(out_ptrs, (w[None, :] * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def row_tiling(hidden: int, element_size: int) -> tuple[int, int, int]:
+    """(BLOCK, ROWS, num_warps) of a row-wise norm kernel over rows of `hidden` elements.
+
+    One row lives in registers (BLOCK = hidden rounded up to a power of 2). Short rows
+    (head_dim) are batched so a program moves >= ~2K elements; independent of the number
+    of rows, so every batch size shares one compiled variant.
+    """
+    block = triton.next_power_of_2(hidden)
+    assert block <= _MAX_BLOCK, f"hidden size {hidden} exceeds {_MAX_BLOCK}"
+    rows = max(1, min(16, 2048 // block))
+    vec = 16 // element_size
+    return block, rows, max(1, min(8, rows * block // (vec * 32)))
+
+
 def _strides(t: torch.Tensor) -> tuple[int, int]:  # (token stride, head stride)
     return (t.stride(0), t.stride(1)) if t.dim() == 3 else (t.stride(0), 0)
 
@@ -84,15 +98,9 @@ def _launch(
         assert residual.stride(-1) == 1, "the last dim of residual must be contiguous"
     num_heads = x.shape[1] if x.dim() == 3 else 1
     num_rows = x.shape[0] * num_heads
-    block = triton.next_power_of_2(hidden)
-    assert block <= _MAX_BLOCK, f"hidden size {hidden} exceeds {_MAX_BLOCK}"
+    block, rows, num_warps = row_tiling(hidden, x.element_size())
     if num_rows == 0:
         return out
-    # Short rows (head_dim) are batched so a program moves >= ~2K elements; independent of
-    # num_rows, so every batch size shares one compiled variant.
-    rows = max(1, min(16, 2048 // block))
-    vec = 16 // x.element_size()
-    num_warps = max(1, min(8, rows * block // (vec * 32)))
     res = residual if residual is not None else x
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, res, weight, out,
