@@ -51,3 +51,35 @@ def poison_outside_context(
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Bit pattern view, so NaN-poisoned tensors compare exactly."""
     return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+# Row-norm kernels (RMSNorm, LayerNorm): tolerances against their fp32 references.
+NORM_TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=1e-2, rtol=1e-2),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+# Triton's interpreter truncates float32 -> bf16 where the GPU rounds to nearest even.
+INTERPRETER_BF16_NORM_TOL = dict(atol=3e-2, rtol=2e-2)
+
+
+def norm_tol(dtype: torch.dtype, device: torch.device) -> dict:
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        return INTERPRETER_BF16_NORM_TOL
+    return NORM_TOL[dtype]
+
+
+def randn(shape, dtype, gen, device, mean=0.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen) + mean).to(dtype).to(device)
+
+
+def nan_tensor(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def strided_rows(num_tokens, hidden, dtype, gen, device, pad=24, mean=0.0):
+    """x as a view into a wider NaN-padded buffer (row stride hidden + pad, offset 8)."""
+    base = nan_tensor((num_tokens, hidden + pad), dtype, device)
+    x = base[:, 8 : 8 + hidden]
+    x.copy_(randn((num_tokens, hidden), dtype, gen, device, mean))
+    return base, x

@@ -13,46 +13,18 @@ from kernels.layer_norm import (
     layer_norm_ref,
 )
 from replica.models.layers import LayerNorm
-from tests.kernels.kernel_helpers import bits
+from tests.kernels.kernel_helpers import NORM_TOL, bits, nan_tensor, norm_tol, randn, strided_rows
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-TOL = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=1e-2, rtol=1e-2),
-    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
-}
-# Triton's interpreter truncates float32 -> bf16 where the GPU rounds to nearest even.
-INTERPRETER_BF16_TOL = dict(atol=3e-2, rtol=2e-2)
 EPS = 1e-5
+# Inputs get a non-zero mean, so a kernel that skips centring (or centres padding) fails.
+MEAN = 1.5
 SHAPES = [(1, 64), (7, 768), (5, 96), (64, 200), (3, 3072)]
-
-
-def _tol(dtype: torch.dtype, device: torch.device) -> dict:
-    return INTERPRETER_BF16_TOL if dtype == torch.bfloat16 and device.type == "cpu" else TOL[dtype]
-
-
-def _randn(shape, dtype, gen, device, mean=0.0) -> torch.Tensor:
-    return (torch.randn(shape, generator=gen) + mean).to(dtype).to(device)
 
 
 def _weight_bias(hidden, dtype, gen, device) -> tuple[torch.Tensor, torch.Tensor]:
     weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype).to(device)
-    return weight, _randn(hidden, dtype, gen, device)
-
-
-def _strided_rows(num_tokens, hidden, dtype, gen, device, pad=24):
-    """x as a view into a wider NaN-padded buffer (row stride hidden + pad, offset 8).
-
-    Rows get a non-zero mean, so a kernel that skips centring (or centres padding) fails.
-    """
-    base = torch.full((num_tokens, hidden + pad), float("nan"), dtype=dtype, device=device)
-    x = base[:, 8 : 8 + hidden]
-    x.copy_(_randn((num_tokens, hidden), dtype, gen, device, mean=1.5))
-    return base, x
-
-
-def _nan_out(shape, dtype, device) -> torch.Tensor:
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return weight, randn(hidden, dtype, gen, device)
 
 
 def test_ref_matches_model_layer():
@@ -64,28 +36,30 @@ def test_ref_matches_model_layer():
         with torch.no_grad():
             layer.weight.copy_(weight)
             layer.bias.copy_(bias)
-        x = _randn((5, 96), dtype, gen, "cpu", mean=1.5)
+        x = randn((5, 96), dtype, gen, "cpu", mean=MEAN)
         expect = F.layer_norm(x, (96,), weight, bias, EPS)
         assert torch.equal(layer(x).detach(), expect)
         if dtype == torch.float32:
             assert torch.equal(layer_norm_ref(x, weight, bias, EPS), expect)
         else:
-            torch.testing.assert_close(layer_norm_ref(x, weight, bias, EPS), expect, **TOL[dtype])
+            torch.testing.assert_close(
+                layer_norm_ref(x, weight, bias, EPS), expect, **NORM_TOL[dtype]
+            )
 
 
 @pytest.mark.parametrize("num_tokens,hidden", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_layer_norm(num_tokens, hidden, dtype, device):
     gen = torch.Generator().manual_seed(hidden + num_tokens)
-    base, x = _strided_rows(num_tokens, hidden, dtype, gen, device)
+    base, x = strided_rows(num_tokens, hidden, dtype, gen, device, mean=MEAN)
     before = base.clone()
     weight, bias = _weight_bias(hidden, dtype, gen, device)
-    out_base = _nan_out((num_tokens, hidden + 16), dtype, device)
+    out_base = nan_tensor((num_tokens, hidden + 16), dtype, device)
     out = out_base[:, 16:]  # row stride hidden + 16
 
     assert layer_norm(x, weight, bias, EPS, out=out) is out
 
-    torch.testing.assert_close(out, layer_norm_ref(x, weight, bias, EPS), **_tol(dtype, device))
+    torch.testing.assert_close(out, layer_norm_ref(x, weight, bias, EPS), **norm_tol(dtype, device))
     assert torch.equal(bits(base), bits(before)), "x must not be written"
     assert out_base[:, :16].isnan().all(), "only out may be written"
 
@@ -93,21 +67,21 @@ def test_layer_norm(num_tokens, hidden, dtype, device):
 def test_layer_norm_allocates_in_x_dtype_with_fp32_params(device):
     """bf16 activations with fp32 weight and bias produce bf16, as torch's layer_norm does."""
     gen = torch.Generator().manual_seed(1)
-    x = _randn((4, 200), torch.bfloat16, gen, device, mean=1.5)
+    x = randn((4, 200), torch.bfloat16, gen, device, mean=MEAN)
     weight, bias = _weight_bias(200, torch.float32, gen, device)
     out = layer_norm(x, weight, bias, EPS)
     assert out.dtype == torch.bfloat16 and out.shape == x.shape and out.is_contiguous()
     expect = layer_norm_ref(x, weight, bias, EPS)
-    torch.testing.assert_close(out, expect, **_tol(torch.bfloat16, device))
+    torch.testing.assert_close(out, expect, **norm_tol(torch.bfloat16, device))
 
 
 def test_layer_norm_in_place(device):
     gen = torch.Generator().manual_seed(2)
-    x = _randn((7, 768), torch.float16, gen, device, mean=1.5)
+    x = randn((7, 768), torch.float16, gen, device, mean=MEAN)
     weight, bias = _weight_bias(768, torch.float16, gen, device)
     expect = layer_norm_ref(x, weight, bias, EPS)
     assert layer_norm(x, weight, bias, EPS, out=x) is x
-    torch.testing.assert_close(x, expect, **TOL[torch.float16])
+    torch.testing.assert_close(x, expect, **NORM_TOL[torch.float16])
 
 
 def test_layer_norm_no_rows(device):
@@ -120,13 +94,13 @@ def test_layer_norm_no_rows(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_add_layer_norm(num_tokens, hidden, dtype, device):
     gen = torch.Generator().manual_seed(7 * hidden + num_tokens)
-    x_base, x = _strided_rows(num_tokens, hidden, dtype, gen, device)
-    res_base, residual = _strided_rows(num_tokens, hidden, dtype, gen, device, pad=40)
+    x_base, x = strided_rows(num_tokens, hidden, dtype, gen, device, mean=MEAN)
+    res_base, residual = strided_rows(num_tokens, hidden, dtype, gen, device, pad=40, mean=MEAN)
     x_before = x_base.clone()
     expect_residual = residual.clone()
     weight, bias = _weight_bias(hidden, dtype, gen, device)
     expect_normed, _ = fused_add_layer_norm_ref(x, expect_residual, weight, bias, EPS)
-    out = _nan_out((num_tokens, hidden), dtype, device)
+    out = nan_tensor((num_tokens, hidden), dtype, device)
 
     normed, res_out = fused_add_layer_norm(x, residual, weight, bias, EPS, out=out)
 
@@ -135,7 +109,7 @@ def test_fused_add_layer_norm(num_tokens, hidden, dtype, device):
         torch.testing.assert_close(residual, expect_residual, atol=0, rtol=2**-7)
     else:
         assert torch.equal(bits(residual), bits(expect_residual)), "residual = x + residual"
-    torch.testing.assert_close(normed, expect_normed, **_tol(dtype, device))
+    torch.testing.assert_close(normed, expect_normed, **norm_tol(dtype, device))
     assert torch.equal(bits(x_base), bits(x_before)), "x must not be written"
     assert res_base[:, :8].isnan().all() and res_base[:, 8 + hidden :].isnan().all()
 
@@ -143,8 +117,8 @@ def test_fused_add_layer_norm(num_tokens, hidden, dtype, device):
 def test_fused_add_layer_norm_out_aliases_x(device):
     """The fused GPT-2 path may normalise into the sublayer output it just consumed."""
     gen = torch.Generator().manual_seed(3)
-    x = _randn((5, 200), torch.float32, gen, device)
-    residual = _randn((5, 200), torch.float32, gen, device, mean=1.5)
+    x = randn((5, 200), torch.float32, gen, device)
+    residual = randn((5, 200), torch.float32, gen, device, mean=MEAN)
     weight, bias = _weight_bias(200, torch.float32, gen, device)
     expect_residual = residual.clone()
     expect, _ = fused_add_layer_norm_ref(x.clone(), expect_residual, weight, bias, EPS)
@@ -152,7 +126,7 @@ def test_fused_add_layer_norm_out_aliases_x(device):
     normed, _ = fused_add_layer_norm(x, residual, weight, bias, EPS, out=x)
 
     assert normed is x
-    torch.testing.assert_close(x, expect, **TOL[torch.float32])
+    torch.testing.assert_close(x, expect, **NORM_TOL[torch.float32])
     assert torch.equal(residual, expect_residual)
 
 
@@ -161,8 +135,8 @@ def test_fused_add_layer_norm_cuda_graph():
     """Captured once, replayed on new inputs written into the same buffers."""
     gen = torch.Generator().manual_seed(4)
     device = torch.device("cuda")
-    x = _randn((8, 768), torch.bfloat16, gen, device)
-    residual = _randn((8, 768), torch.bfloat16, gen, device)
+    x = randn((8, 768), torch.bfloat16, gen, device)
+    residual = randn((8, 768), torch.bfloat16, gen, device)
     weight, bias = _weight_bias(768, torch.bfloat16, gen, device)
     out = torch.empty_like(x)
     fused_add_layer_norm(x, residual.clone(), weight, bias, EPS, out=out)  # compile outside
@@ -171,10 +145,10 @@ def test_fused_add_layer_norm_cuda_graph():
         fused_add_layer_norm(x, residual, weight, bias, EPS, out=out)
     for seed in (5, 6):
         g = torch.Generator().manual_seed(seed)
-        x.copy_(_randn((8, 768), torch.bfloat16, g, device))
-        residual.copy_(_randn((8, 768), torch.bfloat16, g, device, mean=1.5))
+        x.copy_(randn((8, 768), torch.bfloat16, g, device))
+        residual.copy_(randn((8, 768), torch.bfloat16, g, device, mean=MEAN))
         expect_residual = residual.clone()
         expect, _ = fused_add_layer_norm_ref(x, expect_residual, weight, bias, EPS)
         graph.replay()
-        torch.testing.assert_close(out, expect, **_tol(torch.bfloat16, device))
+        torch.testing.assert_close(out, expect, **norm_tol(torch.bfloat16, device))
         torch.testing.assert_close(residual, expect_residual, atol=0, rtol=0)

@@ -7,43 +7,14 @@ import torch
 
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from replica.models.layers import RMSNorm
-from tests.kernels.kernel_helpers import bits
+from tests.kernels.kernel_helpers import NORM_TOL, bits, nan_tensor, norm_tol, randn, strided_rows
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-TOL = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=1e-2, rtol=1e-2),
-    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
-}
-# Triton's interpreter truncates float32 -> bf16 where the GPU rounds to nearest even.
-INTERPRETER_BF16_TOL = dict(atol=3e-2, rtol=2e-2)
-
-
-def _tol(dtype: torch.dtype, device: torch.device) -> dict:
-    return INTERPRETER_BF16_TOL if dtype == torch.bfloat16 and device.type == "cpu" else TOL[dtype]
-
-
 EPS = 1e-6
-
-
-def _randn(shape, dtype, gen, device) -> torch.Tensor:
-    return torch.randn(shape, generator=gen).to(dtype).to(device)
 
 
 def _weight(hidden, dtype, gen, device) -> torch.Tensor:
     return (torch.rand(hidden, generator=gen) + 0.5).to(dtype).to(device)
-
-
-def _strided_rows(num_tokens, hidden, dtype, gen, device, pad=24):
-    """x as a view into a wider NaN-padded buffer (row stride hidden + pad, offset 8)."""
-    base = torch.full((num_tokens, hidden + pad), float("nan"), dtype=dtype, device=device)
-    x = base[:, 8 : 8 + hidden]
-    x.copy_(_randn((num_tokens, hidden), dtype, gen, device))
-    return base, x
-
-
-def _nan_out(shape, dtype, device) -> torch.Tensor:
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
 def test_ref_matches_model_layer():
@@ -52,7 +23,7 @@ def test_ref_matches_model_layer():
         layer = RMSNorm(96, EPS).to(dtype)
         with torch.no_grad():
             layer.weight.copy_(_weight(96, dtype, gen, "cpu"))
-        x = _randn((5, 96), dtype, gen, "cpu")
+        x = randn((5, 96), dtype, gen, "cpu")
         assert torch.equal(rms_norm_ref(x, layer.weight.detach(), EPS), layer(x).detach())
 
 
@@ -60,32 +31,34 @@ def test_ref_matches_model_layer():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm(num_tokens, hidden, dtype, device):
     gen = torch.Generator().manual_seed(hidden + num_tokens)
-    base, x = _strided_rows(num_tokens, hidden, dtype, gen, device)
+    base, x = strided_rows(num_tokens, hidden, dtype, gen, device)
     before = base.clone()
     weight = _weight(hidden, dtype, gen, device)
-    out = _nan_out((num_tokens, hidden), dtype, device)
+    out = nan_tensor((num_tokens, hidden), dtype, device)
     assert rms_norm(x, weight, EPS, out=out) is out
-    torch.testing.assert_close(out, rms_norm_ref(x, weight, EPS), **_tol(dtype, device))
+    torch.testing.assert_close(out, rms_norm_ref(x, weight, EPS), **norm_tol(dtype, device))
     assert torch.equal(bits(base), bits(before)), "x must not be written"
 
 
 def test_rms_norm_promotes_to_fp32_weight(device):
     """bf16 activations with an fp32 weight produce fp32, as `weight * x.to(bf16)` does."""
     gen = torch.Generator().manual_seed(1)
-    x = _randn((4, 256), torch.bfloat16, gen, device)
+    x = randn((4, 256), torch.bfloat16, gen, device)
     weight = _weight(256, torch.float32, gen, device)
     out = rms_norm(x, weight, EPS)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, rms_norm_ref(x, weight, EPS), **_tol(torch.bfloat16, device))
+    torch.testing.assert_close(
+        out, rms_norm_ref(x, weight, EPS), **norm_tol(torch.bfloat16, device)
+    )
 
 
 def test_rms_norm_in_place(device):
     gen = torch.Generator().manual_seed(2)
-    x = _randn((7, 1000), torch.float16, gen, device)
+    x = randn((7, 1000), torch.float16, gen, device)
     weight = _weight(1000, torch.float16, gen, device)
     expect = rms_norm_ref(x, weight, EPS)
     rms_norm(x, weight, EPS, out=x)
-    torch.testing.assert_close(x, expect, **TOL[torch.float16])
+    torch.testing.assert_close(x, expect, **NORM_TOL[torch.float16])
 
 
 @pytest.mark.parametrize("num_tokens,num_heads,head_dim", [(1, 8, 64), (7, 4, 128), (64, 2, 128)])
@@ -93,23 +66,23 @@ def test_rms_norm_in_place(device):
 def test_rms_norm_per_head(num_tokens, num_heads, head_dim, dtype, device):
     """Qwen3 q_norm on q sliced out of a fused qkv output: [T, num_heads, head_dim] view."""
     gen = torch.Generator().manual_seed(num_heads * head_dim + num_tokens)
-    qkv = _randn((num_tokens, 3 * num_heads + 1, head_dim), dtype, gen, device)
+    qkv = randn((num_tokens, 3 * num_heads + 1, head_dim), dtype, gen, device)
     q = qkv[:, 1 : 1 + num_heads]  # token stride (3 * num_heads + 1) * head_dim, offset one head
     weight = _weight(head_dim, dtype, gen, device)
-    out = _nan_out(q.shape, dtype, device)
+    out = nan_tensor(q.shape, dtype, device)
     rms_norm(q, weight, EPS, out=out)
-    torch.testing.assert_close(out, rms_norm_ref(q, weight, EPS), **_tol(dtype, device))
+    torch.testing.assert_close(out, rms_norm_ref(q, weight, EPS), **norm_tol(dtype, device))
 
 
 def test_rms_norm_per_head_any_head_stride(device):
     """Heads need not be adjacent: every other head of a buffer, written to a strided out."""
     gen = torch.Generator().manual_seed(3)
-    x = _randn((5, 8, 64), torch.float32, gen, device)[:, ::2]  # head stride 128
+    x = randn((5, 8, 64), torch.float32, gen, device)[:, ::2]  # head stride 128
     weight = _weight(64, torch.float32, gen, device)
-    out_base = _nan_out((5, 8, 64), torch.float32, device)
+    out_base = nan_tensor((5, 8, 64), torch.float32, device)
     out = out_base[:, 1::2]
     rms_norm(x, weight, EPS, out=out)
-    torch.testing.assert_close(out, rms_norm_ref(x, weight, EPS), **TOL[torch.float32])
+    torch.testing.assert_close(out, rms_norm_ref(x, weight, EPS), **NORM_TOL[torch.float32])
     assert out_base[:, ::2].isnan().all(), "only out's heads may be written"
 
 
@@ -117,13 +90,13 @@ def test_rms_norm_per_head_any_head_stride(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_add_rms_norm(num_tokens, hidden, dtype, device):
     gen = torch.Generator().manual_seed(7 * hidden + num_tokens)
-    x_base, x = _strided_rows(num_tokens, hidden, dtype, gen, device)
-    res_base, residual = _strided_rows(num_tokens, hidden, dtype, gen, device, pad=40)
+    x_base, x = strided_rows(num_tokens, hidden, dtype, gen, device)
+    res_base, residual = strided_rows(num_tokens, hidden, dtype, gen, device, pad=40)
     x_before = x_base.clone()
     expect_residual = residual.clone()
     weight = _weight(hidden, dtype, gen, device)
     expect_normed, _ = fused_add_rms_norm_ref(x, expect_residual, weight, EPS)
-    out = _nan_out((num_tokens, hidden), dtype, device)
+    out = nan_tensor((num_tokens, hidden), dtype, device)
 
     normed, res_out = fused_add_rms_norm(x, residual, weight, EPS, out=out)
 
@@ -132,7 +105,7 @@ def test_fused_add_rms_norm(num_tokens, hidden, dtype, device):
         torch.testing.assert_close(residual, expect_residual, atol=0, rtol=2**-7)
     else:
         assert torch.equal(bits(residual), bits(expect_residual)), "residual = x + residual"
-    torch.testing.assert_close(normed, expect_normed, **_tol(dtype, device))
+    torch.testing.assert_close(normed, expect_normed, **norm_tol(dtype, device))
     assert torch.equal(bits(x_base), bits(x_before)), "x must not be written"
     assert res_base[:, :8].isnan().all() and res_base[:, 8 + hidden :].isnan().all()
 
@@ -142,8 +115,8 @@ def test_fused_add_rms_norm_cuda_graph():
     """Captured once, replayed on new inputs written into the same buffers."""
     gen = torch.Generator().manual_seed(4)
     device = torch.device("cuda")
-    x = _randn((8, 1024), torch.bfloat16, gen, device)
-    residual = _randn((8, 1024), torch.bfloat16, gen, device)
+    x = randn((8, 1024), torch.bfloat16, gen, device)
+    residual = randn((8, 1024), torch.bfloat16, gen, device)
     weight = _weight(1024, torch.bfloat16, gen, device)
     out = torch.empty_like(x)
     fused_add_rms_norm(x, residual.clone(), weight, EPS, out=out)  # compile outside capture
@@ -152,10 +125,10 @@ def test_fused_add_rms_norm_cuda_graph():
         fused_add_rms_norm(x, residual, weight, EPS, out=out)
     for seed in (5, 6):
         g = torch.Generator().manual_seed(seed)
-        x.copy_(_randn((8, 1024), torch.bfloat16, g, device))
-        residual.copy_(_randn((8, 1024), torch.bfloat16, g, device))
+        x.copy_(randn((8, 1024), torch.bfloat16, g, device))
+        residual.copy_(randn((8, 1024), torch.bfloat16, g, device))
         expect_residual = residual.clone()
         expect, _ = fused_add_rms_norm_ref(x, expect_residual, weight, EPS)
         graph.replay()
-        torch.testing.assert_close(out, expect, **_tol(torch.bfloat16, device))
+        torch.testing.assert_close(out, expect, **norm_tol(torch.bfloat16, device))
         torch.testing.assert_close(residual, expect_residual, atol=0, rtol=0)
