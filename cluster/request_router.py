@@ -220,9 +220,11 @@ class KVFleetRequestRouter(RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
-        # Serve calls this only with strict max_ongoing_requests; it moves the
-        # reservation made in choose_replicas if Serve fell to a lower tier.
-        self.admission.reserve(_route_request(pending_request), replica_id.unique_id, self.clock())
+        # Serve calls this only with strict max_ongoing_requests, once the replica
+        # accepted the call: it moves the reservation made in choose_replicas if
+        # Serve fell to a lower tier, keeping its time (re-stamping it now would
+        # outlive the snapshot that already counts the request).
+        self.admission.confirm(_route_request(pending_request), replica_id.unique_id)
 
 
 def request_router_config(

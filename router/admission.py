@@ -8,8 +8,13 @@ stats period each router only knows its own reservations, and k routers can
 each admit a burst onto the same replica. Overshoot is bounded by
 num_routers x (requests each routes in one stats period), and it lasts one
 period, because the next snapshot carries those requests as used or waiting
-blocks. The hard backstop is the replica itself: its scheduler queues what does
-not fit and preempts on block exhaustion; admission only keeps the queues short.
+blocks, and both count against room and watermark (router.load). The hard
+backstop is the replica itself: its scheduler queues what does not fit and
+preempts on block exhaustion; admission only keeps the queues short.
+
+Each request is charged once: by this router's reservation until a snapshot
+stamped after it was made, by the snapshot from then on, and never against
+itself when Serve asks for the same request again.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from router.base import RoutingPolicy
 from router.config import RouterConfig
 from router.errors import OverloadedError
 from router.factory import make_policy
-from router.load import num_available_blocks, tiebreak, usage_fraction
+from router.load import committed_fraction, num_available_blocks, tiebreak
 from router.request import RouteRequest
 
 DEFAULT_BLOCK_SIZE = 16
@@ -44,7 +49,9 @@ class ReservationBook:
     released by the first snapshot of its replica stamped after it was made
     (the snapshot then counts the request itself), or after ttl_s, whichever
     comes first. charge() shows a snapshot with the reserved blocks taken from
-    free (then cached) blocks and counted as used.
+    free (then cached) blocks and counted as used, leaving out the reservation
+    of the request being admitted (Serve re-asks for a request whose first
+    choice it could not probe; that request's blocks are not in its own way).
     Cost: queries are O(1) from per-replica running totals; expiry pops from
     min-heaps on reserved_at_s (one per replica for snapshots, one global for
     the TTL), since both release rules release the oldest reservations first.
@@ -148,8 +155,11 @@ class ReservationBook:
         live = {e[2] for e in self.ttl_heap if self.is_live(e)}
         assert live == set(self.by_request)
 
-    def charge(self, stats: ReplicaStats) -> ReplicaStats:
+    def charge(self, stats: ReplicaStats, exclude_request_id: str | None = None) -> ReplicaStats:
         num_reserved = self.num_reserved_blocks(stats.replica_id)
+        own = self.by_request.get(exclude_request_id) if exclude_request_id is not None else None
+        if own is not None and own.replica_id == stats.replica_id:
+            num_reserved -= own.num_blocks
         if num_reserved == 0:
             return stats
         from_free = min(num_reserved, stats.num_blocks_free)
@@ -166,14 +176,22 @@ class ReservationBook:
 
 
 def refusal(stats: ReplicaStats, request: RouteRequest, high_watermark: float) -> str | None:
-    """Why a (charged) replica cannot admit the request now, or None if it can."""
+    """Why a (charged) replica cannot admit the request now, or None if it can.
+
+    Queued prompts count as taken blocks in both tests (router.load), so a request
+    is held back by the same blocks whether it is still this router's reservation,
+    waiting on the replica, or running there.
+    """
     num_needed = request.num_prompt_blocks(stats.block_size)
     num_available = num_available_blocks(stats)
     if num_available < num_needed:
         return f"{stats.replica_id}: {num_available} blocks available < {num_needed} needed"
-    usage = usage_fraction(stats)
+    usage = committed_fraction(stats)
     if usage >= high_watermark:
-        return f"{stats.replica_id}: kv usage {usage:.3f} >= high_watermark {high_watermark}"
+        return (
+            f"{stats.replica_id}: kv usage with queue {usage:.3f} >= "
+            f"high_watermark {high_watermark}"
+        )
     return None
 
 
@@ -235,7 +253,7 @@ class Admission:
 
         admissible, last_resort, refusals = [], list(unknown_replica_ids), []
         for s in stats:
-            charged = self.reservations.charge(s)
+            charged = self.reservations.charge(s, request.request_id)
             why = refusal(charged, request, config.high_watermark)
             if why is not None:
                 refusals.append(why)
@@ -276,6 +294,24 @@ class Admission:
         block_size = self.block_size_by_replica.get(replica_id, DEFAULT_BLOCK_SIZE)
         num_blocks = max(1, request.num_prompt_blocks(block_size))
         self.reservations.reserve(request.request_id, replica_id, num_blocks, now_s)
+
+    def confirm(self, request: RouteRequest, replica_id: str) -> None:
+        """The request was handed to replica_id (Serve may have fallen to a lower tier).
+
+        The reservation moves there if it is elsewhere, keeping the time it was
+        made: the request cannot be in a snapshot stamped before that, and may be
+        in any stamped after, so a later time would keep charging blocks the
+        replica already reports. For the same reason a reservation already
+        released (by such a snapshot, or the TTL) is not made again.
+        """
+        reservation = self.reservations.by_request.get(request.request_id)
+        if reservation is None or reservation.replica_id == replica_id:
+            return
+        block_size = self.block_size_by_replica.get(replica_id, DEFAULT_BLOCK_SIZE)
+        num_blocks = max(1, request.num_prompt_blocks(block_size))
+        self.reservations.reserve(
+            request.request_id, replica_id, num_blocks, reservation.reserved_at_s
+        )
 
     def release(self, request_id: str) -> None:
         self.reservations.release(request_id)

@@ -18,8 +18,8 @@ class RouterConfig:
     """
 
     policy: str = "kv"
-    # A replica whose KV usage (including this router's reservations) is at or
-    # above this fraction admits nothing new.
+    # A replica whose KV usage (including its queued prompts and this router's
+    # reservations) is at or above this fraction admits nothing new.
     high_watermark: float = 0.95
     # "hold": wait with backoff up to max_hold_s, then raise OverloadedError.
     # "reject": raise OverloadedError at once.

@@ -16,13 +16,26 @@ def num_waiting_blocks(stats: ReplicaStats) -> int:
 
 
 def num_available_blocks(stats: ReplicaStats) -> int:
-    """Blocks a new sequence may take: free ones and evictable cached ones."""
-    return stats.num_blocks_free + stats.num_blocks_cached
+    """Blocks a new sequence may take: free and evictable cached ones not promised to the queue.
+
+    The replica's waiting prompts take blocks before a newly arrived request does
+    (its scheduler is first come, first served), so they are not room. Without
+    this a request that reached the replica but is not scheduled yet would look
+    like free room to every router once the snapshot showing it released their
+    reservations. Counting its whole prompt is conservative: a waiting prompt's
+    cached prefix blocks would be shared, not taken.
+    """
+    room = stats.num_blocks_free + stats.num_blocks_cached - num_waiting_blocks(stats)
+    return max(0, room)
 
 
-def usage_fraction(stats: ReplicaStats) -> float:
-    """Fraction of the KV blocks held by sequences (cached blocks are not usage)."""
-    return stats.num_blocks_used / stats.num_blocks_total
+def committed_fraction(stats: ReplicaStats) -> float:
+    """Fraction of the KV blocks held by sequences or promised to queued prompts.
+
+    Cached blocks are not usage. Can exceed 1 when the queue is longer than the
+    free blocks: the high watermark compares against this.
+    """
+    return (stats.num_blocks_used + num_waiting_blocks(stats)) / stats.num_blocks_total
 
 
 def load_fraction(stats: ReplicaStats, request: RouteRequest | None = None) -> float:

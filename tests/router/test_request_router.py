@@ -144,3 +144,42 @@ def test_hold_admits_once_the_replica_frees(monkeypatch: pytest.MonkeyPatch) -> 
         assert router.holds == {}
 
     asyncio.run(scenario())
+
+
+def test_confirmed_route_keeps_the_reservation_time() -> None:
+    # Serve confirms a route (on_request_routed) after the replica accepted the call, by
+    # which time the replica may already have published a snapshot counting the request.
+    # That snapshot must still release the reservation, or the request is charged twice.
+    async def scenario() -> None:
+        now = [NOW_S]
+        router = make_router(RouterConfig(on_overload="reject", high_watermark=1.0))
+        router.clock = lambda: now[0]
+        request = pending("q5", {"prompt_token_ids": list(range(200)), "max_tokens": 8})
+        tiers = await router.choose_replicas([fake_replica("a", num_blocks_total=32)], request)
+        assert [[r.replica_id.unique_id for r in t] for t in tiers] == [["a"]]
+        counted = [fake_replica("a", num_blocks_total=32, num_blocks_used=13,
+                                timestamp_s=NOW_S + 0.01)]  # fmt: skip
+        now[0] = NOW_S + 0.02
+        router.on_request_routed(request, counted[0].replica_id, None)
+        now[0] = NOW_S + 0.03
+        second = pending("q6", {"prompt_token_ids": list(range(1000, 1200))})
+        tiers = await router.choose_replicas(counted, second)
+        assert not second.future.done()
+        assert [[r.replica_id.unique_id for r in t] for t in tiers] == [["a"]]
+
+    asyncio.run(scenario())
+
+
+def test_route_confirmed_on_a_lower_tier_moves_the_reservation() -> None:
+    async def scenario() -> None:
+        router = make_router(RouterConfig())
+        replicas = [fake_replica("a", num_blocks_used=10), fake_replica("b", num_blocks_used=20)]
+        request = pending("q7", {"prompt_token_ids": list(range(64))})
+        await router.choose_replicas(replicas, request)
+        book = router.admission.reservations
+        assert (book.num_reserved_blocks("a"), book.num_reserved_blocks("b")) == (4, 0)
+        router.on_request_routed(request, replicas[1].replica_id, None)
+        assert (book.num_reserved_blocks("a"), book.num_reserved_blocks("b")) == (0, 4)
+        assert book.by_request["q7"].reserved_at_s == NOW_S
+
+    asyncio.run(scenario())
