@@ -7,10 +7,17 @@ table in tiles of BLOCK_N with an online softmax in float32. The chunk's own
 K/V must already be in the cache, so prefix-cache hits and chunked prefill are
 the same case: query j of a chunk of q_len sits at position
 context_len - q_len + j and sees keys 0..that position.
+
+Two launch forms. Grid form: (query blocks of max_q_len, sequences, kv heads),
+sized by host ints. Work-list form: a device list of (sequence, query block)
+pairs, built on the host by prefill_work_list and padded with sequence -1, so
+the grid depends only on the list's capacity: the launch is CUDA-graph
+capturable for a bucket of token counts, whatever the chunk lengths.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -24,7 +31,7 @@ _BLOCK_M = 64
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, slot_mapping_ptr, cu_seqlens_q_ptr,
-    context_lens_ptr, out_ptr,
+    context_lens_ptr, out_ptr, work_ptr,
     qk_scale,  # scale * log2(e)
     stride_q_row, stride_q_head,
     stride_cache_block, stride_cache_slot, stride_cache_head,
@@ -32,11 +39,17 @@ def _prefill_kernel(
     stride_out_row, stride_out_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_WORK: tl.constexpr,
 ):  # fmt: skip
-    q_block = tl.program_id(0)
-    seq = tl.program_id(1)
     kv_head = tl.program_id(2)
+    if HAS_WORK:
+        seq = tl.load(work_ptr + 2 * tl.program_id(0))
+        q_block = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
+        if seq < 0:
+            return
+    else:
+        q_block = tl.program_id(0)
+        seq = tl.program_id(1)
     row_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - row_start
     q_start = q_block * BLOCK_Q
@@ -98,13 +111,17 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     max_q_len: int | None = None,  # >= the longest chunk; None: num_tokens
+    work: torch.Tensor | None = None,  # [capacity, 2] (seq, query block); seq -1 = padding
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal paged prefill attention (flash-attention tiling, online softmax in fp32).
 
-    Grid (query blocks of max_q_len, sequences, kv heads); query blocks past a
-    chunk's length exit at once, so an overestimated max_q_len only costs empty
-    programs. Constraints as paged_decode_attention: GQA with num_heads a
-    multiple of num_kv_heads, head_dim a power of 2 >= 16, fp16/bf16/fp32.
+    Without work: grid (query blocks of max_q_len, sequences, kv heads); query
+    blocks past a chunk's length exit at once, so an overestimated max_q_len
+    only costs empty programs. With work (from prefill_work_list): one program
+    per entry and kv head, max_q_len unused; rows of q no entry covers (token
+    padding) are left unwritten. Constraints as paged_decode_attention: GQA with
+    num_heads a multiple of num_kv_heads, head_dim a power of 2 >= 16,
+    fp16/bf16/fp32.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -119,10 +136,15 @@ def paged_prefill_attention(
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_q = max(1, _BLOCK_M // group_pad)
-    grid = (triton.cdiv(max_q_len, block_q), num_seqs, num_kv_heads)
+    block_q = prefill_block_q(num_heads, num_kv_heads)
+    if work is None:
+        grid = (triton.cdiv(max_q_len, block_q), num_seqs, num_kv_heads)
+    else:
+        assert work.dim() == 2 and work.shape[1] == 2 and work.is_contiguous()
+        grid = (work.shape[0], 1, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_table, slot_mapping, cu_seqlens_q, context_lens, out,
+        work if work is not None else cu_seqlens_q,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -130,7 +152,34 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=64 if head_dim <= 128 else 32,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), HAS_WORK=work is not None,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     return out
+
+
+def prefill_block_q(num_heads: int, num_kv_heads: int) -> int:
+    """Query tokens per program: BLOCK_M rows shared by the query heads of one kv head."""
+    return max(1, _BLOCK_M // triton.next_power_of_2(num_heads // num_kv_heads))
+
+
+def prefill_work_capacity(max_tokens: int, max_seqs: int, block_q: int) -> int:
+    """Work entries enough for any packing of <= max_tokens tokens in <= max_seqs chunks."""
+    return triton.cdiv(max_tokens, block_q) + min(max_seqs, max_tokens)
+
+
+def prefill_work_list(q_lens: np.ndarray, block_q: int, out: np.ndarray) -> int:
+    """Fill out [capacity, 2] with (seq, query block) for chunks of q_lens; pad with seq -1.
+
+    Host-side numpy, no Python loop per block. Returns the number of real entries;
+    raises ValueError when the capacity is too small.
+    """
+    blocks = -(-q_lens // block_q)  # [num_seqs]
+    num_work = int(blocks.sum())
+    if num_work > out.shape[0]:
+        raise ValueError(f"work: {num_work} entries exceed the capacity {out.shape[0]}")
+    seq = np.repeat(np.arange(len(q_lens)), blocks)
+    out[:num_work, 0] = seq
+    out[:num_work, 1] = np.arange(num_work) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    out[num_work:] = -1
+    return num_work

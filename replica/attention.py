@@ -24,6 +24,11 @@ class AttentionMetadata:
     Prefill: chunks packed; slot_mapping/context_lens/start_positions are
     [num_seqs], cu_seqlens_q is [num_seqs + 1], positions is [num_tokens].
     context_lens count the cached tokens after this pass's tokens are appended.
+    A bucketed prefill (CUDA graphs) pads tokens and sequences: padding sequences
+    are empty (cu_seqlens_q repeats), padding tokens follow the last chunk, and
+    token_slots [num_tokens] (each token's table row; the null row for padding)
+    plus prefill_work (the attention work list) make every launch's grid a
+    function of the bucket alone. Backends that do not need them ignore them.
     """
 
     is_decode: bool
@@ -34,6 +39,8 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None
     start_positions: torch.Tensor | None = None
     max_q_len: int = 1
+    token_slots: torch.Tensor | None = None
+    prefill_work: torch.Tensor | None = None  # [capacity, 2] (seq, query block), -1 padded
 
 
 class AttentionBackend(Protocol):

@@ -22,6 +22,7 @@ import torch
 from replica.attention import AttentionMetadata, make_attention_backend
 from replica.config import EngineConfig
 from replica.models import ModelConfig, load_model
+from replica.prefill_inputs import PrefillBucket, PrefillInputs
 from replica.sampler import SamplingBatch, sample
 from replica.scheduler import ScheduledBatch
 from replica.sequence import Sequence
@@ -97,6 +98,14 @@ class ModelRunner:
         self.request_generators: dict[str, torch.Generator] = {}
         self.kv_cache: torch.Tensor | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Prefill pads to captured token buckets on CUDA whether graphs are on or off (same
+        # shapes, same tokens); on CPU it runs the exact shape.
+        self.prefill = PrefillInputs(
+            config.max_num_batched_tokens, self.max_num_seqs, self.model_config.num_heads,
+            self.model_config.num_kv_heads, null_row=self.max_num_seqs, device=device,
+            padded=device.type == "cuda",
+        )  # fmt: skip
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     # ---- set-up ---------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -205,36 +214,21 @@ class ModelRunner:
         self, seqs: list[Sequence], lens: list[int]
     ) -> tuple[torch.Tensor, list[Sequence], torch.Tensor]:
         """Logits at the last token of each sequence whose chunk completes it, and their slots."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        cu_seqlens = [0]
-        last_rows: list[int] = []
-        done: list[Sequence] = []
-        for seq, n in zip(seqs, lens, strict=True):
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start : start + n]
-            positions += range(start, start + n)
-            cu_seqlens.append(cu_seqlens[-1] + n)
-            if start + n == len(seq):
-                last_rows.append(cu_seqlens[-1] - 1)
-                done.append(seq)
-        dev = self.device
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=dev)  # noqa: E731
-        meta = AttentionMetadata(
-            is_decode=False,
-            block_table=self.block_table,
-            slot_mapping=as_tensor([s.slot for s in seqs]),
-            context_lens=as_tensor([s.num_computed_tokens + n for s, n in zip(seqs, lens)]),
-            positions=as_tensor(positions),
-            cu_seqlens_q=as_tensor(cu_seqlens),
-            start_positions=as_tensor([s.num_computed_tokens for s in seqs]),
-            max_q_len=max(lens),
-        )
-        hidden = self.model(as_tensor(input_ids), meta.positions, self.kv_cache, meta)
-        if not done:
-            return hidden[:0], done, meta.slot_mapping[:0]
-        logits = self.model.compute_logits(hidden[as_tensor(last_rows)])
-        return logits, done, as_tensor([s.slot for s in done])
+        step = self.prefill.fill(seqs, lens, self.parity)
+        num_done = len(step.done)
+        done_slots = self.prefill.device_views(step.bucket)["done_slots"][:num_done]
+        if self.use_cuda_graphs:
+            graph, logits = self.prefill_graphs[step.bucket.num_tokens]
+            graph.replay()
+        else:
+            logits = self._prefill_forward(step.bucket)
+        return logits[:num_done], step.done, done_slots
+
+    def _prefill_forward(self, bucket: PrefillBucket) -> torch.Tensor:  # [num_seqs, vocab]
+        meta = self.prefill.metadata(bucket, self.block_table)
+        views = self.prefill.device_views(bucket)
+        hidden = self.model(views["ids"], meta.positions, self.kv_cache, meta)
+        return self.model.compute_logits(hidden[views["last_rows"]])
 
     def _run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
         num_seqs = len(seqs)
@@ -289,18 +283,33 @@ class ModelRunner:
         raise AssertionError(f"batch of {num_seqs} exceeds max_num_seqs")
 
     def _capture_graphs(self) -> None:
+        """Decode graphs per batch size, prefill graphs per token bucket: one pool each.
+
+        Two pools, because a step may replay a prefill graph and then a decode graph
+        and sample from both outputs: graphs that share a pool share output memory.
+        """
         self.decode_inputs.copy_(self.decode_staging[self.parity])
-        pool = None
+        self.prefill.fill_padding(self.parity)  # padding rows write only the null block
+        buckets = [self.prefill.bucket(t, 0) for t in self.prefill.token_buckets]
         with torch.inference_mode():
-            for size in reversed(self.graph_sizes):  # largest first, so smaller reuse its pool
-                self._decode_forward(size)  # warm up: compile kernels, fill caches
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self._decode_forward(size)
-                pool = graph.pool()
-                self.graphs[size] = (graph, logits)
+            self.graphs = self._capture(self.graph_sizes, self._decode_forward)
+            self.prefill_graphs = {
+                b.num_tokens: entry
+                for b, entry in self._capture(buckets, self._prefill_forward).items()
+            }
+
+    def _capture(self, shapes: list, forward) -> dict:
+        graphs, pool = {}, None
+        for shape in reversed(shapes):  # largest first, so smaller ones reuse its pool
+            forward(shape)  # warm up: compile kernels, fill caches
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = forward(shape)
+            pool = graph.pool()
+            graphs[shape] = (graph, out)
         torch.cuda.synchronize(self.device)
+        return graphs
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.params for s in seqs]

@@ -16,9 +16,10 @@ class TritonAttention:
 
     Decode: append_kv_slots + paged_decode_attention. Neither reads device data
     on the host and the split count comes from shapes (the block table width),
-    so the decode branch can be captured in a CUDA graph. Prefill:
-    append_kv_prefill + paged_prefill_attention, with grids sized by the host
-    int meta.max_q_len.
+    so the decode branch can be captured in a CUDA graph. Prefill with a work
+    list (bucketed, capturable): append_kv_slots per token + the work-list form
+    of paged_prefill_attention. Prefill without one: append_kv_prefill +
+    paged_prefill_attention, with grids sized by the host int meta.max_q_len.
     """
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
@@ -50,6 +51,14 @@ class TritonAttention:
             return paged_decode_attention(
                 q, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.context_lens,
                 scale, num_splits=self.decode_num_splits,
+            )  # fmt: skip
+        if meta.prefill_work is not None:
+            append_kv_slots(
+                k, v, k_cache, v_cache, meta.block_table, meta.token_slots, meta.positions
+            )
+            return paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_table, meta.slot_mapping,
+                meta.cu_seqlens_q, meta.context_lens, scale, work=meta.prefill_work,
             )  # fmt: skip
         append_kv_prefill(
             k, v, k_cache, v_cache, meta.block_table, meta.slot_mapping,

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from kernels import reference as ref
-from kernels.prefill_attention import paged_prefill_attention
+from kernels.prefill_attention import (
+    paged_prefill_attention,
+    prefill_block_q,
+    prefill_work_capacity,
+    prefill_work_list,
+)
 from tests.kernels.kernel_helpers import (
     TOL,
     filled_cache,
@@ -18,8 +24,14 @@ from tests.kernels.kernel_helpers import (
 )
 
 
-def _run_case(dtype, num_heads, num_kv_heads, head_dim, block_size, chunks, device, seed=0):
-    """chunks: (cached prefix length, chunk length) per sequence."""
+def _run_case(
+    dtype, num_heads, num_kv_heads, head_dim, block_size, chunks, device, seed=0, pad_tokens=None
+):
+    """chunks: (cached prefix length, chunk length) per sequence.
+
+    pad_tokens: None for the grid launch form; else the work-list form over a
+    token bucket with pad_tokens padding rows, which must stay unwritten.
+    """
     gen = torch.Generator().manual_seed(seed)
     num_seqs = len(chunks)
     ctx_lens = [prefix + q_len for prefix, q_len in chunks]
@@ -41,12 +53,27 @@ def _run_case(dtype, num_heads, num_kv_heads, head_dim, block_size, chunks, devi
     expect = ref.paged_prefill_attention_ref(
         q, k_cache, v_cache, block_table, slot_mapping, cu, context_lens, scale
     )
-    out = torch.full_like(q, float("nan"))
-    got = paged_prefill_attention(
-        q, k_cache, v_cache, block_table, slot_mapping, cu, context_lens, scale, out=out,
-        max_q_len=max(q_lens),
-    )  # fmt: skip
-    assert got is out
+    if pad_tokens is None:
+        out = torch.full_like(q, float("nan"))
+        got = paged_prefill_attention(
+            q, k_cache, v_cache, block_table, slot_mapping, cu, context_lens, scale, out=out,
+            max_q_len=max(q_lens),
+        )  # fmt: skip
+    else:
+        num_tokens = sum(q_lens) + pad_tokens
+        block_q = prefill_block_q(num_heads, num_kv_heads)
+        work = np.zeros((prefill_work_capacity(num_tokens, num_seqs + 2, block_q), 2), np.int64)
+        num_work = prefill_work_list(np.array(q_lens), block_q, work)
+        assert num_work == sum(-(-n // block_q) for n in q_lens)
+        q_bucket = torch.cat([q, q.new_zeros(pad_tokens, num_heads, head_dim)])
+        out = torch.full_like(q_bucket, float("nan"))
+        got = paged_prefill_attention(
+            q_bucket, k_cache, v_cache, block_table, slot_mapping, cu, context_lens, scale,
+            out=out, work=torch.from_numpy(work).to(device),
+        )  # fmt: skip
+        assert out[len(q) :].isnan().all(), "padding rows must stay unwritten"
+        out = out[: len(q)]
+    assert got.data_ptr() == out.data_ptr()
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), expect.float(), **TOL[dtype])
 
@@ -84,3 +111,20 @@ def test_prefill_long_chunk_many_query_blocks(device):
 
 def test_prefill_group_3_not_power_of_two(device):
     _run_case(torch.float16, 6, 2, 64, 16, [(0, 20), (16, 9)], device, seed=2)
+
+
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size", CASES)
+def test_prefill_work_list_form(dtype, num_heads, num_kv_heads, head_dim, block_size, device):
+    """The CUDA-graph form: a padded work list over a token bucket gives the same output."""
+    bs = block_size
+    chunks = [(0, 1), (0, bs + 1), (2 * bs, 5), (bs + 3, 2 * bs + 7)]
+    _run_case(dtype, num_heads, num_kv_heads, head_dim, bs, chunks, device, pad_tokens=9)
+
+
+def test_prefill_work_list_layout():
+    out = np.zeros((prefill_work_capacity(40, 4, 16), 2), np.int64)
+    assert out.shape[0] == 3 + 4
+    assert prefill_work_list(np.array([1, 33, 16]), 16, out) == 1 + 3 + 1
+    assert out.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0], [-1, -1], [-1, -1]]
+    with pytest.raises(ValueError, match="work"):
+        prefill_work_list(np.array([64, 64]), 16, out[:7])

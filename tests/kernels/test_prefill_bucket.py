@@ -1,0 +1,111 @@
+"""The bucketed (CUDA-graph) prefill pass: padded PrefillInputs through TritonAttention.
+
+Padding tokens and padding sequences must not change the real rows' outputs or any
+K/V outside the null block; real rows must equal the exact-shape torch reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from replica.attention import TorchAttention
+from replica.prefill_inputs import PrefillInputs, prefill_token_buckets
+from replica.sampling_params import SamplingParams
+from replica.sequence import Sequence
+from replica.triton_attention import TritonAttention
+from tests.kernels.kernel_helpers import TOL, bits, random_block_table
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, MAX_BLOCKS, MAX_SEQS = 4, 2, 64, 16, 6, 8
+
+
+def _seqs(chunks: list[tuple[int, int, int]]) -> tuple[list[Sequence], list[int]]:
+    """chunks: (computed tokens, chunk length, prompt length) per sequence."""
+    seqs = []
+    for i, (start, _, prompt_len) in enumerate(chunks):
+        seq = Sequence(f"r{i}", list(range(100 + i, 100 + i + prompt_len)), SamplingParams())
+        seq.num_computed_tokens = start
+        seq.slot = (3 * i + 1) % MAX_SEQS
+        seqs.append(seq)
+    return seqs, [n for _, n, _ in chunks]
+
+
+def test_token_buckets():
+    assert prefill_token_buckets(8192) == [
+        16,
+        32,
+        64,
+        128,
+        256,
+        512,
+        1024,
+        *range(2048, 8193, 1024),
+    ]
+    assert prefill_token_buckets(100) == [16, 32, 64, 100]
+    assert prefill_token_buckets(16) == [16]
+
+
+def test_fill_layout():
+    # fresh prompt done; chunk that stops short; prefix hit that completes its prompt.
+    seqs, lens = _seqs([(0, 5, 5), (0, 16, 40), (16, 3, 19)])
+    inputs = PrefillInputs(
+        64, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, MAX_SEQS, torch.device("cpu"), True
+    )
+    step = inputs.fill(seqs, lens, parity=1)
+    assert step.bucket.num_tokens == 32 and step.bucket.num_seqs == MAX_SEQS
+    assert [s.request_id for s in step.done] == ["r0", "r2"]
+    v = inputs.device_views(step.bucket)
+    assert v["ids"][:24].tolist() == [*range(100, 105), *range(101, 117), 118, 119, 120]
+    assert v["ids"][24:].eq(0).all()
+    assert v["positions"][:24].tolist() == [*range(5), *range(16), 16, 17, 18]
+    assert v["token_slots"][:24].tolist() == [1] * 5 + [4] * 16 + [7] * 3
+    assert v["token_slots"][24:].eq(MAX_SEQS).all()
+    assert v["cu_seqlens"].tolist() == [0, 5, 21, 24, 24, 24, 24, 24, 24]
+    assert v["context_lens"][:3].tolist() == [5, 16, 19]
+    assert v["last_rows"][:2].tolist() == [4, 23] and v["done_slots"][:2].tolist() == [1, 7]
+    work = v["work"].tolist()
+    assert work[:3] == [[0, 0], [1, 0], [2, 0]] and all(w == [-1, -1] for w in work[3:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bucketed_pass_matches_exact_reference(dtype, device):
+    gen = torch.Generator().manual_seed(11)
+    seqs, lens = _seqs([(0, 5, 5), (0, 17, 30), (3, 20, 23), (16, 1, 17)])
+    num_tokens = sum(lens)
+    null_block = MAX_SEQS * MAX_BLOCKS
+    num_blocks = null_block + 1
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    table = random_block_table(MAX_SEQS, MAX_BLOCKS, null_block, gen, device)[:MAX_SEQS]
+    block_table = torch.cat([table, table.new_full((1, MAX_BLOCKS), null_block)])
+
+    padded = PrefillInputs(64, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, MAX_SEQS, device, padded=True)
+    exact = PrefillInputs(64, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, MAX_SEQS, device, padded=False)
+    step = padded.fill(seqs, lens, parity=0)
+    exact_step = exact.fill(seqs, lens, parity=0)
+    bucket_tokens = step.bucket.num_tokens
+    assert bucket_tokens == 64 > num_tokens and exact_step.bucket.num_tokens == num_tokens
+
+    def rand(heads: int) -> torch.Tensor:
+        return torch.randn(bucket_tokens, heads, HEAD_DIM, generator=gen).to(dtype).to(device)
+
+    q, k, v = rand(NUM_HEADS), rand(NUM_KV_HEADS), rand(NUM_KV_HEADS)
+    scale = HEAD_DIM**-0.5
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    meta_ref = exact.metadata(exact_step.bucket, block_table)
+    expect = TorchAttention().forward(
+        q[:num_tokens], k[:num_tokens], v[:num_tokens], k_ref, v_ref, meta_ref, scale
+    )
+    got = TritonAttention().forward(
+        q, k, v, k_cache, v_cache, padded.metadata(step.bucket, block_table), scale
+    )
+    torch.testing.assert_close(got[:num_tokens].float(), expect.float(), **TOL[dtype])
+    # Padding tokens wrote only the null block; every other K/V is the reference's.
+    real = torch.arange(num_blocks, device=device) != null_block
+    assert torch.equal(bits(k_cache[real]), bits(k_ref[real]))
+    assert torch.equal(bits(v_cache[real]), bits(v_ref[real]))
+    assert np.array_equal(
+        padded.device_views(step.bucket)["done_slots"][:3].cpu().numpy(), [1, 7, 2]
+    )
