@@ -293,13 +293,15 @@ def tune_splits(shape: Shape, batch: int, context: int, sms: int) -> list[int]:
     return sorted(counts)
 
 
-def tune_decode(copy_gbps: float, shapes: list[Shape]) -> list[dict]:
+def tune_decode(
+    copy_gbps: float, shapes: list[Shape], cases: list[tuple[int, int]] = TUNE_CASES
+) -> list[dict]:
     """Sweep splits x (block_n, num_warps, num_stages) per case; print the best per case."""
     from kernels.decode_attention import num_sms
 
     sms = num_sms(torch.device(DEVICE))
     best_rows = []
-    for shape, (batch, context) in itertools.product(shapes, TUNE_CASES):
+    for shape, (batch, context) in itertools.product(shapes, cases):
         default = bench_decode(shape, batch, context, copy_gbps)
         rows = [default]
         for splits in tune_splits(shape, batch, context, sms):
@@ -388,7 +390,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="reduced sweep")
     parser.add_argument("--tune", action="store_true", help="decode launch-parameter sweep")
     parser.add_argument("--shapes", default=",".join(s.name for s in SHAPES), help="filter")
+    parser.add_argument(
+        "--tune-cases", default=",".join(f"{b}x{c}" for b, c in TUNE_CASES),
+        help="BxCTX cases for --tune, e.g. 1x8192,256x1024",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        args.tune_cases = [tuple(map(int, c.split("x"))) for c in args.tune_cases.split(",")]
+    except ValueError:
+        raise SystemExit(f"--tune-cases: expected BxCTX,..., got {args.tune_cases!r}") from None
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     names = args.shapes.split(",")
@@ -404,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
               f"L2 {l2_bytes() / 2**20:.0f} MiB")  # fmt: skip
     payload = {"benchmark": "kernels", "copy_gbps": copy_gbps, "num_sms": sms}
     if args.tune:
-        best_rows = tune_decode(copy_gbps, args.shapes)
+        best_rows = tune_decode(copy_gbps, args.shapes, args.tune_cases)
         print_now("\n## Decode tuning: best config per case (graph-timed)\n")
         columns = ["shape", "B", "ctx", "splits", "tile", "us", "%copy", "merge_us",
                    "default_splits", "default_tile", "default_us", "default_%copy",

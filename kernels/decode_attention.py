@@ -35,6 +35,7 @@ SPLIT_PROGRAMS_PER_SM = 4  # split until about this many programs per SM
 ONE_PASS_PROGRAMS_PER_SM = 2  # no split once batch * kv heads reaches this many per SM
 MIN_TOKENS_PER_SPLIT = 128  # two 64-token tiles: a split shorter than this is all latency
 MAX_SPLITS = 128
+MERGE_DIM_BLOCK = 32  # head_dim slice per merge program
 
 
 @dataclass(frozen=True)
@@ -197,18 +198,18 @@ def _merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     num_heads, num_splits,
     stride_out_row, stride_out_head,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM_BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.program_id(2) * DIM_BLOCK + tl.arange(0, DIM_BLOCK)
     s_mask = s < num_splits
     base = (row * num_heads + head) * num_splits
     lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))  # [SPLITS_PAD]
     w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 is never empty, so max is finite
     part_ptrs = part_out_ptr + (base + s)[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
-    part = tl.load(part_ptrs, mask=s_mask[:, None], other=0.0)  # [SPLITS_PAD, HEAD_DIM]
+    part = tl.load(part_ptrs, mask=s_mask[:, None], other=0.0)  # [SPLITS_PAD, DIM_BLOCK]
     out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
     out_ptrs = out_ptr + row * stride_out_row + head * stride_out_head + d
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
@@ -287,17 +288,19 @@ def merge_splits(
     out: torch.Tensor,  # [B, num_heads, head_dim]
     num_splits: int,
 ) -> None:
-    """Combine split partials into out: one program per (row, head), all splits in one load.
+    """Combine split partials into out: one program per (row, head, 32-wide slice of head_dim).
 
-    At B=1 this is a latency-bound kernel of num_heads programs; warps grow with
-    the [splits, head_dim] tile so no thread holds more than ~64 floats of it.
+    At B=1 this is a latency-bound kernel: slicing head_dim gives it 2-4x more
+    programs, each loading all splits of its slice at once (every program reloads
+    the splits' log-sum-exps, a few hundred bytes).
     """
     num_rows, num_heads, head_dim = out.shape
     splits_pad = triton.next_power_of_2(num_splits)
-    _merge_kernel[(num_rows, num_heads)](
+    dim_block = min(head_dim, MERGE_DIM_BLOCK)
+    _merge_kernel[(num_rows, num_heads, head_dim // dim_block)](
         part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_PAD=splits_pad,
-        num_warps=max(1, min(8, splits_pad * head_dim // (32 * 64))),
+        HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, DIM_BLOCK=dim_block,
+        num_warps=max(1, min(8, splits_pad * dim_block // (32 * 64))),
     )  # fmt: skip
 
 
