@@ -280,6 +280,8 @@ class LLMServer:
 
     heartbeat_s: an idle carrier (requests in flight, no output for its caller) sends a
     Heartbeat this often, so callers can tell a slow replica from a lost one.
+    replica_id: None inside Serve (the replica context's id); set when the server runs
+    outside Serve, in one process with its callers (tests, profiling).
     """
 
     def __init__(
@@ -288,12 +290,15 @@ class LLMServer:
         num_gpus: float = 0.0,
         engine_factory: Callable[[ClusterConfig, str, float], Any] | None = None,
         heartbeat_s: float = 1.0,
+        replica_id: str | None = None,
     ) -> None:
-        from ray import serve
-
         if heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s!r}")
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        if replica_id is None:
+            from ray import serve
+
+            replica_id = serve.get_replica_context().replica_id.unique_id
+        self.replica_id = replica_id
         self._config = config
         self._heartbeat = Heartbeat(self.replica_id).encode()
         self._heartbeat_s = heartbeat_s
@@ -311,7 +316,15 @@ class LLMServer:
         )
 
     async def submit(self, wire: dict) -> AsyncIterator[bytes]:
-        """Admit one request; this stream becomes the caller's carrier if it has none here."""
+        """Admit one request; this stream becomes the caller's carrier if it has none here.
+
+        Election happens on arrival, so requests of the same caller that arrive while
+        this one is being admitted attach to it. Invariant: a stream elected as carrier
+        carries from its ack until the carrier has nothing left, whatever happened to its
+        own request meanwhile (it may have failed, or already finished: its last delta
+        is then queued on the carrier); a stream that ends before it could carry
+        unregisters its carrier and aborts what rode on it (see _close_carrier).
+        """
         self._loop = asyncio.get_running_loop()
         try:
             request = SubmitRequest.from_wire(wire)
@@ -324,33 +337,45 @@ class LLMServer:
         if carrier is None:
             carrier = self._carriers[caller_id] = _Carrier()
         carrier.in_flight.add(rid)
-        error: str | None = None
-        error_kind: str | None = None
+        try:
+            error, error_kind = await self._admit(caller_id, request)
+        except BaseException:  # cancelled by the caller, or an engine bug: never leak blocks
+            self._drop(caller_id, carrier, rid)
+            self._engine_loop.abort(rid)
+            if is_carrier:
+                self._close_carrier(caller_id, carrier)
+            raise
+        if error is not None:
+            self._drop(caller_id, carrier, rid)
+        carrier_id = carrier.carrier_id if error is None or is_carrier else ""
+        ack = SubmitAck(self.replica_id, is_carrier, carrier_id, error, error_kind).encode()
+        if not is_carrier:
+            yield ack
+            return
+        try:
+            yield ack
+            async for message in self._carry(carrier):
+                yield message
+        finally:  # done, or the caller went away (cancelled / closed at any yield)
+            self._close_carrier(caller_id, carrier)
+
+    async def _admit(self, caller_id: str, request: SubmitRequest) -> tuple[str | None, str | None]:
+        """Add the request to the engine; (error, error_kind) when it is refused."""
         try:
             params = SamplingParams.from_dict(request.params)
             check_engine_ranges(params)
             await asyncio.wrap_future(
-                self._engine_loop.add(caller_id, rid, request.prompt_token_ids, params)
+                self._engine_loop.add(
+                    caller_id, request.request_id, request.prompt_token_ids, params
+                )
             )
         except (ValueError, TypeError) as exc:  # TypeError: from_dict on a wrong-typed field
-            error, error_kind = str(exc), INVALID
+            return str(exc), INVALID
         except EngineUnavailableError as exc:
-            error, error_kind = str(exc), UNAVAILABLE
+            return str(exc), UNAVAILABLE
         except AbortedBeforeAdmissionError as exc:
-            error, error_kind = str(exc), ABORTED
-        except BaseException:  # cancelled by the caller, or an engine bug: never leak blocks
-            self._drop(caller_id, carrier, rid)
-            self._engine_loop.abort(rid)
-            raise
-        if error is not None:
-            self._drop(caller_id, carrier, rid)
-        # A carrier whose own request failed still carries requests that attached meanwhile.
-        is_carrier = is_carrier and bool(carrier.in_flight)
-        carrier_id = carrier.carrier_id if error is None or is_carrier else ""
-        yield SubmitAck(self.replica_id, is_carrier, carrier_id, error, error_kind).encode()
-        if is_carrier:
-            async for message in self._carry(caller_id, carrier):
-                yield message
+            return str(exc), ABORTED
+        return None, None
 
     def _drop(self, caller_id: str, carrier: _Carrier, rid: str) -> None:
         carrier.in_flight.discard(rid)
@@ -358,7 +383,16 @@ class LLMServer:
             del self._carriers[caller_id]
         carrier.queue.put_nowait(None)  # wake a running carrier: it may have nothing left
 
-    async def _carry(self, caller_id: str, carrier: _Carrier) -> AsyncIterator[bytes]:
+    def _close_carrier(self, caller_id: str, carrier: _Carrier) -> None:
+        """The carrier's stream is over: later submits elect a new one; what still rode
+        on this one can no longer reach its caller, so it is aborted (blocks freed)."""
+        if self._carriers.get(caller_id) is carrier:
+            del self._carriers[caller_id]
+        for rid in list(carrier.in_flight):
+            self._engine_loop.abort(rid)
+        carrier.in_flight.clear()
+
+    async def _carry(self, carrier: _Carrier) -> AsyncIterator[bytes]:
         getter: asyncio.Future | None = None
         try:
             while carrier.in_flight or not carrier.queue.empty():
@@ -374,10 +408,6 @@ class LLMServer:
         finally:
             if getter is not None:
                 getter.cancel()
-            if self._carriers.get(caller_id) is carrier:
-                del self._carriers[caller_id]
-            for rid in list(carrier.in_flight):  # caller went away: free its requests
-                self._engine_loop.abort(rid)
 
     async def abort(self, request_id: str) -> bool:
         try:
@@ -406,10 +436,14 @@ class LLMServer:
             "max_model_len": self._engine.max_model_len,
         }
 
-    def __del__(self) -> None:
+    def shutdown(self) -> None:
+        """Stop the engine loop (Serve: at replica teardown, through __del__)."""
         engine_loop = getattr(self, "_engine_loop", None)
         if engine_loop is not None:
             engine_loop.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
 
     def _deliver_threadsafe(self, caller_id: str, message: bytes, finished: list[str]) -> None:
         assert self._loop is not None, "outputs before any submit"

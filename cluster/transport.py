@@ -31,10 +31,14 @@ raises. Nothing hangs:
 - a carrier that fails (actor died, stream broke) or stays silent for carrier_timeout_s
   (node lost: the heartbeat stops) fails every request it carried with ReplicaDiedError;
   a silent one is cancelled, which makes the replica abort that caller's requests there;
+- a submit whose caller stops waiting (its task is cancelled) still has its ack read in
+  the background: if the replica elected that stream as the carrier, other requests
+  may ride on it, so it is read like any carrier;
 - a request attached to a carrier that this caller never sees alive within
   carrier_timeout_s (its carrier's submit failed) fails the same way;
-- after a carrier failure the transport takes a new caller_id, so a replica that is in
-  fact alive elects a fresh carrier instead of attaching to the one given up on;
+- after a carrier failure, or a "no live carrier", the transport takes a new caller_id,
+  so a replica that is in fact alive elects a fresh carrier instead of attaching to the
+  one given up on;
 - an engine that fails on the replica ends its requests with finish_reason "error"
   (ReplicaError, not retried: the request may be what broke it).
 """
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -194,6 +199,7 @@ class _Attempt:
     """One submission of a request, from submit until its last queue item."""
 
     queue: asyncio.Queue
+    caller_id: str  # the caller id it was submitted under
     replica_id: str = ""
     carrier_id: str | None = None  # set by the ack
     acked_s: float = 0.0
@@ -257,13 +263,24 @@ class CallerTransport:
         ReplicaError for any other failure of the call.
         """
         request = SubmitRequest(request_id, self.caller_id, prompt_token_ids, params)
-        attempt = _Attempt(asyncio.Queue())
+        attempt = _Attempt(asyncio.Queue(), caller_id=request.caller_id)
         # Registered before sending: tokens may arrive on a live carrier before the ack.
         self._attempts[request_id] = attempt
         self._ensure_watchdog()
+        gen: Any = None
         try:
             gen = self._submit.remote(request.to_wire())
-            ack = decode_message(await gen.__anext__())
+            # The ack is read by a task of its own: if this caller stops waiting, the
+            # replica may still have elected this stream as the carrier of requests that
+            # attach to it, so the ack is still acted on (see _on_abandoned_ack).
+            reading = asyncio.ensure_future(gen.__anext__())
+            try:
+                ack = decode_message(await asyncio.shield(reading))
+            except asyncio.CancelledError:
+                reading.add_done_callback(
+                    functools.partial(self._on_abandoned_ack, gen, request.caller_id)
+                )
+                raise
         except BaseException as exc:
             self._forget(request_id)
             if isinstance(exc, asyncio.CancelledError | ValueError | ReplicaError):
@@ -309,6 +326,16 @@ class CallerTransport:
     def abort_soon(self, request_id: str) -> None:
         """abort() in the background (after a failure, where nobody needs to wait)."""
         self._spawn(self.abort(request_id))
+
+    def _on_abandoned_ack(self, gen: Any, caller_id: str, reading: asyncio.Future) -> None:
+        """The ack of a submit whose caller stopped waiting: serve the carrier it elected."""
+        if reading.cancelled() or reading.exception() is not None:
+            return  # no ack: the stream (and any carrier on it) is gone
+        ack = decode_message(reading.result())
+        if isinstance(ack, SubmitAck) and ack.carrier:
+            self._start_carrier(ack.carrier_id, ack.replica_id, caller_id, gen)
+        else:
+            self._spawn(_drain(gen))
 
     # --- carriers --------------------------------------------------------------------
 
@@ -357,13 +384,18 @@ class CallerTransport:
     def _give_up(self, carrier_id: str, link: _Link, error: ReplicaError) -> None:
         """Fail every request on a lost carrier; later submits use a fresh caller_id."""
         logger.warning("giving up on carrier %s of %s: %s", carrier_id, link.replica_id, error)
-        self._given_up.add(carrier_id)
-        if link.caller_id == self.caller_id:
-            self._epoch += 1
-            self.caller_id = f"{self._base_caller_id}.{self._epoch}"
+        self._lose_carrier(carrier_id, link.caller_id)
         for rid, attempt in list(self._attempts.items()):
             if attempt.carrier_id == carrier_id:
                 self._fail(rid, error.with_progress(rid, (), 1))
+
+    def _lose_carrier(self, carrier_id: str, caller_id: str) -> None:
+        """Never attach to carrier_id again: a replica that is in fact alive may keep
+        it registered for caller_id, so later submits go out under a fresh caller id."""
+        self._given_up.add(carrier_id)
+        if caller_id == self.caller_id:
+            self._epoch += 1
+            self.caller_id = f"{self._base_caller_id}.{self._epoch}"
 
     def _fail(self, request_id: str, error: ReplicaError) -> None:
         attempt = self._attempts.get(request_id)
@@ -394,6 +426,7 @@ class CallerTransport:
                 if carrier_id is None or carrier_id in self._links:
                     continue
                 if attempt.acked_s < deadline_s:
+                    self._lose_carrier(carrier_id, attempt.caller_id)
                     self._fail(rid, ReplicaDiedError("no live carrier", rid, attempt.replica_id))
 
     def _forget(self, request_id: str) -> None:
