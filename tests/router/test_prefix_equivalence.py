@@ -1,0 +1,126 @@
+"""The prefix policy ranks exactly as the original per-replica set intersection did.
+
+reference_choose_replicas is the PrefixPolicy of commit 16f599a (one set() per
+replica per request, O(replicas x hashes)), kept here verbatim apart from its
+tiebreak, which it takes from router.load like the policy under test, so that
+the indexed policy can be checked against it on random fleets: shared and
+private chains, truncated and non-contiguous summaries, mixed block sizes,
+balanced and imbalanced loads, requests with and without prompts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from replica.hashing import prefix_block_hashes
+from replica.stats import ReplicaStats
+from router import PrefixPolicy, RouteRequest
+from router.load import load_fraction, tiebreak
+from tests.router.router_fakes import make_stats
+
+
+def reference_num_matched_blocks(stats: ReplicaStats, request: RouteRequest) -> int:
+    cached = set(stats.cached_prefix_hashes)
+    num_matched = 0
+    for block_hash in request.prompt_block_hashes(stats.block_size):
+        if block_hash not in cached:
+            break
+        num_matched += 1
+    return num_matched
+
+
+def reference_is_imbalanced(
+    loads: Sequence[float], balance_abs_threshold: float, balance_rel_threshold: float
+) -> bool:
+    if len(loads) < 2:
+        return False
+    max_load, min_load = max(loads), min(loads)
+    return (
+        max_load - min_load > balance_abs_threshold and max_load > balance_rel_threshold * min_load
+    )
+
+
+def reference_rank_by_load(
+    stats: Sequence[ReplicaStats], request: RouteRequest, seed: int
+) -> list[ReplicaStats]:
+    return sorted(
+        stats,
+        key=lambda s: (load_fraction(s, request), tiebreak(seed, request.request_id, s.replica_id)),
+    )
+
+
+def reference_choose_replicas(
+    stats: Sequence[ReplicaStats],
+    request: RouteRequest,
+    balance_abs_threshold: float,
+    balance_rel_threshold: float,
+    seed: int,
+) -> list[list[str]]:
+    loads = {s.replica_id: load_fraction(s, request) for s in stats}
+    if not request.prompt_token_ids or reference_is_imbalanced(
+        list(loads.values()), balance_abs_threshold, balance_rel_threshold
+    ):
+        return [[s.replica_id] for s in reference_rank_by_load(stats, request, seed)]
+    ranked = sorted(
+        stats,
+        key=lambda s: (
+            -reference_num_matched_blocks(s, request),
+            loads[s.replica_id],
+            tiebreak(seed, request.request_id, s.replica_id),
+        ),
+    )
+    return [[s.replica_id] for s in ranked]
+
+
+def random_fleet(rng: random.Random, prompts: list[list[int]]) -> list[ReplicaStats]:
+    fleet = []
+    for i in range(rng.randrange(1, 40)):
+        block_size = rng.choice([16, 16, 16, 8])
+        hashes: list[int] = []
+        for prompt in rng.sample(prompts, rng.randrange(0, 4)):
+            chain = prefix_block_hashes(prompt, block_size)
+            cut = rng.randrange(0, len(chain) + 1)
+            kept = chain[:cut]
+            if kept and rng.random() < 0.2:  # a summary that lost a block in the middle
+                del kept[rng.randrange(len(kept))]
+            hashes += kept
+        hashes += [rng.getrandbits(64) for _ in range(rng.randrange(0, 30))]
+        rng.shuffle(hashes)
+        total = rng.choice([64, 100, 100, 256])
+        used = rng.randrange(0, total + 1) if rng.random() < 0.5 else rng.randrange(0, 8)
+        cached = rng.randrange(0, total - used + 1)
+        fleet.append(
+            make_stats(
+                f"replica-{i}",
+                num_blocks_total=total,
+                num_blocks_used=used,
+                num_blocks_cached=cached,
+                num_waiting_tokens=rng.choice([0, 0, rng.randrange(0, 2000)]),
+                block_size=block_size,
+                cached_prefix_hashes=tuple(hashes),
+            )
+        )
+    return fleet
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_indexed_prefix_policy_ranks_like_the_set_intersection(seed: int) -> None:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(500) for _ in range(rng.randrange(0, 200))] for _ in range(6)]
+    # Shared heads: prompts 1 and 2 extend prompt 0, so chains fork after a common prefix.
+    prompts[1] = prompts[0] + prompts[1]
+    prompts[2] = prompts[0] + prompts[2]
+    stats = random_fleet(rng, prompts)
+    abs_threshold = rng.choice([0.0, 0.1, 0.5, 10.0])
+    rel_threshold = rng.choice([1.0, 1.5, 100.0])
+    policy = PrefixPolicy(abs_threshold, rel_threshold, seed=seed % 3)
+    for n in range(5):
+        tokens = rng.choice(prompts)[: rng.randrange(0, 260)] + [rng.randrange(500)] * rng.choice(
+            [0, 20]
+        )
+        request = RouteRequest.from_tokens(f"q{seed}-{n}", tokens, max_tokens=8)
+        expected = reference_choose_replicas(stats, request, abs_threshold, rel_threshold, seed % 3)
+        assert policy.choose_replicas(stats, request, 0.0) == expected
