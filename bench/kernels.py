@@ -394,7 +394,15 @@ def main(argv: list[str] | None = None) -> None:
         "--tune-cases", default=",".join(f"{b}x{c}" for b, c in TUNE_CASES),
         help="BxCTX cases for --tune, e.g. 1x8192,256x1024",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-pdl", action="store_true",
+        help="launch the split-KV merge without programmatic dependent launch (to compare)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.no_pdl:
+        import kernels.decode_attention
+
+        kernels.decode_attention.ENABLE_PDL = False
     try:
         args.tune_cases = [tuple(map(int, c.split("x"))) for c in args.tune_cases.split(",")]
     except ValueError:
@@ -412,7 +420,12 @@ def main(argv: list[str] | None = None) -> None:
     sms = num_sms(torch.device(DEVICE))
     print_now(f"{machine_description()}: copy bandwidth {copy_gbps:.0f} GB/s, {sms} SMs, "
               f"L2 {l2_bytes() / 2**20:.0f} MiB")  # fmt: skip
-    payload = {"benchmark": "kernels", "copy_gbps": copy_gbps, "num_sms": sms}
+    payload = {
+        "benchmark": "kernels",
+        "copy_gbps": copy_gbps,
+        "num_sms": sms,
+        "pdl": not args.no_pdl,
+    }
     if args.tune:
         best_rows = tune_decode(copy_gbps, args.shapes, args.tune_cases)
         print_now("\n## Decode tuning: best config per case (graph-timed)\n")

@@ -308,6 +308,10 @@ class ModelRunner:
                 out = forward(shape)
             pool = graph.pool()
             graphs[shape] = (graph, out)
+        # The first launch of a graph uploads it to the device (ms for a prefill graph):
+        # do it now, not on the first step that needs the size.
+        for graph, _ in graphs.values():
+            graph.replay()
         torch.cuda.synchronize(self.device)
         return graphs
 
