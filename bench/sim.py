@@ -56,7 +56,6 @@ class SimConfig:
     slo_ttft_s: float = 0.25
     slo_tpot_s: float = 0.01
     seed: int = 0
-    indexed_reservations: bool = True
     progress_every: int = 0  # print progress every this many routed requests (0: never)
 
     def __post_init__(self) -> None:
@@ -79,7 +78,7 @@ def simulate(policy: str, workload: Workload, config: SimConfig, cost: CostModel
     ]
     router = make_sim_router(
         policy, workload, config.num_replicas, config.replica.num_blocks, config.seed,
-        RouterConfig(seed=config.seed), config.indexed_reservations,
+        RouterConfig(seed=config.seed),
     )  # fmt: skip
     heap: list[tuple] = []
     counter = 0
@@ -318,7 +317,6 @@ def sim_config(args: argparse.Namespace, num_replicas: int) -> SimConfig:
         ),
         stats_period_s=args.stats_period_ms / 1e3, stats_delay_s=args.stats_delay_ms / 1e3,
         slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3, seed=args.seed,
-        indexed_reservations=args.reservation_book == "indexed",
         progress_every=args.progress_every,
     )  # fmt: skip
 
@@ -344,12 +342,6 @@ def main() -> None:
     p.add_argument("--stats-delay-ms", type=float, default=100.0)
     p.add_argument("--slo-ttft-ms", type=float, default=250.0)
     p.add_argument("--slo-tpot-ms", type=float, default=10.0)
-    p.add_argument(
-        "--reservation-book",
-        choices=("indexed", "real"),
-        default="indexed",
-        help="indexed: same semantics as router's ReservationBook, O(1) per replica",
-    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fit", default=None, help="fit file for the cost model (see sim_model.py)")
     p.add_argument("--validate", default=None, help="measured run JSON to compare against")

@@ -32,7 +32,6 @@ import numpy as np
 from bench.sim_workload import Workload
 from replica.stats import ReplicaStats
 from router import Admission, OverloadedError, RouterConfig, RouteRequest
-from router.admission import Reservation, ReservationBook
 
 REAL_POLICIES = ("kv", "prefix", "pow2")
 PEER_POLICIES = ("sglang", "dynamo", "random", "round_robin")
@@ -58,70 +57,17 @@ class SimRouter(Protocol):
     def on_finish(self, rid: int, replica: int) -> None: ...
 
 
-class IndexedReservationBook(ReservationBook):
-    """router.ReservationBook with per-replica indexes: same semantics, O(1) queries.
-
-    The stock book answers num_reserved_blocks by scanning every reservation, so
-    one admit() over N replicas costs O(N x reservations in flight); at 100+
-    replicas that dominates the simulation. Here each replica keeps its
-    reservations in reservation order (the simulated clock never goes back) and
-    a running block total, and expire() drops from the front. tests/bench checks
-    it against ReservationBook on random operation sequences.
-    """
-
-    def __init__(self, ttl_s: float) -> None:
-        super().__init__(ttl_s)
-        self.by_replica: dict[str, dict[str, Reservation]] = {}
-        self.blocks_by_replica: dict[str, int] = {}
-
-    def reserve(self, request_id: str, replica_id: str, num_blocks: int, now_s: float) -> None:
-        self.release(request_id)
-        r = Reservation(replica_id, num_blocks, now_s)
-        self.by_request[request_id] = r
-        self.by_replica.setdefault(replica_id, {})[request_id] = r
-        self.blocks_by_replica[replica_id] = self.blocks_by_replica.get(replica_id, 0) + num_blocks
-
-    def release(self, request_id: str) -> None:
-        r = self.by_request.pop(request_id, None)
-        if r is not None:
-            del self.by_replica[r.replica_id][request_id]
-            self.blocks_by_replica[r.replica_id] -= r.num_blocks
-
-    def expire(self, stats: Sequence[ReplicaStats], now_s: float) -> None:
-        snapshot_s = {s.replica_id: s.timestamp_s for s in stats}
-        ttl_s = self.ttl_s
-        for replica_id, book in self.by_replica.items():
-            if not book:
-                continue
-            seen_s = snapshot_s.get(replica_id, float("-inf"))
-            while book:
-                request_id, r = next(iter(book.items()))
-                if now_s - r.reserved_at_s < ttl_s and seen_s <= r.reserved_at_s:
-                    break
-                self.release(request_id)
-
-    def num_reserved_blocks(self, replica_id: str) -> int:
-        return self.blocks_by_replica.get(replica_id, 0)
-
-    def num_reservations(self, replica_id: str) -> int:
-        return len(self.by_replica.get(replica_id, ()))
-
-
 class RealRouter:
     """router.Admission + make_policy, exactly as cluster.request_router calls them."""
 
     needs_stats = True
     tracks_progress = False
 
-    def __init__(
-        self, config: RouterConfig, workload: Workload, num_replicas: int, indexed_book: bool
-    ) -> None:
+    def __init__(self, config: RouterConfig, workload: Workload, num_replicas: int) -> None:
         self.name = config.policy
         self.needs_hashes = config.policy == "prefix"
         self.workload = workload
         self.admission = Admission(config)
-        if indexed_book:
-            self.admission.reservations = IndexedReservationBook(config.reservation_ttl_s)
         self.index_of = {f"replica-{i}": i for i in range(num_replicas)}
         self.rng = random.Random(config.seed)
 
@@ -340,12 +286,11 @@ def make_sim_router(
     max_blocks: int,
     seed: int,
     router_config: RouterConfig | None = None,
-    indexed_book: bool = True,
 ) -> SimRouter:
     if name in REAL_POLICIES:
         base = router_config or RouterConfig(seed=seed)
         config = RouterConfig(**{**base.__dict__, "policy": name})
-        return RealRouter(config, workload, num_replicas, indexed_book)
+        return RealRouter(config, workload, num_replicas)
     if name == "sglang":
         return SGLangRouter(workload, num_replicas, max_blocks, seed)
     if name == "dynamo":

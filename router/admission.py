@@ -19,160 +19,29 @@ itself when Serve asks for the same request again.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from replica.stats import ReplicaStats
 from router.base import RoutingPolicy
+from router.candidates import Candidates
 from router.config import RouterConfig
 from router.errors import OverloadedError
 from router.factory import make_policy
-from router.load import committed_fraction, num_available_blocks, tiebreak
+from router.fleet import Fleet
+from router.load import committed_fraction, num_available_blocks
 from router.request import RouteRequest
+from router.reservations import Reservation, ReservationBook
+from router.room import room_for
+from router.tiebreak import tiebreak
+
+__all__ = ["Admission", "Decision", "Reservation", "ReservationBook", "refusal"]
 
 DEFAULT_BLOCK_SIZE = 16
-
-
-@dataclass(frozen=True)
-class Reservation:
-    replica_id: str
-    num_blocks: int
-    reserved_at_s: float
-
-
-class ReservationBook:
-    """Blocks this router has sent to replicas that their last snapshot does not show yet.
-
-    Algorithm: reserve() on each routing decision (keyed by request id, so
-    re-routing the same request moves its reservation); a reservation is
-    released by the first snapshot of its replica stamped after it was made
-    (the snapshot then counts the request itself), or after ttl_s, whichever
-    comes first. charge() shows a snapshot with the reserved blocks taken from
-    free (then cached) blocks and counted as used, leaving out the reservation
-    of the request being admitted (Serve re-asks for a request whose first
-    choice it could not probe; that request's blocks are not in its own way).
-    Cost: queries are O(1) from per-replica running totals; expiry pops from
-    min-heaps on reserved_at_s (one per replica for snapshots, one global for
-    the TTL), since both release rules release the oldest reservations first.
-    Heap entries of released or moved reservations are skipped when popped.
-    Invariant: a charged snapshot keeps free + cached + used == total, none
-    negative; the totals equal sums over by_request (check_invariants()).
-    Failure: snapshot timestamps and now_s must be on one clock (wall clock,
-    time.time()); skew between router and replica hosts releases reservations
-    early or late, the TTL bounds the late side.
-    """
-
-    def __init__(self, ttl_s: float) -> None:
-        self.ttl_s = ttl_s
-        self.by_request: dict[str, Reservation] = {}
-        self.num_blocks_by_replica: dict[str, int] = {}
-        self.num_reservations_by_replica: dict[str, int] = {}
-        # Entries (reserved_at_s, sequence number, request id, reservation).
-        self.heap_by_replica: dict[str, list[tuple[float, int, str, Reservation]]] = {}
-        self.ttl_heap: list[tuple[float, int, str, Reservation]] = []
-        self.num_pushed = 0
-
-    def reserve(self, request_id: str, replica_id: str, num_blocks: int, now_s: float) -> None:
-        self.release(request_id)
-        reservation = Reservation(replica_id, num_blocks, now_s)
-        self.by_request[request_id] = reservation
-        self.num_blocks_by_replica[replica_id] = (
-            self.num_blocks_by_replica.get(replica_id, 0) + num_blocks
-        )
-        self.num_reservations_by_replica[replica_id] = (
-            self.num_reservations_by_replica.get(replica_id, 0) + 1
-        )
-        entry = (now_s, self.num_pushed, request_id, reservation)
-        self.num_pushed += 1
-        heapq.heappush(self.heap_by_replica.setdefault(replica_id, []), entry)
-        heapq.heappush(self.ttl_heap, entry)
-
-    def release(self, request_id: str) -> None:
-        reservation = self.by_request.pop(request_id, None)
-        if reservation is None:
-            return
-        replica_id = reservation.replica_id
-        num_left = self.num_reservations_by_replica[replica_id] - 1
-        if num_left:
-            self.num_reservations_by_replica[replica_id] = num_left
-            self.num_blocks_by_replica[replica_id] -= reservation.num_blocks
-        else:  # every entry left in its heap is stale
-            del self.num_reservations_by_replica[replica_id]
-            del self.num_blocks_by_replica[replica_id]
-            del self.heap_by_replica[replica_id]
-
-    def is_live(self, entry: tuple[float, int, str, Reservation]) -> bool:
-        return self.by_request.get(entry[2]) is entry[3]
-
-    def expire_replica(self, replica_id: str, snapshot_s: float, now_s: float) -> None:
-        """Drop replica_id's reservations covered by its snapshot at snapshot_s, or past the TTL."""
-        heap = self.heap_by_replica.get(replica_id)
-        ttl_s = self.ttl_s
-        while heap:
-            entry = heap[0]
-            reserved_at_s = entry[0]
-            if self.is_live(entry):
-                if now_s - reserved_at_s < ttl_s and snapshot_s <= reserved_at_s:
-                    return
-                self.release(entry[2])
-                if replica_id not in self.heap_by_replica:  # that was its last one
-                    return
-            heapq.heappop(heap)
-
-    def expire_ttl(self, now_s: float) -> None:
-        """Drop every reservation, of any replica, that outlived the TTL."""
-        heap, ttl_s = self.ttl_heap, self.ttl_s
-        while heap and (not self.is_live(heap[0]) or now_s - heap[0][0] >= ttl_s):
-            entry = heapq.heappop(heap)
-            if self.is_live(entry):
-                self.release(entry[2])
-
-    def expire(self, stats: Sequence[ReplicaStats], now_s: float) -> None:
-        """Drop reservations that a newer snapshot covers or that outlived the TTL."""
-        self.expire_ttl(now_s)
-        for s in stats:
-            self.expire_replica(s.replica_id, s.timestamp_s, now_s)
-
-    def num_reserved_blocks(self, replica_id: str) -> int:
-        return self.num_blocks_by_replica.get(replica_id, 0)
-
-    def num_reservations(self, replica_id: str) -> int:
-        return self.num_reservations_by_replica.get(replica_id, 0)
-
-    def check_invariants(self) -> None:
-        blocks: dict[str, int] = {}
-        counts: dict[str, int] = {}
-        for r in self.by_request.values():
-            blocks[r.replica_id] = blocks.get(r.replica_id, 0) + r.num_blocks
-            counts[r.replica_id] = counts.get(r.replica_id, 0) + 1
-        assert blocks == self.num_blocks_by_replica, (blocks, self.num_blocks_by_replica)
-        assert counts == self.num_reservations_by_replica, (
-            counts,
-            self.num_reservations_by_replica,
-        )
-        assert set(self.heap_by_replica) == set(counts)
-        live = {e[2] for e in self.ttl_heap if self.is_live(e)}
-        assert live == set(self.by_request)
-
-    def charge(self, stats: ReplicaStats, exclude_request_id: str | None = None) -> ReplicaStats:
-        num_reserved = self.num_reserved_blocks(stats.replica_id)
-        own = self.by_request.get(exclude_request_id) if exclude_request_id is not None else None
-        if own is not None and own.replica_id == stats.replica_id:
-            num_reserved -= own.num_blocks
-        if num_reserved == 0:
-            return stats
-        from_free = min(num_reserved, stats.num_blocks_free)
-        from_cached = min(num_reserved - from_free, stats.num_blocks_cached)
-        num_free = stats.num_blocks_free - from_free
-        num_cached = stats.num_blocks_cached - from_cached
-        num_used = stats.num_blocks_total - num_free - num_cached
-        return replace(
-            stats,
-            num_blocks_free=num_free,
-            num_blocks_cached=num_cached,
-            kv_usage=num_used / stats.num_blocks_total,
-        )
+# Refusals named in a held or rejected decision's reason; the rest are counted.
+MAX_REFUSALS_NAMED = 4
 
 
 def refusal(stats: ReplicaStats, request: RouteRequest, high_watermark: float) -> str | None:
@@ -211,16 +80,24 @@ class Decision:
 class Admission:
     """Filters replicas by room and watermark, ranks the rest with the policy, handles overload.
 
-    Algorithm, per call of admit():
-      1. expire reservations covered by newer snapshots or past the TTL;
+    Algorithm, per decision:
+      1. expire reservations past the TTL, and those of replicas whose snapshot
+         or reservations changed that a snapshot stamped after them covers;
       2. fresh replicas (snapshot no older than stats_max_age_s), charged with
-         this router's reservations, that pass refusal() are ranked by the policy;
+         this router's reservations (not the request's own), that have room and
+         are under the watermark (router.room) are ranked by the policy;
       3. stale replicas whose last snapshot (charged) would still admit, and
          replicas with no snapshot at all, follow as last-resort tiers (fewest
          reservations first): unknown is not trusted, but is not proof of overload;
       4. nothing admissible: "reject" raises OverloadedError(retry_after_s =
          backoff_max_s); "hold" returns a Decision with the backoff delay for
          this attempt, and raises OverloadedError once max_hold_s is spent.
+    Replicas live in a Fleet (numpy columns, prefix index) updated per changed
+    snapshot: admit(stats, ...) syncs it with the given list (identity checks),
+    or an incremental caller (the simulator) calls observe()/forget() as
+    snapshots arrive and decide() per request.
+    Cost: O(changed snapshots + changed reservations) of Python, then numpy over
+    the replicas and the policy's own cost; no Python loop over replicas.
     Invariant: a replica whose fresh snapshot refuses the request is never in
     the tiers; a held request waits at most max_hold_s in total.
     Failure: a prompt larger than every replica's whole cache raises at once.
@@ -230,10 +107,16 @@ class Admission:
         self.config = config
         self.policy = policy if policy is not None else make_policy(config)
         self.reservations = ReservationBook(config.reservation_ttl_s)
+        self.fleet = Fleet(with_prefix_index=self.policy.needs_prefix_index)
         self.block_size_by_replica: dict[str, int] = {}
 
-    def is_fresh(self, stats: ReplicaStats, now_s: float) -> bool:
-        return now_s - stats.timestamp_s <= self.config.stats_max_age_s
+    def observe(self, stats: ReplicaStats) -> None:
+        """A replica's newer snapshot (incremental callers; admit() does this itself)."""
+        self.fleet.observe(stats)
+
+    def forget(self, replica_id: str) -> None:
+        """The replica left; its reservations stay until the TTL, as its requests may run."""
+        self.fleet.forget(replica_id)
 
     def admit(
         self,
@@ -245,23 +128,40 @@ class Admission:
         attempt: int = 0,
         held_since_s: float | None = None,
     ) -> Decision:
-        config = self.config
-        stats = [s for s in stats if s.num_blocks_total > 0 and s.block_size > 0]
-        self.reservations.expire(stats, now_s)
-        for s in stats:
-            self.block_size_by_replica[s.replica_id] = s.block_size
+        """decide() over exactly the replicas in `stats` (plus unknown_replica_ids)."""
+        self.fleet.sync(stats)
+        return self.decide(
+            request,
+            now_s,
+            unknown_replica_ids=unknown_replica_ids,
+            attempt=attempt,
+            held_since_s=held_since_s,
+        )
 
-        admissible, last_resort, refusals = [], list(unknown_replica_ids), []
-        for s in stats:
-            charged = self.reservations.charge(s, request.request_id)
-            why = refusal(charged, request, config.high_watermark)
-            if why is not None:
-                refusals.append(why)
-            elif self.is_fresh(s, now_s):
-                admissible.append(charged)
-            else:
-                last_resort.append(s.replica_id)
-        tiers = self.policy.choose_replicas(admissible, request, now_s) if admissible else []
+    def decide(
+        self,
+        request: RouteRequest,
+        now_s: float,
+        *,
+        unknown_replica_ids: Sequence[str] = (),
+        attempt: int = 0,
+        held_since_s: float | None = None,
+    ) -> Decision:
+        """The decision over the replicas observed so far (plus unknown_replica_ids)."""
+        config, fleet = self.config, self.fleet
+        self.settle_reservations(now_s)
+        own = self.reservations.by_request.get(request.request_id)
+        own_slot = fleet.slot_of.get(own.replica_id) if own is not None else None
+        room = room_for(fleet, request, own_slot, own.num_blocks if own is not None else 0)
+        refused = room.refused(config.high_watermark)
+        fresh = now_s - fleet.column("timestamp_s") <= config.stats_max_age_s
+        admissible = np.flatnonzero(~refused & fresh)
+        tiers = []
+        if len(admissible):
+            candidates = Candidates(fleet, admissible, room.load[admissible])
+            tiers = self.policy.rank(candidates, request)
+        stale = np.flatnonzero(~refused & ~fresh).tolist()
+        last_resort = [*unknown_replica_ids, *(fleet.ids[slot] for slot in stale)]
         last_resort.sort(
             key=lambda r: (
                 self.reservations.num_reservations(r),
@@ -272,12 +172,8 @@ class Admission:
         if tiers:
             return Decision(tiers)
 
-        reason = "; ".join(refusals) if refusals else "no replicas"
-        if (
-            stats
-            and not last_resort
-            and all(request.num_prompt_blocks(s.block_size) > s.num_blocks_total for s in stats)
-        ):
+        reason = self.refusals(np.flatnonzero(refused), request) or "no replicas"
+        if len(fleet) and not last_resort and bool(np.all(room.needed > fleet.column("total"))):
             raise OverloadedError(config.backoff_max_s, f"prompt larger than any replica: {reason}")
         if config.on_overload == "reject":
             raise OverloadedError(config.backoff_max_s, f"overloaded: {reason}")
@@ -289,10 +185,53 @@ class Admission:
             )
         return Decision([], min(config.backoff_s(attempt), remaining_s), reason)
 
+    def settle_reservations(self, now_s: float) -> None:
+        """Expire what the TTL or newer snapshots cover; copy changed totals into the fleet.
+
+        Only replicas whose snapshot or reservations moved since the last call can
+        have a reservation that a snapshot newly covers (a reservation is never
+        older than the snapshots already checked against it, unless it was made
+        with an older time, which marks its replica too).
+        """
+        book, fleet = self.reservations, self.fleet
+        book.expire_ttl(now_s)
+        touched = fleet.drain_changed() | book.changed
+        for replica_id in touched:
+            slot = fleet.slot_of.get(replica_id)
+            if slot is not None:
+                stats = fleet.stats[slot]
+                self.block_size_by_replica[replica_id] = stats.block_size
+                book.expire_replica(replica_id, stats.timestamp_s, now_s)
+        for replica_id in touched | book.drain_changed():
+            fleet.set_reserved(replica_id, book.num_reserved_blocks(replica_id))
+
+    def refusals(self, slots: np.ndarray, request: RouteRequest) -> str:
+        """Why the first refused replicas refuse (router.load's wording), and how many more."""
+        fleet, book = self.fleet, self.reservations
+        named = [
+            refusal(
+                book.charge(fleet.stats[slot], request.request_id),
+                request,
+                self.config.high_watermark,
+            )
+            or f"{fleet.ids[slot]}: refused"
+            for slot in slots[:MAX_REFUSALS_NAMED].tolist()
+        ]
+        if len(slots) > MAX_REFUSALS_NAMED:
+            named.append(f"{len(slots) - MAX_REFUSALS_NAMED} more replicas refuse")
+        return "; ".join(named)
+
+    def num_blocks_to_reserve(self, request: RouteRequest, replica_id: str) -> int:
+        slot = self.fleet.slot_of.get(replica_id)
+        if slot is not None:
+            block_size = self.fleet.stats[slot].block_size
+        else:  # left the fleet, or never had readable stats
+            block_size = self.block_size_by_replica.get(replica_id, DEFAULT_BLOCK_SIZE)
+        return max(1, request.num_prompt_blocks(block_size))
+
     def reserve(self, request: RouteRequest, replica_id: str, now_s: float) -> None:
         """Record that the request was routed to replica_id (moves an earlier reservation)."""
-        block_size = self.block_size_by_replica.get(replica_id, DEFAULT_BLOCK_SIZE)
-        num_blocks = max(1, request.num_prompt_blocks(block_size))
+        num_blocks = self.num_blocks_to_reserve(request, replica_id)
         self.reservations.reserve(request.request_id, replica_id, num_blocks, now_s)
 
     def confirm(self, request: RouteRequest, replica_id: str) -> None:
@@ -307,8 +246,7 @@ class Admission:
         reservation = self.reservations.by_request.get(request.request_id)
         if reservation is None or reservation.replica_id == replica_id:
             return
-        block_size = self.block_size_by_replica.get(replica_id, DEFAULT_BLOCK_SIZE)
-        num_blocks = max(1, request.num_prompt_blocks(block_size))
+        num_blocks = self.num_blocks_to_reserve(request, replica_id)
         self.reservations.reserve(
             request.request_id, replica_id, num_blocks, reservation.reserved_at_s
         )

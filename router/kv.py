@@ -2,29 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numpy as np
 
-from replica.stats import ReplicaStats
-from router.load import rank_by_load
+from router.base import RoutingPolicy
+from router.candidates import Candidates
 from router.request import RouteRequest
 
 
-class KVPolicy:
+class KVPolicy(RoutingPolicy):
     """Ranks replicas by KV work: blocks in use plus blocks their waiting prompts need.
 
     Algorithm: load = (used blocks + ceil(waiting tokens / block_size) + this
     request's prompt blocks) / total blocks, where "used" already includes this
     router's reservations (charged by admission). Ascending load; equal loads
-    are ordered by a hash of (seed, request id, replica id), so ties spread
-    over requests yet repeat exactly for the same seed.
+    are ordered by router.tiebreak (seed, request id, replica id), so ties
+    spread over requests yet repeat exactly for the same seed.
     Invariant: one replica per tier, so the caller tries them strictly in order.
+    Cost: numpy over the candidates, O(n log n) in C.
     Failure: none; stale or missing stats are kept out by admission.
     """
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
 
-    def choose_replicas(
-        self, stats: Sequence[ReplicaStats], request: RouteRequest, now_s: float
-    ) -> list[list[str]]:
-        return [[s.replica_id] for s in rank_by_load(stats, request, self.seed)]
+    def rank(self, candidates: Candidates, request: RouteRequest) -> list[list[str]]:
+        ties = candidates.tiebreak(self.seed, request.request_id)
+        return candidates.tiers(np.lexsort((ties, candidates.loads)))

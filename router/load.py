@@ -1,10 +1,11 @@
-"""Load measures over ReplicaStats shared by the policies and admission."""
+"""Load measures of one ReplicaStats snapshot, shared by the policies and admission.
+
+The decision path computes the same measures for a whole fleet at once
+(router.room); these scalar forms define them, word refusal messages, and are
+what tests hold the column forms to.
+"""
 
 from __future__ import annotations
-
-import hashlib
-from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
 
 from replica.stats import ReplicaStats
 from router.request import RouteRequest
@@ -49,49 +50,3 @@ def load_fraction(stats: ReplicaStats, request: RouteRequest | None = None) -> f
     if request is not None:
         num_blocks += request.num_prompt_blocks(stats.block_size)
     return num_blocks / stats.num_blocks_total
-
-
-def tiebreak(seed: int, request_id: str, replica_id: str) -> int:
-    """A stable pseudo-random key: equal loads split differently per request, reproducibly."""
-    payload = f"{seed}\x00{request_id}\x00{replica_id}".encode()
-    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
-
-
-def tiebreaker(seed: int, request_id: str) -> Callable[[str], int]:
-    """tiebreak(seed, request_id, replica_id) as a function of replica_id, prefix hashed once."""
-    prefix = hashlib.blake2b(f"{seed}\x00{request_id}\x00".encode(), digest_size=8)
-
-    def key(replica_id: str) -> int:
-        h = prefix.copy()
-        h.update(replica_id.encode())
-        return int.from_bytes(h.digest(), "little")
-
-    return key
-
-
-def order_with_tiebreak(
-    keys: Sequence[Hashable], replica_ids: Sequence[str], seed: int, request_id: str
-) -> list[int]:
-    """Indices i sorted by (keys[i], tiebreak(seed, request_id, replica_ids[i])).
-
-    The tiebreak hash is computed only for keys that occur more than once,
-    since it cannot change the order of a key that is unique.
-    """
-    counts = Counter(keys)
-    if len(counts) == len(keys):
-        return sorted(range(len(keys)), key=keys.__getitem__)
-    key = tiebreaker(seed, request_id)
-    full_keys = [
-        (k, key(replica_id) if counts[k] > 1 else 0)
-        for k, replica_id in zip(keys, replica_ids, strict=True)
-    ]
-    return sorted(range(len(keys)), key=full_keys.__getitem__)
-
-
-def rank_by_load(
-    stats: Sequence[ReplicaStats], request: RouteRequest, seed: int
-) -> list[ReplicaStats]:
-    """Replicas by ascending load_fraction, ties broken by tiebreak()."""
-    loads = [load_fraction(s, request) for s in stats]
-    order = order_with_tiebreak(loads, [s.replica_id for s in stats], seed, request.request_id)
-    return [stats[i] for i in order]

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 
-from replica.stats import ReplicaStats
-from router.load import load_fraction, rank_by_load
+import numpy as np
+
+from router.base import RoutingPolicy
+from router.candidates import Candidates
 from router.request import RouteRequest
 
 
-class Pow2Policy:
+class Pow2Policy(RoutingPolicy):
     """Samples two replicas at random and prefers the one with less KV work.
 
-    Algorithm: draw two distinct replicas from a random.Random(seed) stream;
+    Algorithm: draw two distinct candidates from a random.Random(seed) stream;
     the one with the lower load_fraction (ties: the first drawn) is the first
-    tier, the other the second; the remaining replicas follow in load order as
-    fallback tiers.
+    tier, the other the second; the remaining replicas follow in load order
+    (ties by router.tiebreak) as fallback tiers.
     Invariant: the first tier is never the worse of the two sampled replicas;
     the same seed and the same call sequence give the same choices.
     Failure: none. Less herding than a strict argmin under stale stats, at the
@@ -27,15 +28,17 @@ class Pow2Policy:
         self.seed = seed
         self.rng = random.Random(seed)
 
-    def choose_replicas(
-        self, stats: Sequence[ReplicaStats], request: RouteRequest, now_s: float
-    ) -> list[list[str]]:
-        if len(stats) <= 1:
-            return [[s.replica_id] for s in stats]
-        first, second = self.rng.sample(range(len(stats)), 2)
-        pair = [stats[first], stats[second]]
-        if load_fraction(pair[1], request) < load_fraction(pair[0], request):
-            pair.reverse()
-        sampled = {first, second}
-        rest = [s for i, s in enumerate(stats) if i not in sampled]
-        return [[s.replica_id] for s in pair + rank_by_load(rest, request, self.seed)]
+    def rank(self, candidates: Candidates, request: RouteRequest) -> list[list[str]]:
+        n = len(candidates)
+        if n <= 1:
+            return candidates.tiers(np.arange(n))
+        first, second = self.rng.sample(range(n), 2)
+        loads = candidates.loads
+        if loads[second] < loads[first]:
+            first, second = second, first
+        rest = np.ones(n, dtype=bool)
+        rest[[first, second]] = False
+        others = np.flatnonzero(rest)
+        ties = candidates.tiebreak(self.seed, request.request_id)[others]
+        order = others[np.lexsort((ties, loads[others]))]
+        return candidates.tiers(np.concatenate(([first, second], order)))

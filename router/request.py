@@ -41,10 +41,35 @@ class RouteRequest:
             object.__setattr__(self, "num_prompt_tokens", num_ids)
 
     @classmethod
+    def with_block_hashes(
+        cls,
+        request_id: str,
+        num_prompt_tokens: int,
+        block_size: int,
+        block_hashes: Sequence[int],
+        max_tokens: int = 0,
+    ) -> RouteRequest:
+        """A request whose prompt is known only by its full blocks' chained hashes at one
+        block size (the simulator's traces name blocks without materializing tokens)."""
+        if len(block_hashes) != num_prompt_tokens // block_size:
+            raise ValueError(
+                f"block_hashes: {len(block_hashes)} hashes for {num_prompt_tokens} tokens "
+                f"of block size {block_size}"
+            )
+        request = cls(request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens)
+        request._hashes_by_block_size[block_size] = tuple(block_hashes)
+        return request
+
+    @classmethod
     def from_tokens(
         cls, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int = 0
     ) -> RouteRequest:
         return cls(request_id, tuple(prompt_token_ids), max_tokens=max_tokens)
+
+    @property
+    def knows_prompt(self) -> bool:
+        """Whether prefix matching has anything to match: token ids or block hashes."""
+        return bool(self.prompt_token_ids) or any(self._hashes_by_block_size.values())
 
     def num_prompt_blocks(self, block_size: int) -> int:
         """KV blocks the prompt occupies on a replica with this block size."""

@@ -9,11 +9,8 @@ import pytest
 from bench import sim_replica
 from bench.sim import SimConfig, simulate
 from bench.sim_model import CostModel, default_cost_model, fit_cost_model
-from bench.sim_policies import IndexedReservationBook
 from bench.sim_replica import ReplicaSimConfig
 from bench.sim_workload import Workload, WorkloadConfig
-from replica.stats import ReplicaStats
-from router.admission import ReservationBook
 
 COST = default_cost_model()
 
@@ -113,35 +110,3 @@ def test_default_model_reproduces_the_h200_points():
     assert COST.step_s(0, 1, 192) * 1e3 == pytest.approx(0.86, abs=1e-6)
     assert COST.step_s(0, 64, 64 * 500) * 1e3 == pytest.approx(1.38, abs=1e-6)
     assert COST.step_s(0, 256, 256 * 190) * 1e3 == pytest.approx(1.99, abs=1e-6)
-
-
-def test_indexed_reservation_book_matches_the_router_book():
-    rng = random.Random(0)
-    ttl_s = 0.5
-    real, fast = ReservationBook(ttl_s), IndexedReservationBook(ttl_s)
-    replicas = [f"r{i}" for i in range(5)]
-    now = 0.0
-    for step in range(3000):
-        now += rng.random() * 0.02
-        op = rng.random()
-        if op < 0.5:
-            args = (f"q{rng.randrange(400)}", rng.choice(replicas), rng.randrange(1, 9), now)
-            real.reserve(*args)
-            fast.reserve(*args)
-        elif op < 0.6:
-            request_id = f"q{rng.randrange(400)}"
-            real.release(request_id)
-            fast.release(request_id)
-        else:
-            stats = [
-                ReplicaStats(
-                    r, 100, 50, 0, 0.5, 0, 0, 0, 8, 0.0, timestamp_s=now - rng.random() * 0.3
-                )
-                for r in rng.sample(replicas, rng.randrange(len(replicas)))
-            ]
-            real.expire(stats, now)
-            fast.expire(stats, now)
-        assert real.by_request == fast.by_request, step
-        for r in replicas:
-            assert real.num_reserved_blocks(r) == fast.num_reserved_blocks(r)
-            assert real.num_reservations(r) == fast.num_reservations(r)

@@ -24,7 +24,7 @@ def make_stats(
         num_blocks_total=num_blocks_total,
         num_blocks_free=num_free,
         num_blocks_cached=num_blocks_cached,
-        kv_usage=num_blocks_used / num_blocks_total,
+        kv_usage=num_blocks_used / num_blocks_total if num_blocks_total else 0.0,
         num_running=0,
         num_waiting=1 if num_waiting_tokens else 0,
         num_preempted_total=0,

@@ -2,7 +2,7 @@
 
 reference_choose_replicas is the PrefixPolicy of commit 16f599a (one set() per
 replica per request, O(replicas x hashes)), kept here verbatim apart from its
-tiebreak, which it takes from router.load like the policy under test, so that
+tiebreak, which it takes from router.tiebreak like the policy under test, so that
 the indexed policy can be checked against it on random fleets: shared and
 private chains, truncated and non-contiguous summaries, mixed block sizes,
 balanced and imbalanced loads, requests with and without prompts.
@@ -18,7 +18,8 @@ import pytest
 from replica.hashing import prefix_block_hashes
 from replica.stats import ReplicaStats
 from router import PrefixPolicy, RouteRequest
-from router.load import load_fraction, tiebreak
+from router.load import load_fraction
+from router.tiebreak import tiebreak
 from tests.router.router_fakes import make_stats
 
 

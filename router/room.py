@@ -1,0 +1,53 @@
+"""Room: what one request would find on every replica of a Fleet, reservations charged.
+
+The column form of router.load's per-snapshot measures and of
+ReservationBook.charge(): the same integers, so the same floats, for all
+replicas at once (tests/router check them against the scalar functions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from router.fleet import Fleet
+from router.request import RouteRequest
+
+
+@dataclass(frozen=True)
+class Room:
+    """Per fleet slot: [num_replicas] arrays."""
+
+    needed: np.ndarray  # int64: the request's prompt blocks at the replica's block size
+    available: np.ndarray  # int64: free + cached - waiting, after charging, at least 0
+    committed: np.ndarray  # float64: (used + waiting) / total, after charging
+    load: np.ndarray  # float64: (used + waiting + needed) / total (load_fraction)
+
+    def refused(self, high_watermark: float) -> np.ndarray:
+        """bool: the replica has no room for the prompt, or is at the high watermark."""
+        return (self.available < self.needed) | (self.committed >= high_watermark)
+
+
+def room_for(
+    fleet: Fleet, request: RouteRequest, own_slot: int | None = None, own_blocks: int = 0
+) -> Room:
+    """Room with fleet's reserved column charged, less own_blocks at own_slot (the request's
+    own reservation, which is not in its own way)."""
+    total, free, cached = fleet.column("total"), fleet.column("free"), fleet.column("cached")
+    reserved = fleet.column("reserved")
+    if own_slot is not None and own_blocks:
+        reserved = reserved.copy()
+        reserved[own_slot] -= own_blocks
+    # As ReservationBook.charge: reserved blocks come out of free, then cached ones.
+    from_free = np.minimum(reserved, free)
+    from_cached = np.minimum(reserved - from_free, cached)
+    used = total - (free - from_free) - (cached - from_cached)
+    queued = used + fleet.column("waiting")
+    needed = -(-request.num_prompt_tokens // fleet.column("block_size"))
+    return Room(
+        needed=needed,
+        available=np.maximum(total - queued, 0),
+        committed=queued / total,
+        load=(queued + needed) / total,
+    )
