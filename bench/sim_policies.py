@@ -13,6 +13,8 @@ at the replica as their own systems do):
   dynamo       Dynamo KV router (approximate-index mode): argmin over workers of
                1.0 * (prefill blocks queued + this prompt's blocks not cached there)
                + (active blocks + this prompt's blocks), ties at random.
+  serve_pow2   Ray Serve's default router: two replicas at random, the one with
+               fewer requests in flight (Serve's queue-length cache, here exact).
   random       uniform.
   round_robin  in turn.
 The router-side tree is a per-worker LRU of chained block hashes (a radix tree's
@@ -34,22 +36,28 @@ from replica.stats import ReplicaStats
 from router import Admission, OverloadedError, RouterConfig, RouteRequest
 
 REAL_POLICIES = ("kv", "prefix", "pow2")
-PEER_POLICIES = ("sglang", "dynamo", "random", "round_robin")
+PEER_POLICIES = ("sglang", "dynamo", "serve_pow2", "random", "round_robin")
 ALL_POLICIES = REAL_POLICIES + PEER_POLICIES
 HELD = -1
 REJECTED = -2
 
 
 class SimRouter(Protocol):
-    """route() returns (replica index, 0) or (HELD, retry_after_s) or (REJECTED, 0)."""
+    """route() returns (replica index, 0) or (HELD, retry_after_s) or (REJECTED, 0).
+
+    observe() hands over a replica's snapshot when it reaches the router (routers
+    with needs_stats); on_first_token / on_finish report progress (tracks_progress).
+    """
 
     name: str
     needs_stats: bool
     needs_hashes: bool
     tracks_progress: bool
 
+    def observe(self, replica: int, stats: ReplicaStats) -> None: ...
+
     def route(
-        self, rid: int, now_s: float, stats: list[ReplicaStats], attempt: int, held_since_s: float
+        self, rid: int, now_s: float, attempt: int, held_since_s: float
     ) -> tuple[int, float]: ...
 
     def on_first_token(self, rid: int, replica: int) -> None: ...
@@ -58,7 +66,13 @@ class SimRouter(Protocol):
 
 
 class RealRouter:
-    """router.Admission + make_policy, exactly as cluster.request_router calls them."""
+    """router.Admission + make_policy, as cluster.request_router calls them.
+
+    The one difference is how snapshots arrive: the Serve adapter hands Admission
+    the whole list each call (admit(stats), which syncs by identity); here each
+    snapshot is observed once, when it becomes visible, and route() calls
+    decide() — the same code path after the sync (tests/router checks both).
+    """
 
     needs_stats = True
     tracks_progress = False
@@ -73,21 +87,24 @@ class RealRouter:
 
     def route_request(self, rid: int) -> RouteRequest:
         wl = self.workload
+        num_prompt, max_tokens = wl.prompt_len_list[rid], wl.output_len_list[rid]
         if self.needs_hashes:
-            return RouteRequest(
-                str(rid), wl.prompt_token_ids(rid), max_tokens=wl.output_len_list[rid]
-            )
-        return RouteRequest(
-            str(rid), num_prompt_tokens=wl.prompt_len_list[rid], max_tokens=wl.output_len_list[rid]
-        )
+            # The trace's block names: the real chained hashes of shared prefix blocks
+            # (what replicas publish) and unique names for the request's own blocks,
+            # which match nothing, as their real hashes would not.
+            bs = wl.block_size
+            hashes = wl.block_hashes(rid, num_prompt // bs)
+            return RouteRequest.with_block_hashes(str(rid), num_prompt, bs, hashes, max_tokens)
+        return RouteRequest(str(rid), num_prompt_tokens=num_prompt, max_tokens=max_tokens)
 
-    def route(
-        self, rid: int, now_s: float, stats: list[ReplicaStats], attempt: int, held_since_s: float
-    ) -> tuple[int, float]:
+    def observe(self, replica: int, stats: ReplicaStats) -> None:
+        self.admission.observe(stats)
+
+    def route(self, rid: int, now_s: float, attempt: int, held_since_s: float) -> tuple[int, float]:
         request = self.route_request(rid)
         try:
-            decision = self.admission.admit(
-                stats, request, now_s, attempt=attempt,
+            decision = self.admission.decide(
+                request, now_s, attempt=attempt,
                 held_since_s=None if attempt == 0 else held_since_s,
             )  # fmt: skip
         except OverloadedError:
@@ -114,7 +131,10 @@ class RandomRouter:
         self.num_replicas = num_replicas
         self.rng = random.Random(seed)
 
-    def route(self, rid, now_s, stats, attempt, held_since_s) -> tuple[int, float]:
+    def observe(self, replica: int, stats: ReplicaStats) -> None:
+        pass
+
+    def route(self, rid, now_s, attempt, held_since_s) -> tuple[int, float]:
         return self.rng.randrange(self.num_replicas), 0.0
 
     def on_first_token(self, rid: int, replica: int) -> None:
@@ -131,9 +151,30 @@ class RoundRobinRouter(RandomRouter):
         super().__init__(num_replicas, seed)
         self.next = seed % num_replicas
 
-    def route(self, rid, now_s, stats, attempt, held_since_s) -> tuple[int, float]:
+    def route(self, rid, now_s, attempt, held_since_s) -> tuple[int, float]:
         replica, self.next = self.next, (self.next + 1) % self.num_replicas
         return replica, 0.0
+
+
+class ServePow2Router(RandomRouter):
+    name = "serve_pow2"
+    tracks_progress = True
+
+    def __init__(self, num_replicas: int, seed: int) -> None:
+        super().__init__(num_replicas, seed)
+        self.in_flight = [0] * num_replicas
+
+    def route(self, rid, now_s, attempt, held_since_s) -> tuple[int, float]:
+        replica = 0
+        if self.num_replicas > 1:
+            first, second = self.rng.sample(range(self.num_replicas), 2)
+            # Serve keeps the first of equal queue lengths.
+            replica = second if self.in_flight[second] < self.in_flight[first] else first
+        self.in_flight[replica] += 1
+        return replica, 0.0
+
+    def on_finish(self, rid: int, replica: int) -> None:
+        self.in_flight[replica] -= 1
 
 
 class ApproxPrefixIndex:
@@ -200,7 +241,10 @@ class SGLangRouter:
         self.balance_rel_threshold = balance_rel_threshold
         self.rng = random.Random(seed)
 
-    def route(self, rid, now_s, stats, attempt, held_since_s) -> tuple[int, float]:
+    def observe(self, replica: int, stats: ReplicaStats) -> None:
+        pass
+
+    def route(self, rid, now_s, attempt, held_since_s) -> tuple[int, float]:
         wl = self.workload
         num_prompt = wl.prompt_len_list[rid]
         hashes = wl.block_hashes(rid, num_prompt // wl.block_size)
@@ -253,7 +297,10 @@ class DynamoRouter:
         self.inflight: dict[int, tuple[int, int]] = {}  # rid -> (new prefill blocks, blocks)
         self.rng = np.random.default_rng(seed)
 
-    def route(self, rid, now_s, stats, attempt, held_since_s) -> tuple[int, float]:
+    def observe(self, replica: int, stats: ReplicaStats) -> None:
+        pass
+
+    def route(self, rid, now_s, attempt, held_since_s) -> tuple[int, float]:
         wl = self.workload
         bs = wl.block_size
         num_prompt_blocks = -(-wl.prompt_len_list[rid] // bs)
@@ -299,4 +346,6 @@ def make_sim_router(
         return RandomRouter(num_replicas, seed)
     if name == "round_robin":
         return RoundRobinRouter(num_replicas, seed)
+    if name == "serve_pow2":
+        return ServePow2Router(num_replicas, seed)
     raise ValueError(f"policy must be one of {ALL_POLICIES}, got {name!r}")

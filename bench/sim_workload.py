@@ -7,16 +7,20 @@ Datasets:
   long_tail      prompt and output lognormal (median 128 / 64, sigma 1.0), clipped
 Arrivals: Poisson, or gamma with coefficient of variation arrival_cv (bursty when > 1).
 
-Token ids are made on demand (only prefix routing reads them): a shared prefix is
-the same ids for every request that uses it, and every suffix starts with the
-request index, so two prompts share exactly their common prefix's full blocks.
-Block hashes are the real chained hashes (replica.hashing) for shared blocks and
-unique negative ints for each request's own blocks (never shared, so any unique
-name matches reality).
+Token ids are made on demand: a shared prefix is the same ids for every request
+that uses it, and every suffix starts with the request index, so two prompts share
+exactly their common prefix's full blocks. Block hashes are the real chained
+hashes (replica.hashing) for shared blocks and unique negative ints for each
+request's own blocks (never shared, so any unique name matches reality).
+
+Workload.from_trace replays a recorded trace instead (bench.load's: explicit
+prompts and arrival times); its prompts' full blocks are named by their real
+chained hashes, so prompts share exactly the blocks their tokens share.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +65,9 @@ class Workload:
 
     def __init__(self, config: WorkloadConfig) -> None:
         self.config = config
+        self.offered_rate = config.rate
+        self.prompts: list[tuple[int, ...]] | None = None  # from_trace only
+        self.prompt_hashes: list[tuple[int, ...]] | None = None
         rng = np.random.default_rng(config.seed)
         n = config.num_requests
         if config.arrival == "poisson":
@@ -88,6 +95,35 @@ class Workload:
             output = np.clip(np.round(rng.lognormal(np.log(64), 1.0, n)), 4, None)
             prompt = np.minimum(prompt, config.max_model_len // 2)
         output = np.minimum(output, config.max_model_len - prompt)
+        self._set_lengths(prompt, output)
+
+    @classmethod
+    def from_trace(
+        cls,
+        arrival_s: Sequence[float],
+        prompts: Sequence[Sequence[int]],
+        output_lens: Sequence[int],
+        offered_rate: float,
+    ) -> Workload:
+        """A recorded trace: request i arrives at arrival_s[i] (from 0) with prompts[i]."""
+        if not len(arrival_s) == len(prompts) == len(output_lens) > 0:
+            raise ValueError(
+                "arrival_s, prompts and output_lens must be non-empty, one per request"
+            )
+        if any(not p for p in prompts) or min(output_lens) < 1:
+            raise ValueError("every request needs a prompt token and an output token")
+        workload = cls.__new__(cls)
+        workload.config = None
+        workload.offered_rate = offered_rate
+        workload.prompts = [tuple(p) for p in prompts]
+        workload.prompt_hashes = None
+        workload.arrival_s = np.asarray(arrival_s, dtype=np.float64)
+        workload.prefix_id = np.full(len(prompts), -1, dtype=np.int64)
+        workload.prefix_tokens, workload.prefix_hashes = [], []
+        workload._set_lengths(np.array([len(p) for p in prompts]), np.asarray(output_lens))
+        return workload
+
+    def _set_lengths(self, prompt: np.ndarray, output: np.ndarray) -> None:
         self.prompt_len = prompt.astype(np.int64)
         self.output_len = output.astype(np.int64)
         # Python lists: per-request reads in the event loop are faster than numpy scalars.
@@ -99,12 +135,16 @@ class Workload:
     def set_block_size(self, block_size: int) -> None:
         self.block_size = block_size
         self.prefix_hashes = [tuple(prefix_block_hashes(t, block_size)) for t in self.prefix_tokens]
+        if self.prompts is not None:
+            self.prompt_hashes = [tuple(prefix_block_hashes(p, block_size)) for p in self.prompts]
 
     def __len__(self) -> int:
         return len(self.prompt_len_list)
 
     def prompt_token_ids(self, rid: int) -> tuple[int, ...]:
         """The prompt's ids: shared prefix (if any) + a suffix unique to this request."""
+        if self.prompts is not None:
+            return self.prompts[rid]
         num_prompt = self.prompt_len_list[rid]
         prefix = (
             self.prefix_tokens[self.prefix_id_list[rid]] if self.prefix_id_list[rid] >= 0 else ()
@@ -116,8 +156,11 @@ class Workload:
 
     def block_hashes(self, rid: int, num_blocks: int) -> list[int]:
         """Names of the request's first num_blocks full blocks (prompt, then generated)."""
-        pid = self.prefix_id_list[rid]
-        shared = self.prefix_hashes[pid] if pid >= 0 else ()
+        if self.prompt_hashes is not None:
+            shared = self.prompt_hashes[rid]
+        else:
+            pid = self.prefix_id_list[rid]
+            shared = self.prefix_hashes[pid] if pid >= 0 else ()
         num_shared = min(len(shared), num_blocks)
         base = -rid * MAX_BLOCKS_PER_REQUEST - 1
         return [*shared[:num_shared], *range(base - num_shared, base - num_blocks, -1)]

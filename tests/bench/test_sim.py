@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 
 import pytest
@@ -24,7 +26,9 @@ def stable(result: dict) -> dict:
     return {k: v for k, v in result.items() if k not in timing}
 
 
-@pytest.mark.parametrize("policy", ["kv", "prefix", "pow2", "sglang", "dynamo", "random"])
+@pytest.mark.parametrize(
+    "policy", ["kv", "prefix", "pow2", "sglang", "dynamo", "serve_pow2", "random"]
+)
 def test_same_seed_same_result(policy):
     wl = WorkloadConfig(dataset="shared_prefix", num_requests=300, rate=2500, seed=3)
     first = run(policy, wl, num_replicas=3)
@@ -110,3 +114,150 @@ def test_default_model_reproduces_the_h200_points():
     assert COST.step_s(0, 1, 192) * 1e3 == pytest.approx(0.86, abs=1e-6)
     assert COST.step_s(0, 64, 64 * 500) * 1e3 == pytest.approx(1.38, abs=1e-6)
     assert COST.step_s(0, 256, 256 * 190) * 1e3 == pytest.approx(1.99, abs=1e-6)
+
+
+# ---- replaying traces and validating against a measured run (bench/sim_validate.py) ----
+
+
+def test_trace_prompts_share_exactly_their_common_blocks():
+    head = list(range(64))  # 4 blocks of 16
+    prompts = [head + [900 + i] * 20 for i in range(3)] + [[7] * 84]
+    wl = Workload.from_trace([0.0, 0.01, 0.02, 0.03], prompts, [8, 8, 8, 8], offered_rate=100)
+    wl.set_block_size(16)
+    firsts = [wl.block_hashes(rid, 5) for rid in range(4)]
+    assert firsts[0][:4] == firsts[1][:4] == firsts[2][:4]
+    assert len({f[4] for f in firsts[:3]}) == 3  # the fifth blocks differ
+    assert not set(firsts[3]) & set(firsts[0])
+    assert wl.block_hashes(0, 7)[5:] != wl.block_hashes(1, 7)[5:]  # generated: private
+    result = simulate("prefix", wl, SimConfig(num_replicas=1), COST)
+    assert result["num_completed"] == 4
+    assert result["cache_hit_rate"] > 0  # later prompts reuse the shared head
+
+
+@pytest.mark.parametrize("policy", ["kv", "round_robin"])
+def test_closed_loop_keeps_at_most_concurrency_requests_in_flight(policy):
+    wl = Workload(WorkloadConfig(num_requests=200, rate=1e6, seed=2))
+    concurrency = 7
+    config = SimConfig(num_replicas=2, concurrency=concurrency)
+    result = simulate(policy, wl, config, COST, keep_times=True)
+    assert result["num_completed"] == 200
+    arrivals, finishes = result["arrival_s"], result["finish_s"]
+    assert arrivals[:concurrency] == [0.0] * concurrency
+    events = sorted([(t, 1) for t in arrivals] + [(t, -1) for t in finishes])
+    in_flight = max_in_flight = 0
+    for _, delta in events:  # at equal times a finish (-1) sorts first: it frees the user
+        in_flight += delta
+        max_in_flight = max(max_in_flight, in_flight)
+    assert max_in_flight == concurrency
+    # every later request starts exactly when an earlier one ended
+    assert set(arrivals[concurrency:]) <= set(finishes)
+
+
+def load_result(tmp_path, runs: dict, workload: dict, target: dict, kv_samples=()) -> str:
+    """A result file in bench/load.py's --out format (the fields validation reads and more)."""
+    payload = {
+        "date": "2026-11-21",
+        "machine": "test",
+        "command": "python -m bench.load ...",
+        "workload": workload,
+        "target": target,
+        "runs": {
+            router: {
+                "metrics": metrics,
+                "leak_check": {"ok": True, "replicas": []},
+                "generator": [],
+                "kv_samples": list(kv_samples),
+            }
+            for router, metrics in runs.items()
+        },
+        "ratios_vs_serve-pow2": {},
+    }
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps(payload))
+    return str(path)
+
+
+def measured_metrics(throughput: float, ttft_p50_ms: float, ttft_p99_ms: float) -> dict:
+    """bench.load_metrics.compute_metrics' shape, with the compared fields set."""
+    ms = {"mean": 1.0, "p50": 1.0, "p90": 1.0, "p99": 1.0}
+    return {
+        "num_requests": 60, "completed": 60, "rejected": 0, "errors": 0, "lost": 0,
+        "duration_s": 1.0, "request_throughput": throughput / 10,
+        "output_token_throughput": throughput, "total_token_throughput": throughput,
+        "ttft_ms": ms | {"p50": ttft_p50_ms, "p99": ttft_p99_ms}, "tpot_ms": ms,
+        "itl_ms": ms, "e2e_ms": ms,
+    }  # fmt: skip
+
+
+def test_validate_replays_the_run_and_reports_relative_errors(tmp_path, capsys):
+    from bench.load_workload import WorkloadConfig as LoadWorkloadConfig
+    from bench.load_workload import build_trace
+    from bench.sim import parser
+    from bench.sim_validate import validate
+
+    load_workload = LoadWorkloadConfig(
+        num_requests=60, rate=50.0, dataset="prefix", input_len=40, output_len=12,
+        num_prefixes=2, prefix_len=64, vocab_size=500, seed=5,
+    )  # fmt: skip
+    workload = dataclasses.asdict(load_workload) | {"concurrency": None}
+    target = {"app_name": "kvfleet", "model": "gpt2", "replicas": 2, "routers": "kv,serve-pow2",
+              "router": "kv", "num_blocks": 300, "max_num_seqs": 32, "block_size": 16,
+              "device": "cuda", "on_overload": "hold", "num_procs": 2}  # fmt: skip
+    # What the simulator predicts for that trace and target, by hand:
+    trace = build_trace(load_workload)
+    replay = Workload.from_trace(
+        [s.arrival_s for s in trace], [s.prompt_token_ids for s in trace],
+        [s.max_tokens for s in trace], offered_rate=50.0,
+    )  # fmt: skip
+    replica = ReplicaSimConfig(num_blocks=300, block_size=16, max_num_seqs=32,
+                               max_num_batched_tokens=8192)  # fmt: skip
+    expected = simulate("kv", replay, SimConfig(num_replicas=2, replica=replica, seed=5), COST)
+    measured = measured_metrics(
+        throughput=2 * expected["output_tokens_per_s"],
+        ttft_p50_ms=expected["ttft_ms"]["p50"] / 2,
+        ttft_p99_ms=expected["ttft_ms"]["p99"] * 1.25,
+    )
+    path = load_result(
+        tmp_path,
+        {"kv": measured, "serve-pow2": measured, "serve-consistent-hash": measured},
+        workload,
+        target,
+    )
+    report = validate(path, parser().parse_args(["--validate", path]), COST)["validation"]
+    kv = report["kv"]["metrics"]
+    assert kv["output_tokens_per_s"]["rel_error"] == pytest.approx(-0.5)
+    assert kv["ttft_p50_ms"]["rel_error"] == pytest.approx(1.0)
+    assert kv["ttft_p99_ms"]["rel_error"] == pytest.approx(-0.2)
+    assert kv["output_tokens_per_s"]["predicted"] == expected["output_tokens_per_s"]
+    assert report["kv"]["predicted"]["num_completed"] == 60
+    assert report["serve-pow2"]["policy"] == "serve_pow2"
+    assert "skipped" in report["serve-consistent-hash"]
+    printed = capsys.readouterr().out
+    assert "| kv | ttft_p50_ms |" in printed and "+100.0%" in printed
+
+
+def test_validate_infers_the_pool_size_from_kv_samples(tmp_path):
+    from bench.sim import parser
+    from bench.sim_validate import replica_overrides
+
+    samples = [
+        {"t_s": 0.0, "replica_id": "a", "kv_usage": 0.0, "num_running": 0, "num_waiting": 0,
+         "num_blocks_free": 1000, "num_blocks_cached": 200},
+        {"t_s": 0.2, "replica_id": "a", "kv_usage": 0.25, "num_running": 3, "num_waiting": 0,
+         "num_blocks_free": 800, "num_blocks_cached": 100},
+        {"t_s": 0.4, "replica_id": "b", "kv_usage": 0.9, "num_running": 9, "num_waiting": 2,
+         "num_blocks_free": 100, "num_blocks_cached": 21},
+    ]  # fmt: skip
+    target = {"replicas": 2, "num_blocks": None, "block_size": 32, "max_num_seqs": 64}
+    workload = {"num_requests": 4, "rate": 10.0, "concurrency": 8}
+    path = load_result(tmp_path, {"kv": {}}, workload, target, samples)
+    result = json.loads(open(path).read())
+    overrides = replica_overrides(result, parser().parse_args([]))
+    assert overrides["num_blocks"] == 1200
+    assert (overrides["block_size"], overrides["max_num_seqs"]) == (32, 64)
+    assert overrides["concurrency"] == 8
+    explicit = replica_overrides(result, parser().parse_args(["--num-blocks", "512"]))
+    assert explicit["num_blocks"] == 512
+    result["runs"]["kv"]["kv_samples"] = []
+    with pytest.raises(SystemExit, match="--num-blocks"):
+        replica_overrides(result, parser().parse_args([]))

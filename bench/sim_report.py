@@ -1,0 +1,114 @@
+"""The simulator's report: metrics of a run, a markdown table, goodput-vs-load plots."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from bench.sim_replica import SimReplica
+from bench.sim_workload import Workload
+
+if TYPE_CHECKING:
+    from bench.sim import SimConfig
+
+
+def summarize(
+    workload: Workload,
+    config: SimConfig,
+    replicas: list[SimReplica],
+    arrival_s: list[float],
+    first_token_s: list[float],
+    finish_s: list[float],
+) -> dict:
+    """A run's metrics, with bench.load's definitions (vLLM's): over completed requests,
+    TTFT from arrival to first token, TPOT (E2E - TTFT) / (output - 1), throughputs over
+    the run (first arrival to last finish); goodput counts requests within both SLOs."""
+    arrival = np.array(arrival_s)
+    first = np.array(first_token_s)
+    finish = np.array(finish_s)
+    output = workload.output_len
+    done = finish >= 0
+    ttft = (first - arrival)[done]
+    e2e = (finish - arrival)[done]
+    multi = done & (output > 1)
+    tpot = ((finish - first)[multi] / (output[multi] - 1)) if multi.any() else np.zeros(0)
+    tpot_all = np.zeros(len(arrival))
+    tpot_all[multi] = (finish - first)[multi] / (output[multi] - 1)
+    good = done & (first - arrival <= config.slo_ttft_s) & (tpot_all <= config.slo_tpot_s)
+    makespan_s = float(finish[done].max() - arrival[0]) if done.any() else float("nan")
+    num_prompt = sum(r.num_prompt_tokens for r in replicas)
+
+    def pct(values: np.ndarray) -> dict[str, float]:
+        if not len(values):
+            return {"p50": math.nan, "p90": math.nan, "p99": math.nan}
+        p50, p90, p99 = np.percentile(values, [50, 90, 99]) * 1e3
+        return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+    return {
+        "num_replicas": config.num_replicas,
+        "num_requests": len(arrival),
+        "num_completed": int(done.sum()),
+        "offered_rate": float(workload.offered_rate),
+        "sim_s": makespan_s,
+        "ttft_ms": pct(ttft),
+        "tpot_ms": pct(tpot),
+        "e2e_ms": pct(e2e),
+        "throughput_req_s": float(done.sum() / makespan_s),
+        "output_tokens_per_s": float(output[done].sum() / makespan_s),
+        "goodput_req_s": float(good.sum() / makespan_s),
+        "slo_attainment": float(good.sum() / len(arrival)),
+        "cache_hit_rate": sum(r.num_hit_tokens for r in replicas) / max(1, num_prompt),
+        "num_preempted": sum(r.num_preempted_total for r in replicas),
+        "num_steps": sum(r.num_steps for r in replicas),
+        "replica_busy_frac": sum(r.busy_s for r in replicas) / (len(replicas) * makespan_s),
+    }
+
+
+COLUMNS = ("policy", "offered_rate", "goodput_req_s", "output_tokens_per_s", "ttft p50",
+           "ttft p99", "tpot p50", "tpot p99", "e2e p99", "cache_hit_rate", "num_preempted",
+           "route_us_mean", "wall_s")  # fmt: skip
+
+
+def table_row(result: dict) -> dict:
+    return result | {
+        "ttft p50": result["ttft_ms"]["p50"], "ttft p99": result["ttft_ms"]["p99"],
+        "tpot p50": result["tpot_ms"]["p50"], "tpot p99": result["tpot_ms"]["p99"],
+        "e2e p99": result["e2e_ms"]["p99"],
+    }  # fmt: skip
+
+
+def markdown(results: list[dict]) -> str:
+    def fmt(v: object) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in map(table_row, results):
+        lines.append("| " + " | ".join(fmt(r[c]) for c in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_good, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for policy in dict.fromkeys(r["policy"] for r in results):
+        rows = sorted(
+            (r for r in results if r["policy"] == policy), key=lambda r: r["offered_rate"]
+        )
+        rates = [r["offered_rate"] for r in rows]
+        ax_good.plot(rates, [r["goodput_req_s"] for r in rows], marker="o", label=policy)
+        ax_ttft.plot(rates, [r["ttft_ms"]["p99"] for r in rows], marker="o", label=policy)
+    ax_good.set(xlabel="offered load (req/s)", ylabel="goodput (req/s within SLO)",
+                title="goodput vs offered load")  # fmt: skip
+    ax_ttft.set(xlabel="offered load (req/s)", ylabel="p99 TTFT (ms)", yscale="log",
+                title="p99 TTFT")  # fmt: skip
+    ax_good.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,160 @@
+"""Validation of the simulator against a measured load run (`python -m bench.load --out`).
+
+    python -m bench.sim --validate results/load_4gpu.json [--fit results/engine_fit.json]
+
+From the result JSON (bench/load.py's report(): "workload", "target", "runs"):
+  - the trace: bench.load_workload.build_trace(WorkloadConfig(**workload)) gives the
+    very requests the run sent (same seed, prompts, max_tokens, arrival offsets);
+    output lengths are max_tokens (the load test sets ignore_eos); workload
+    "concurrency" (closed loop) becomes SimConfig.concurrency;
+  - the replicas: target replicas, block_size, max_num_seqs, and num_blocks; when
+    the run sized its KV pool from memory (num_blocks null), --num-blocks if given,
+    else the pool size implied by the run's kv_samples ((free + cached) / (1 -
+    kv_usage)); max_num_batched_tokens, prefix caching and the hash summary cap are
+    EngineConfig's defaults, which the load test does not change; stats period and
+    delay are the simulator's flags (defaults: ClusterConfig's 50 ms period);
+  - the routers: every run in "runs", mapped to the simulator's policy of the same
+    algorithm (LOAD_ROUTER_POLICIES); the kvfleet ones with target on_overload and
+    the run's seed, as ClusterConfig.router_config() builds them.
+For each router it prints predicted vs measured output-token throughput, request
+throughput and TTFT p50/p99 (bench.load's definitions; bench/sim_report.py
+computes the same ones) with the relative error (predicted - measured) / measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+from bench.sim import SimConfig, sim_config, simulate
+from bench.sim_model import CostModel
+from bench.sim_workload import Workload
+from replica.config import EngineConfig
+from router import RouterConfig
+
+# bench.load router name -> simulator policy (None: no model of it here).
+LOAD_ROUTER_POLICIES: dict[str, str | None] = {
+    "kv": "kv",
+    "prefix": "prefix",
+    "pow2": "pow2",
+    "serve-pow2": "serve_pow2",
+    "serve-round-robin": "round_robin",
+    "serve-consistent-hash": None,
+}
+# (name, key in bench.load's metrics, percentile or None, key path in the simulator's result)
+COMPARED = (
+    ("output_tokens_per_s", "output_token_throughput", None, ("output_tokens_per_s",)),
+    ("requests_per_s", "request_throughput", None, ("throughput_req_s",)),
+    ("ttft_p50_ms", "ttft_ms", "p50", ("ttft_ms", "p50")),
+    ("ttft_p99_ms", "ttft_ms", "p99", ("ttft_ms", "p99")),
+)
+
+
+def trace_workload(workload: dict) -> Workload:
+    """The run's own trace, rebuilt from its recorded WorkloadConfig."""
+    from bench.load_workload import WorkloadConfig, build_trace
+
+    names = {f.name for f in dataclasses.fields(WorkloadConfig)}
+    trace = build_trace(WorkloadConfig(**{k: v for k, v in workload.items() if k in names}))
+    return Workload.from_trace(
+        [spec.arrival_s for spec in trace],
+        [spec.prompt_token_ids for spec in trace],
+        [spec.max_tokens for spec in trace],
+        offered_rate=float(workload.get("rate", math.inf)),
+    )
+
+
+def num_blocks_from_samples(runs: dict) -> int | None:
+    """The replicas' KV pool size implied by kv_samples: free + cached = (1 - usage) x total."""
+    estimates = [
+        (s["num_blocks_free"] + s["num_blocks_cached"]) / (1.0 - s["kv_usage"])
+        for run in runs.values()
+        for s in run.get("kv_samples", ())
+        if s.get("kv_usage", 1.0) < 0.5  # the division amplifies rounding above that
+    ]
+    return round(float(np.median(estimates))) if estimates else None
+
+
+def replica_overrides(result: dict, args: argparse.Namespace) -> dict:
+    """SimConfig / ReplicaSimConfig fields of the measured target."""
+    target = result["target"]
+    num_blocks = (
+        args.num_blocks or target.get("num_blocks") or num_blocks_from_samples(result["runs"])
+    )
+    if num_blocks is None:
+        raise SystemExit(
+            "the run sized its KV pool from memory and recorded no usable kv_samples: "
+            "pass --num-blocks (the replicas' num_blocks_total)"
+        )
+    engine = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    concurrency = result["workload"].get("concurrency")
+    return {
+        "num_blocks": int(num_blocks),
+        "block_size": int(target.get("block_size") or engine["block_size"]),
+        "max_num_seqs": int(target.get("max_num_seqs") or engine["max_num_seqs"]),
+        "max_num_batched_tokens": engine["max_num_batched_tokens"],
+        "enable_prefix_caching": engine["enable_prefix_caching"],
+        "max_prefix_hashes_in_stats": engine["max_prefix_hashes_in_stats"],
+        "concurrency": int(concurrency) if concurrency else None,
+    }
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    if not measured or math.isnan(measured) or math.isnan(predicted):
+        return math.nan
+    return (predicted - measured) / measured
+
+
+def compare(predicted: dict, measured: dict) -> dict[str, dict[str, float]]:
+    rows = {}
+    for name, key, stat, path in COMPARED:
+        value = measured.get(key, math.nan)
+        meas = float(value.get(stat, math.nan) if stat else value)
+        pred = predicted
+        for part in path:
+            pred = pred[part]
+        pred = float(pred)
+        rows[name] = {"predicted": pred, "measured": meas, "rel_error": relative_error(pred, meas)}
+    return rows
+
+
+def validate(path: str, args: argparse.Namespace, cost: CostModel) -> dict:
+    """Simulate every router of the measured run; print and return predicted vs measured."""
+    with open(path) as f:
+        result = json.load(f)
+    overrides = replica_overrides(result, args)
+    num_replicas = int(result["target"]["replicas"])
+    seed = int(result["workload"].get("seed", args.seed))
+    on_overload = result["target"].get("on_overload") or "hold"
+    report: dict[str, dict] = {}
+    workload = trace_workload(result["workload"])
+    print(
+        f"validating against {path}: {num_replicas} replicas, {overrides['num_blocks']} blocks "
+        f"of {overrides['block_size']}, {len(workload)} requests"
+    )
+    print("| router | metric | predicted | measured | error |\n|---|---|---|---|---|")
+    for router, run in result["runs"].items():
+        policy = LOAD_ROUTER_POLICIES.get(router)
+        if policy is None:
+            print(f"| {router} | (no simulator model of this router) | | | |")
+            report[router] = {"skipped": "no simulator model of this router"}
+            continue
+        router_config = RouterConfig(seed=seed, on_overload=on_overload)
+        config: SimConfig = sim_config(args, num_replicas, router=router_config, **overrides)
+        predicted = simulate(policy, workload, config, cost)
+        rows = compare(predicted, run["metrics"])
+        for name, row in rows.items():
+            print(
+                f"| {router} | {name} | {row['predicted']:.4g} | {row['measured']:.4g} "
+                f"| {100 * row['rel_error']:+.1f}% |"
+            )
+        report[router] = {"policy": policy, "metrics": rows, "predicted": predicted}
+    return {
+        "validation": report,
+        "measured_file": path,
+        "sim_config": overrides | {"num_replicas": num_replicas},
+    }
