@@ -134,7 +134,7 @@ class RandomRouter:
     def observe(self, replica: int, stats: ReplicaStats) -> None:
         pass
 
-    def route(self, rid, now_s, attempt, held_since_s) -> tuple[int, float]:
+    def route(self, rid: int, now_s: float, attempt: int, held_since_s: float) -> tuple[int, float]:
         return self.rng.randrange(self.num_replicas), 0.0
 
     def on_first_token(self, rid: int, replica: int) -> None:
@@ -151,7 +151,7 @@ class RoundRobinRouter(RandomRouter):
         super().__init__(num_replicas, seed)
         self.next = seed % num_replicas
 
-    def route(self, rid, now_s, attempt, held_since_s) -> tuple[int, float]:
+    def route(self, rid: int, now_s: float, attempt: int, held_since_s: float) -> tuple[int, float]:
         replica, self.next = self.next, (self.next + 1) % self.num_replicas
         return replica, 0.0
 
@@ -164,7 +164,7 @@ class ServePow2Router(RandomRouter):
         super().__init__(num_replicas, seed)
         self.in_flight = [0] * num_replicas
 
-    def route(self, rid, now_s, attempt, held_since_s) -> tuple[int, float]:
+    def route(self, rid: int, now_s: float, attempt: int, held_since_s: float) -> tuple[int, float]:
         replica = 0
         if self.num_replicas > 1:
             first, second = self.rng.sample(range(self.num_replicas), 2)
@@ -244,7 +244,7 @@ class SGLangRouter:
     def observe(self, replica: int, stats: ReplicaStats) -> None:
         pass
 
-    def route(self, rid, now_s, attempt, held_since_s) -> tuple[int, float]:
+    def route(self, rid: int, now_s: float, attempt: int, held_since_s: float) -> tuple[int, float]:
         wl = self.workload
         num_prompt = wl.prompt_len_list[rid]
         hashes = wl.block_hashes(rid, num_prompt // wl.block_size)
@@ -300,7 +300,7 @@ class DynamoRouter:
     def observe(self, replica: int, stats: ReplicaStats) -> None:
         pass
 
-    def route(self, rid, now_s, attempt, held_since_s) -> tuple[int, float]:
+    def route(self, rid: int, now_s: float, attempt: int, held_since_s: float) -> tuple[int, float]:
         wl = self.workload
         bs = wl.block_size
         num_prompt_blocks = -(-wl.prompt_len_list[rid] // bs)

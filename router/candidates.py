@@ -58,7 +58,10 @@ class Candidates:
         num_slots = len(self.fleet)
         block_sizes = self.fleet.column("block_size")[self.slots]
         by_slot = np.zeros(num_slots, dtype=np.int64)
-        for block_size in np.unique(block_sizes).tolist():
+        first = int(block_sizes[0])
+        # One block size is the usual fleet; np.unique would sort every time.
+        uniform = bool((block_sizes == first).all())
+        for block_size in [first] if uniform else np.unique(block_sizes).tolist():
             hashes = request.prompt_block_hashes(block_size)
             if not hashes:
                 continue
