@@ -172,7 +172,7 @@ class Admission:
         if tiers:
             return Decision(tiers)
 
-        reason = self.refusals(np.flatnonzero(refused), request) or "no replicas"
+        reason = self.refusals(np.flatnonzero(refused), request, now_s) or "no replicas"
         if len(fleet) and not last_resort and bool(np.all(room.needed > fleet.column("total"))):
             raise OverloadedError(config.backoff_max_s, f"prompt larger than any replica: {reason}")
         if config.on_overload == "reject":
@@ -205,18 +205,26 @@ class Admission:
         for replica_id in touched | book.drain_changed():
             fleet.set_reserved(replica_id, book.num_reserved_blocks(replica_id))
 
-    def refusals(self, slots: np.ndarray, request: RouteRequest) -> str:
-        """Why the first refused replicas refuse (router.load's wording), and how many more."""
+    def refusals(self, slots: np.ndarray, request: RouteRequest, now_s: float) -> str:
+        """Why the first refused replicas refuse (router.load's wording), and how many more.
+
+        Each names its snapshot's age and this router's reservations on it: a refusal
+        read off a snapshot from before the replica drained, or one made of this
+        router's own reservations, reads differently from a replica that is full now.
+        """
         fleet, book = self.fleet, self.reservations
-        named = [
-            refusal(
-                book.charge(fleet.stats[slot], request.request_id),
-                request,
-                self.config.high_watermark,
+        named = []
+        for slot in slots[:MAX_REFUSALS_NAMED].tolist():
+            stats = fleet.stats[slot]
+            why = refusal(
+                book.charge(stats, request.request_id), request, self.config.high_watermark
             )
-            or f"{fleet.ids[slot]}: refused"
-            for slot in slots[:MAX_REFUSALS_NAMED].tolist()
-        ]
+            age_ms = 1e3 * (now_s - stats.timestamp_s)
+            num_reserved = int(fleet.column("reserved")[slot])
+            named.append(
+                f"{why or stats.replica_id + ': refused'} (snapshot {age_ms:.0f} ms old, "
+                f"{num_reserved} blocks reserved here)"
+            )
         if len(slots) > MAX_REFUSALS_NAMED:
             named.append(f"{len(slots) - MAX_REFUSALS_NAMED} more replicas refuse")
         return "; ".join(named)

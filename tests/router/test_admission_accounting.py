@@ -138,3 +138,27 @@ def test_several_routers_overshoot_for_one_stats_period_only(scheduled: bool) ->
     for k, adm in enumerate(routers):
         with pytest.raises(OverloadedError):
             adm.admit([later], prompt(f"late-{k}", 1), NOW_S + period_s + 0.01)
+
+
+def test_refusal_reasons_name_snapshot_age_and_reserved_blocks() -> None:
+    # A refusal from an old snapshot, or one made of this router's own reservations,
+    # must be told apart from a replica that is full now (the flood test's CI failure).
+    adm = reject_admission()
+    stats = [
+        make_stats("old", num_blocks_total=32, num_blocks_used=20, timestamp_s=NOW_S - 0.3),
+        make_stats("mine", num_blocks_total=32, num_blocks_used=8, timestamp_s=NOW_S),
+    ]
+    adm.reserve(prompt("earlier", 13), "mine", NOW_S)
+    with pytest.raises(OverloadedError) as info:
+        adm.admit(stats, prompt("r", 13), NOW_S + 0.01)
+    reason = info.value.reason
+    assert "old: 12 blocks available < 13 needed (snapshot 310 ms old, 0 blocks reserved" in reason
+    assert "mine: 11 blocks available < 13 needed (snapshot 10 ms old, 13 blocks reserved" in reason
+
+
+def test_refusal_reasons_are_capped() -> None:
+    adm = reject_admission()
+    stats = [make_stats(f"r{i}", num_blocks_used=100) for i in range(10)]
+    with pytest.raises(OverloadedError, match="6 more replicas refuse") as info:
+        adm.admit(stats, prompt("r", 1), NOW_S)
+    assert info.value.reason.count("blocks available") == 4
