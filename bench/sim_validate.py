@@ -153,6 +153,11 @@ def validate(path: str, args: argparse.Namespace, cost: CostModel) -> dict:
                 f"| {100 * row['rel_error']:+.1f}% |"
             )
         report[router] = {"policy": policy, "metrics": rows, "predicted": predicted}
+    print(
+        "not modeled: Serve routing, transport and client time on each request (the "
+        "measured TTFT includes them), generator send lag, stats propagation beyond "
+        "--stats-delay-ms"
+    )
     return {
         "validation": report,
         "measured_file": path,
