@@ -111,8 +111,9 @@ class KVFleetRequestRouter(RequestRouter):
     """Ray Serve router: router.Admission (policy + reservations + overload) over replica stats.
 
     Algorithm, per choose_replicas call: decode each candidate's routing_stats
-    (cached per replica while the bytes object is unchanged), build the
-    RouteRequest from the call's arguments, and ask Admission.admit.
+    (cached per replica while the bytes object is unchanged, so Admission's
+    fleet sees the same snapshot object and skips it), build the RouteRequest
+    from the call's arguments, and ask Admission.admit.
       - admitted: reserve on the first choice, return the ranked tiers (Serve
         then probes queue lengths within a tier and falls to the next tier);
         should_backoff is set so Serve backs off if every tier refuses.
