@@ -30,19 +30,19 @@ from cluster.transport import (
     ERROR_FINISH,
     INVALID,
     UNAVAILABLE,
+    CarrierBatch,
     Heartbeat,
     StepBatch,
     SubmitAck,
     SubmitRequest,
-    TokenDelta,
 )
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
 
 logger = logging.getLogger(__name__)
 
-# (caller_id, encoded StepBatch, ids of requests finished in it)
-Deliver = Callable[[str, bytes, list[str]], None]
+# (caller_id, what one step produced for that caller), called on the engine thread
+Deliver = Callable[[str, StepBatch], None]
 
 
 @dataclass
@@ -145,8 +145,9 @@ class EngineLoop:
                     self._tombstones.popitem(last=False)
                 return False
             self._engine.abort(request_id)
-            batch = StepBatch(self.replica_id, [TokenDelta(request_id, [], "abort")])
-            self._deliver(tracked.caller_id, batch.encode(), [request_id])
+            batch = StepBatch()
+            batch.add(request_id, [], "abort")
+            self._deliver(tracked.caller_id, batch)
             return True
 
         return self._post(command)
@@ -197,13 +198,13 @@ class EngineLoop:
                 _settle(future, future.set_exception, error)
 
     def _fail_tracked(self) -> None:
-        per_caller: dict[str, list[str]] = {}
+        per_caller: dict[str, StepBatch] = {}
         for request_id, tracked in self._tracked.items():
-            per_caller.setdefault(tracked.caller_id, []).append(request_id)
+            batch = per_caller.setdefault(tracked.caller_id, StepBatch())
+            batch.add(request_id, [], ERROR_FINISH)
         self._tracked.clear()
-        for caller_id, request_ids in per_caller.items():
-            deltas = [TokenDelta(rid, [], ERROR_FINISH) for rid in request_ids]
-            self._deliver(caller_id, StepBatch(self.replica_id, deltas).encode(), request_ids)
+        for caller_id, batch in per_caller.items():
+            self._deliver(caller_id, batch)
 
     def _refresh_stats(self) -> None:
         self._stats = self._engine.stats()
@@ -212,33 +213,43 @@ class EngineLoop:
             self._metrics.record_stats(self._stats)
 
     def _fan_out(self, outputs: list[Any]) -> None:
+        """One StepBatch per caller with output in this step (runs once per step, on the
+        engine thread: kept to list appends, no object per token)."""
         now_s = time.monotonic()
-        per_caller: dict[str, tuple[list[TokenDelta], list[str]]] = {}
+        batches: dict[str, StepBatch] = {}
+        tracked_by_id = self._tracked
         for out in outputs:
-            tracked = self._tracked.get(out.request_id)
+            request_id = out.request_id
+            tracked = tracked_by_id.get(request_id)
             if tracked is None:
                 continue  # aborted: its final delta is already sent
-            self._observe(tracked, len(out.new_token_ids), out.finished, now_s)
-            reason = (out.finish_reason or "stop") if out.finished else None
-            deltas, finished = per_caller.setdefault(tracked.caller_id, ([], []))
-            deltas.append(
-                TokenDelta(out.request_id, list(out.new_token_ids), reason, out.num_prompt_tokens)
-            )
-            if out.finished:
-                finished.append(out.request_id)
-                del self._tracked[out.request_id]
-        for caller_id, (deltas, finished) in per_caller.items():
-            self._deliver(caller_id, StepBatch(self.replica_id, deltas).encode(), finished)
+            token_ids, finished = out.new_token_ids, out.finished
+            if not token_ids and not finished:
+                continue  # e.g. a prefill chunk: nothing for the caller yet
+            if tracked.first_token_s is None or finished:
+                self._observe(tracked, len(token_ids), finished, now_s)
+            tracked.num_tokens += len(token_ids)
+            batch = batches.get(tracked.caller_id)
+            if batch is None:
+                batch = batches[tracked.caller_id] = StepBatch()
+            if finished:
+                batch.add(request_id, token_ids, out.finish_reason or "stop")
+                del tracked_by_id[request_id]
+            else:
+                batch.add(request_id, token_ids, None)
+        for caller_id, batch in batches.items():
+            self._deliver(caller_id, batch)
 
     def _observe(self, tracked: _Tracked, num_new: int, finished: bool, now_s: float) -> None:
-        if self._metrics is None or num_new == 0:
+        """TTFT at the first token, TPOT at the end (num_tokens counts before this step)."""
+        if self._metrics is None:
             return
-        if tracked.first_token_s is None:
+        if tracked.first_token_s is None and num_new:
             tracked.first_token_s = now_s
             self._metrics.ttft_s.observe(now_s - tracked.admitted_s)
-        tracked.num_tokens += num_new
-        if finished and tracked.num_tokens > 1:
-            self._metrics.tpot_s.observe((now_s - tracked.first_token_s) / (tracked.num_tokens - 1))
+        num_tokens = tracked.num_tokens + num_new
+        if finished and num_tokens > 1 and tracked.first_token_s is not None:
+            self._metrics.tpot_s.observe((now_s - tracked.first_token_s) / (num_tokens - 1))
 
 
 @dataclass
@@ -246,8 +257,15 @@ class _Carrier:
     """This replica's live stream to one caller, and that caller's requests here."""
 
     carrier_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     in_flight: set[str] = field(default_factory=set)
+    pending: list[StepBatch] = field(default_factory=list)  # not yet sent, in step order
+    waiter: asyncio.Future | None = None  # set while the carrier waits for work
+
+    def wake(self, beat: bool = False) -> None:
+        """Resume a waiting carrier; beat: the heartbeat period passed with nothing."""
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(beat)
 
 
 # torch.Generator.manual_seed takes [-2**63, 2**64); the sampler builds int64 tensors.
@@ -307,6 +325,8 @@ class LLMServer:
         )
         self._carriers: dict[str, _Carrier] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: collections.deque[tuple[str, StepBatch]] = collections.deque()
+        self._drain_scheduled = False
         self._engine_loop = EngineLoop(
             self._engine,
             self.replica_id,
@@ -381,7 +401,7 @@ class LLMServer:
         carrier.in_flight.discard(rid)
         if not carrier.in_flight and self._carriers.get(caller_id) is carrier:
             del self._carriers[caller_id]
-        carrier.queue.put_nowait(None)  # wake a running carrier: it may have nothing left
+        carrier.wake()  # a running carrier may have nothing left
 
     def _close_carrier(self, caller_id: str, carrier: _Carrier) -> None:
         """The carrier's stream is over: later submits elect a new one; what still rode
@@ -393,21 +413,22 @@ class LLMServer:
         carrier.in_flight.clear()
 
     async def _carry(self, carrier: _Carrier) -> AsyncIterator[bytes]:
-        getter: asyncio.Future | None = None
-        try:
-            while carrier.in_flight or not carrier.queue.empty():
-                if getter is None:
-                    getter = asyncio.ensure_future(carrier.queue.get())
-                done, _ = await asyncio.wait((getter,), timeout=self._heartbeat_s)
-                if not done:
+        """Send what is pending as one message, or a heartbeat after a quiet period."""
+        loop = asyncio.get_running_loop()
+        while carrier.in_flight or carrier.pending:
+            if not carrier.pending:
+                carrier.waiter = waiter = loop.create_future()
+                timer = loop.call_later(self._heartbeat_s, carrier.wake, True)
+                try:
+                    beat = await waiter
+                finally:
+                    timer.cancel()
+                    carrier.waiter = None
+                if beat and carrier.in_flight:
                     yield self._heartbeat
-                    continue
-                message, getter = getter.result(), None
-                if message is not None:
-                    yield message
-        finally:
-            if getter is not None:
-                getter.cancel()
+                continue
+            steps, carrier.pending = carrier.pending, []
+            yield CarrierBatch(self.replica_id, steps).encode()
 
     async def abort(self, request_id: str) -> bool:
         try:
@@ -445,13 +466,28 @@ class LLMServer:
     def __del__(self) -> None:
         self.shutdown()
 
-    def _deliver_threadsafe(self, caller_id: str, message: bytes, finished: list[str]) -> None:
+    def _deliver_threadsafe(self, caller_id: str, batch: StepBatch) -> None:
+        """Engine thread: queue a step batch for the replica's loop. One loop wake-up per
+        burst, not per caller and step: the drain is scheduled only when none is."""
         assert self._loop is not None, "outputs before any submit"
-        self._loop.call_soon_threadsafe(self._deliver, caller_id, message, finished)
+        self._outbox.append((caller_id, batch))
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._loop.call_soon_threadsafe(self._drain_outbox)
 
-    def _deliver(self, caller_id: str, message: bytes, finished: list[str]) -> None:
-        carrier = self._carriers.get(caller_id)
-        if carrier is None:
-            return  # the caller went away; its requests are being aborted
-        carrier.in_flight.difference_update(finished)
-        carrier.queue.put_nowait(message)
+    def _drain_outbox(self) -> None:
+        # Cleared before popping: a batch appended after this line schedules a new drain,
+        # one appended before it is popped below.
+        self._drain_scheduled = False
+        outbox = self._outbox
+        while outbox:
+            caller_id, batch = outbox.popleft()
+            carrier = self._carriers.get(caller_id)
+            if carrier is None:
+                continue  # the caller went away; its requests are being aborted
+            if batch.finishes:
+                ids = batch.request_ids
+                carrier.in_flight.difference_update([ids[i] for i, _ in batch.finishes])
+            carrier.pending.append(batch)
+            if carrier.waiter is not None:
+                carrier.wake()

@@ -9,7 +9,9 @@ and picks the replica. The replica answers with one `SubmitAck`:
   stream *becomes* the carrier: it stays open and carries one `StepBatch` per engine
   step holding the new tokens of every request that caller has in flight there (and a
   `Heartbeat` every heartbeat period while no step has output for it), and it closes
-  once that set is empty;
+  once that set is empty. A `CarrierBatch` message holds the step batches that were
+  pending when the carrier ran: one step while the transport keeps up, several when
+  steps come faster than messages go (no timer: nothing waits to fill a message);
 - otherwise the ack says "attached" and the submit stream ends at once; the request's
   tokens ride on the existing carrier.
 
@@ -18,13 +20,18 @@ Why this shape: Ray Serve 2.60's DeploymentHandle cannot address a given replica
 unary), so a subscription opened *per replica* would need a router-side hint that the
 policy code does not own. The carrier elects itself on whichever replica the router
 picked, so no targeting is needed, routing stays the policy's, and the replica's output
-path is one message per (caller, step) whatever the number of requests, as DESIGN.md
-asks. Per request the cost is one short streaming call (ack + end). Aborts are rare and
+path is at most one message per (caller, step) whatever the number of requests, as
+DESIGN.md asks. Per request the cost is one short streaming call (ack + end). Aborts are rare and
 go through `handle.broadcast("abort", request_id)`; only the owning replica acts on it.
 
+Cost per token, both sides: a step batch is columns (request ids, token counts, flat
+token ids), one msgpack per message; the caller appends each request's tokens to its
+DeltaStream and wakes its reader at most once per message, and a reader that falls
+behind takes everything pending in one wake-up (one Chunk of several steps' tokens).
+
 Failure handling, caller side. Invariant: every request submitted here ends with exactly
-one last item on its queue: a finished TokenDelta, or a ReplicaError instance; or submit
-raises. Nothing hangs:
+one last item on its DeltaStream: a finished TokenDelta, or a ReplicaError instance; or
+submit raises. Nothing hangs:
 - a bad request gets an ack carrying the error: submit raises ValueError naming the field;
 - a submit whose replica died before acking raises ReplicaDiedError (nothing was
   streamed, so the caller may resubmit it: see Client.stream);
@@ -65,6 +72,8 @@ __all__ = [
     "Heartbeat",
     "ReplicaDiedError",
     "ReplicaError",
+    "CarrierBatch",
+    "DeltaStream",
     "StepBatch",
     "SubmitAck",
     "SubmitRequest",
@@ -147,43 +156,141 @@ class Heartbeat:
         return msgpack.packb([_BEAT, self.replica_id])
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenDelta:
-    """New tokens of one request from one engine step."""
+    """New tokens of one request, as the caller takes them from its DeltaStream."""
 
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error" once finished
-    num_prompt_tokens: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepBatch:
-    """Everything one engine step produced for one caller on one replica."""
+    """What one engine step produced for one caller on one replica, as columns.
+
+    Request request_ids[i] got num_tokens[i] new tokens, the next ones of the flat
+    token_ids; finishes lists (i, finish_reason) for the requests that ended. Columns
+    rather than one record per request: msgpack packs and unpacks flat lists of ints
+    in C, and neither side builds a Python object per token.
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finishes: list[tuple[int, str]] = field(default_factory=list)
+
+    def add(self, request_id: str, token_ids: list[int], finish_reason: str | None) -> None:
+        if finish_reason is not None:
+            self.finishes.append((len(self.request_ids), finish_reason))
+        self.request_ids.append(request_id)
+        self.num_tokens.append(len(token_ids))
+        self.token_ids += token_ids
+
+    def to_row(self) -> list[Any]:
+        return [self.request_ids, self.num_tokens, self.token_ids, self.finishes]
+
+    def deltas(self) -> list[TokenDelta]:
+        """One TokenDelta per request (for tests and tools; the caller's demux uses columns)."""
+        reasons = dict(self.finishes)
+        out, offset = [], 0
+        for i, (rid, n) in enumerate(zip(self.request_ids, self.num_tokens, strict=True)):
+            out.append(TokenDelta(rid, self.token_ids[offset : offset + n], reasons.get(i)))
+            offset += n
+        return out
+
+
+@dataclass(frozen=True)
+class CarrierBatch:
+    """One carrier message: the step batches of one or more consecutive engine steps.
+
+    The replica sends whatever steps are pending for the caller each time its carrier
+    runs, so when a step comes faster than a message can be sent, steps share a message
+    instead of queueing up one message each.
+    """
 
     replica_id: str
-    deltas: list[TokenDelta] = field(default_factory=list)
+    steps: list[StepBatch]
 
     def encode(self) -> bytes:
-        rows = [
-            [d.request_id, d.token_ids, d.finish_reason, d.num_prompt_tokens] for d in self.deltas
-        ]
-        return msgpack.packb([_BATCH, self.replica_id, rows])
+        return msgpack.packb([_BATCH, self.replica_id, [s.to_row() for s in self.steps]])
 
 
-def decode_message(data: bytes) -> SubmitAck | StepBatch | Heartbeat:
+def decode_message(data: bytes) -> SubmitAck | CarrierBatch | Heartbeat:
     raw = msgpack.unpackb(data)
     if raw[0] == _ACK:
         return SubmitAck(*raw[1:6])
     if raw[0] == _BATCH:
-        return StepBatch(raw[1], [TokenDelta(r[0], r[1], r[2], r[3]) for r in raw[2]])
+        return CarrierBatch(raw[1], [StepBatch(*row) for row in raw[2]])
     if raw[0] == _BEAT:
         return Heartbeat(raw[1])
     raise ValueError(f"unknown transport message kind {raw[0]!r}")
+
+
+class DeltaStream:
+    """One request's output on the caller side: tokens in order, then its end.
+
+    The carrier's demux appends to it (no wake-up unless a reader waits); get() takes
+    everything that arrived since the last get() as one TokenDelta, so a reader that
+    falls behind catches up in one wake-up instead of one per step. Invariant: the
+    items a reader gets are its tokens in order, then either a finished TokenDelta or
+    the ReplicaError it ends with (after any tokens received before the failure).
+    Nothing is read after that last item.
+    """
+
+    __slots__ = ("request_id", "_token_ids", "_finish_reason", "_error", "_waiter")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._token_ids: list[int] = []
+        self._finish_reason: str | None = None
+        self._error: ReplicaError | None = None
+        self._waiter: asyncio.Future | None = None
+
+    def push(self, token_ids: list[int]) -> None:
+        self._token_ids += token_ids
+        if self._waiter is not None:
+            self._wake()
+
+    def push_one(self, token_id: int) -> None:
+        self._token_ids.append(token_id)
+        if self._waiter is not None:
+            self._wake()
+
+    def finish(self, finish_reason: str) -> None:
+        self._finish_reason = finish_reason
+        self._wake()
+
+    def fail(self, error: ReplicaError) -> None:
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def take(self) -> TokenDelta | ReplicaError | None:
+        """Everything that arrived since the last take() as one delta, else the error it
+        ended with, else None (nothing yet: await wait(), then take() again)."""
+        if self._token_ids or self._finish_reason is not None:
+            token_ids, self._token_ids = self._token_ids, []
+            return TokenDelta(self.request_id, token_ids, self._finish_reason)
+        return self._error
+
+    def wait(self) -> asyncio.Future:
+        """A future that is done once take() has something; for the one reader."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        return self._waiter
+
+    async def get(self) -> TokenDelta | ReplicaError:
+        while (item := self.take()) is None:
+            await self.wait()
+        return item
 
 
 def is_replica_gone(exc: BaseException) -> bool:
@@ -194,15 +301,17 @@ def is_replica_gone(exc: BaseException) -> bool:
     return isinstance(exc, gone) or isinstance(getattr(exc, "cause", None), gone)
 
 
-@dataclass
-class _Attempt:
-    """One submission of a request, from submit until its last queue item."""
+class _Attempt(DeltaStream):
+    """One submission of a request, from submit until its last item."""
 
-    queue: asyncio.Queue
-    caller_id: str  # the caller id it was submitted under
-    replica_id: str = ""
-    carrier_id: str | None = None  # set by the ack
-    acked_s: float = 0.0
+    __slots__ = ("caller_id", "replica_id", "carrier_id", "acked_s")
+
+    def __init__(self, request_id: str, caller_id: str) -> None:
+        super().__init__(request_id)
+        self.caller_id = caller_id  # the caller id it was submitted under
+        self.replica_id = ""
+        self.carrier_id: str | None = None  # set by the ack
+        self.acked_s = 0.0
 
 
 @dataclass
@@ -220,9 +329,9 @@ class _Link:
 class CallerTransport:
     """The caller side: submits requests and demultiplexes carrier streams.
 
-    Bound to the event loop it is first used on. Each in-flight request has an
-    asyncio.Queue receiving TokenDelta items, then either a finished delta or a
-    ReplicaError instance as its last item (see the module docstring).
+    Bound to the event loop it is first used on. Each in-flight request has a
+    DeltaStream that gives its tokens, then either a finished delta or a ReplicaError
+    instance as its last item (see the module docstring).
     """
 
     def __init__(
@@ -253,8 +362,8 @@ class CallerTransport:
 
     async def submit(
         self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any]
-    ) -> tuple[str, asyncio.Queue]:
-        """Route one request; returns (replica_id, queue of its deltas).
+    ) -> tuple[str, DeltaStream]:
+        """Route one request; returns (replica_id, the stream of its deltas).
 
         Raises ValueError (naming the field) when the replica rejects the request,
         whatever the router raises (e.g. OverloadedError) when it is not admitted,
@@ -263,7 +372,7 @@ class CallerTransport:
         ReplicaError for any other failure of the call.
         """
         request = SubmitRequest(request_id, self.caller_id, prompt_token_ids, params)
-        attempt = _Attempt(asyncio.Queue(), caller_id=request.caller_id)
+        attempt = _Attempt(request_id, request.caller_id)
         # Registered before sending: tokens may arrive on a live carrier before the ack.
         self._attempts[request_id] = attempt
         self._ensure_watchdog()
@@ -310,10 +419,10 @@ class CallerTransport:
             if ack.carrier_id in self._given_up:
                 error = ReplicaDiedError("its carrier was lost", request_id, ack.replica_id)
                 self._fail(request_id, error)
-        return ack.replica_id, attempt.queue
+        return ack.replica_id, attempt
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request wherever it runs (or will run); its queue gets no more items."""
+        """Abort a request wherever it runs (or will run); its stream gets no more items."""
         self._forget(request_id)
         response = self._handle.broadcast("abort", request_id)
         try:
@@ -350,8 +459,9 @@ class CallerTransport:
             async for data in link.gen:
                 link.last_message_s = time.monotonic()
                 message = decode_message(data)
-                if isinstance(message, StepBatch):
-                    self._dispatch(link.replica_id, message)
+                if isinstance(message, CarrierBatch):
+                    for step in message.steps:
+                        self._dispatch(link.replica_id, step)
         except asyncio.CancelledError:  # by the watchdog, or the loop is closing
             with contextlib.suppress(Exception):
                 link.gen.cancel()  # the replica then aborts this caller's requests there
@@ -368,18 +478,32 @@ class CallerTransport:
         if error is not None:
             self._give_up(carrier_id, link, error)
 
-    def _dispatch(self, replica_id: str, batch: StepBatch) -> None:
-        for delta in batch.deltas:
-            attempt = self._attempts.get(delta.request_id)
+    def _dispatch(self, replica_id: str, step: StepBatch) -> None:
+        """Hand one step's tokens to their streams (unknown ids: aborted by this caller)."""
+        attempts = self._attempts
+        rids, counts, token_ids = step.request_ids, step.num_tokens, step.token_ids
+        if len(token_ids) == len(rids) and 0 not in counts:  # one token each: decode steps
+            for rid, token_id in zip(rids, token_ids, strict=True):
+                attempt = attempts.get(rid)
+                if attempt is not None:
+                    attempt.push_one(token_id)
+        else:
+            offset = 0
+            for rid, n in zip(rids, counts, strict=True):
+                attempt = attempts.get(rid)
+                if attempt is not None and n:
+                    attempt.push(token_ids[offset : offset + n])
+                offset += n
+        for i, reason in step.finishes:
+            rid = rids[i]
+            attempt = attempts.get(rid)
             if attempt is None:
-                continue  # aborted by this caller
-            if delta.finish_reason == ERROR_FINISH:
-                error = ReplicaError("the replica's engine failed", delta.request_id, replica_id)
-                self._fail(delta.request_id, error)
                 continue
-            attempt.queue.put_nowait(delta)
-            if delta.finished:
-                self._forget(delta.request_id)
+            if reason == ERROR_FINISH:
+                self._fail(rid, ReplicaError("the replica's engine failed", rid, replica_id))
+                continue
+            attempt.finish(reason)
+            self._forget(rid)
 
     def _give_up(self, carrier_id: str, link: _Link, error: ReplicaError) -> None:
         """Fail every request on a lost carrier; later submits use a fresh caller_id."""
@@ -401,7 +525,7 @@ class CallerTransport:
         attempt = self._attempts.get(request_id)
         if attempt is None:
             return
-        attempt.queue.put_nowait(error)
+        attempt.fail(error)
         self._forget(request_id)
         self.abort_soon(request_id)  # in case its replica is in fact alive
 

@@ -6,6 +6,7 @@ import threading
 import time
 
 from cluster.deployment import EngineLoop
+from cluster.transport import StepBatch
 from replica import EngineConfig, LLMEngine, SamplingParams
 
 
@@ -19,8 +20,8 @@ def test_cancelled_command_future_leaves_the_loop_serving() -> None:
         return original_add(*args, **kwargs)
 
     engine.add_request = slow_add
-    delivered: list[bytes] = []
-    loop = EngineLoop(engine, "r0", 0.05, lambda caller, data, rids: delivered.append(data))
+    delivered: list[StepBatch] = []
+    loop = EngineLoop(engine, "r0", 0.05, lambda caller, batch: delivered.append(batch))
     try:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         cancelled = loop.add("c0", "a", [1, 2, 3], params)
