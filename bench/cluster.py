@@ -13,7 +13,9 @@
     step-batched carrier (LLMServer around FakeEngine, which emits one token per
     request per step_s, so the transport is the bottleneck) against Serve's
     per-request streaming (one chunk per token per request through a
-    DeploymentHandle); also the inter-chunk interval each request sees.
+    DeploymentHandle); also the inter-chunk interval each request sees, the
+    steady rate (every stream in flight: without the submit ramp), and the CPU
+    time per token of the caller processes and of the replica processes.
 
 FakeEngine and PacedEngine are also what the cluster tests use for replicas of a
 known pace (an engine_factory for cluster.build_app; picklable by reference).
@@ -23,8 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
+import gc
+import os
 import random
 import time
 from collections.abc import AsyncIterator
@@ -153,9 +158,11 @@ def fake_engine(
     config: ClusterConfig, replica_id: str, num_gpus: float, step_s: float = 0.0
 ) -> FakeEngine:
     """engine_factory for build_app: functools.partial(fake_engine, step_s=...)."""
-    return FakeEngine(
+    engine = FakeEngine(
         replica_id, step_s, config.num_blocks or 65536, config.block_size, config.max_num_seqs
     )
+    gc.freeze()  # the replica has started up: as LLMEngine does, so GC passes skip it
+    return engine
 
 
 def paced_engine(
@@ -306,30 +313,54 @@ class TokenStreamer:
 
 @dataclass
 class StreamRun:
+    """What one caller process received. steady_*: from the moment every stream had its
+    first chunk to the first stream's end after it, when all streams are in flight (the
+    transport's rate without the submit ramp); cpu_s: this process's CPU time."""
+
     num_tokens: int = 0
     wall_s: float = 0.0
     chunk_gaps_s: list[float] = field(default_factory=list)
+    steady_tokens: int = 0
+    steady_s: float = 0.0
+    cpu_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.wall_s
 
+    @property
+    def steady_tokens_per_s(self) -> float:
+        return self.steady_tokens / self.steady_s if self.steady_s > 0 else float("nan")
+
 
 async def _drain_streams(streams: list[AsyncIterator[Any]], count: Any) -> StreamRun:
     run = StreamRun()
+    num_started = 0
+    window: list[tuple[float, int]] = []  # (time, tokens so far): all started, first end
 
     async def one(stream: AsyncIterator[Any]) -> None:
+        nonlocal num_started
         last_s = None
         async for item in stream:
             now_s = time.perf_counter()
             run.num_tokens += count(item)
             if last_s is not None:
                 run.chunk_gaps_s.append(now_s - last_s)
+            else:
+                num_started += 1
+                if num_started == len(streams):
+                    window.append((now_s, run.num_tokens))
             last_s = now_s
+        if len(window) == 1:
+            window.append((time.perf_counter(), run.num_tokens))
 
-    start_s = time.perf_counter()
+    start_s, cpu_s = time.perf_counter(), time.process_time()
     await asyncio.gather(*(one(s) for s in streams))
     run.wall_s = time.perf_counter() - start_s
+    run.cpu_s = time.process_time() - cpu_s
+    if len(window) == 2:
+        run.steady_s = window[1][0] - window[0][0]
+        run.steady_tokens = window[1][1] - window[0][1]
     return run
 
 
@@ -411,9 +442,33 @@ class CallerProcess:
         from cluster import Client
 
         self.client = Client(app_name)
+        gc.freeze()  # as run_carrier does in its own process
 
     def run(self, num_streams: int, num_tokens: int) -> StreamRun:
         return asyncio.run(carrier_run(self.client, num_streams, num_tokens))
+
+
+def replica_pids(app_name: str) -> list[int]:
+    """PIDs of the app's Serve replica processes on this machine, from /proc (Linux): Ray
+    titles an actor's process ray::ServeReplica:<app>:<deployment>."""
+    marker = f"ServeReplica:{app_name}:".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker in f.read():
+                    pids.append(int(entry))
+    return pids
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes so far (all their threads)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def run_carrier(args: argparse.Namespace, num_replicas: int, num_callers: int) -> dict:
@@ -441,17 +496,18 @@ def run_carrier(args: argparse.Namespace, num_replicas: int, num_callers: int) -
     ]
     ray.get([o.run.remote(4, 4) for o in others])  # warm: carriers, model info
     asyncio.run(carrier_run(client, 4, 4))
+    gc.freeze()  # as a caller process that has started up (the engine does the same)
+    pids = replica_pids(config.app_name)
+    replica_cpu_s = cpu_seconds(pids)
     pending = [o.run.remote(args.streams, args.tokens) for o in others]
     runs = [asyncio.run(carrier_run(client, args.streams, args.tokens)), *ray.get(pending)]
+    replica_cpu_s = cpu_seconds(pids) - replica_cpu_s
     for other in others:
         ray.kill(other)
     serve.delete(config.app_name)
-    total = StreamRun(
-        sum(r.num_tokens for r in runs),
-        max(r.wall_s for r in runs),
-        [gap for r in runs for gap in r.chunk_gaps_s],
+    return _transport_row(
+        "step-batched carrier", num_replicas, num_callers, args, runs, replica_cpu_s
     )
-    return _transport_row("step-batched carrier", num_replicas, num_callers, args, total)
 
 
 def run_transport(args: argparse.Namespace) -> list[dict]:
@@ -466,25 +522,39 @@ def run_transport(args: argparse.Namespace) -> list[dict]:
     )  # fmt: skip
     handle = serve.run(streamer.bind(), name="bench-per-request", route_prefix=None)
     asyncio.run(per_request_run(handle, 4, 4))
+    pids = replica_pids("bench-per-request")
+    replica_cpu_s = cpu_seconds(pids)
     run = asyncio.run(per_request_run(handle, args.streams, args.baseline_tokens))
+    replica_cpu_s = cpu_seconds(pids) - replica_cpu_s
     serve.delete("bench-per-request")
-    rows.append(_transport_row("per-request stream (baseline)", 1, 1, args, run))
+    rows.append(_transport_row("per-request stream (baseline)", 1, 1, args, [run], replica_cpu_s))
     return rows
 
 
 def _transport_row(
-    name: str, num_replicas: int, num_callers: int, args: argparse.Namespace, run: StreamRun
+    name: str,
+    num_replicas: int,
+    num_callers: int,
+    args: argparse.Namespace,
+    runs: list[StreamRun],
+    replica_cpu_s: float,
 ) -> dict:
+    num_tokens = sum(r.num_tokens for r in runs)
+    wall_s = max(r.wall_s for r in runs)
+    steady = sum(r.steady_tokens_per_s for r in runs)  # each caller's own window
     return {
         "transport": name,
         "replicas": num_replicas,
         "callers": num_callers,
         "streams": args.streams * num_callers,
-        "tokens": run.num_tokens,
-        "wall_s": run.wall_s,
-        "tokens_per_s_per_replica": run.tokens_per_s / num_replicas,
-        "tokens_per_s_per_caller": run.tokens_per_s / num_callers,
-        "chunk_gap_p50_ms": _ms(run.chunk_gaps_s, 50),
+        "tokens": num_tokens,
+        "wall_s": wall_s,
+        "tokens_per_s_per_replica": num_tokens / wall_s / num_replicas,
+        "tokens_per_s_per_caller": num_tokens / wall_s / num_callers,
+        "steady_tokens_per_s_per_replica": steady / num_replicas,
+        "chunk_gap_p50_ms": _ms([gap for r in runs for gap in r.chunk_gaps_s], 50),
+        "caller_cpu_us_per_token": sum(r.cpu_s for r in runs) / num_tokens * 1e6,
+        "replica_cpu_us_per_token": replica_cpu_s / num_tokens * 1e6,
     }
 
 
@@ -545,7 +615,9 @@ def main() -> None:
         "router": ["policy", "replicas", "code", "p50_ms", "p99_ms"],
         "transport": [
             "transport", "replicas", "callers", "streams", "tokens", "wall_s",
-            "tokens_per_s_per_replica", "tokens_per_s_per_caller", "chunk_gap_p50_ms",
+            "tokens_per_s_per_replica", "tokens_per_s_per_caller",
+            "steady_tokens_per_s_per_replica", "chunk_gap_p50_ms",
+            "caller_cpu_us_per_token", "replica_cpu_us_per_token",
         ],
     }  # fmt: skip
     print(f"\n{machine_description()}, {time.strftime('%Y-%m-%d')}")
