@@ -37,6 +37,7 @@ SUMMARY_COLUMNS = [
     "E2E p99",
     "leaks",
     "gen CPU max",
+    "gen tok/CPU-s",
 ]
 
 
@@ -67,7 +68,15 @@ def summary_row(router: str, run: dict) -> dict:
         "E2E p99": m["e2e_ms"]["p99"],
         "leaks": "none" if run["leak_check"]["ok"] else "LEAK",
         "gen CPU max": max((p["cpu_max_window"] for p in run["generator"]), default=math.nan),
+        "gen tok/CPU-s": _tokens_per_cpu_s(run["generator"]),
     }
+
+
+def _tokens_per_cpu_s(generators: list[dict]) -> float:
+    """Output tokens per CPU-second over every generator process: what one core carries."""
+    done = [g for g in generators if not g.get("failed")]
+    cpu_s = sum(g["cpu_s"] for g in done)
+    return sum(g["num_output_tokens"] for g in done) / cpu_s if cpu_s > 0 else math.nan
 
 
 def summary_table(runs: dict[str, dict]) -> str:

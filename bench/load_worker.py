@@ -8,12 +8,19 @@ time (wall clock, the same for every process): open loop at each request's arriv
 offset, or closed loop with `concurrency` users each sending its next request when the
 previous one ends. At last arrival + timeout_s (closed loop: start + timeout_s) whatever
 is still in flight is cancelled and stays "lost".
+
+A generator process must cost little per token, or it measures itself: its event loop is
+uvloop's (a Ray Serve dependency; asyncio's own loop spends more per task wake-up, and
+there is one per streamed chunk), and once warmed up it freezes the garbage collector's
+view of the start-up heap (Ray, torch), as the engine does, so collections triggered by
+the per-chunk allocations do not walk it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import math
 import os
 import time
@@ -54,6 +61,17 @@ class WorkerResult:
         return self.cpu_s / self.wall_s if self.wall_s > 0 else math.nan
 
     @property
+    def tokens_per_cpu_s(self) -> float:
+        """Output tokens received per second of this process's CPU: its cost per token."""
+        num_tokens = sum(r.num_output_tokens for r in self.records)
+        return num_tokens / self.cpu_s if self.cpu_s > 0 else math.nan
+
+    @property
+    def requests_per_cpu_s(self) -> float:
+        num_sent = sum(1 for r in self.records if not math.isnan(r.sent_s))
+        return num_sent / self.cpu_s if self.cpu_s > 0 else math.nan
+
+    @property
     def num_saturated_windows(self) -> int:
         return sum(1 for w in self.cpu_windows if w > SATURATION_FRACTION)
 
@@ -65,6 +83,7 @@ class WorkerResult:
 def worker_main(proc: int, ray_address: str, events: Any, commands: Any) -> None:
     """Process entry point (multiprocessing, spawn): connect, run rounds, disconnect."""
     import ray
+    import uvloop
 
     try:
         ray.init(address=ray_address, log_to_driver=False, logging_level="ERROR")
@@ -74,7 +93,7 @@ def worker_main(proc: int, ray_address: str, events: Any, commands: Any) -> None
             kind, plan = commands.get()
             if kind == "stop":
                 break
-            events.put(("result", proc, asyncio.run(_run(plan, events, commands))))
+            events.put(("result", proc, uvloop.run(_run(plan, events, commands))))
     except BaseException:
         events.put(("failed", proc, traceback.format_exc()))
     events.close()
@@ -170,6 +189,7 @@ async def _run(plan: WorkerPlan, events: Any, commands: Any) -> WorkerResult:
     await client.model_info_async()
     if plan.warmup:
         await _warmup(client)
+    gc.freeze()  # start-up is over: later collections skip its objects
     events.put(("ready", plan.proc, None))
     kind, start_wall_s = await asyncio.get_running_loop().run_in_executor(None, commands.get)
     assert kind == "go", kind
