@@ -30,7 +30,8 @@ class GatedEngine:
 
     `add_entered` is set when an add is waiting at the gate; `fanned_out` once a step
     that produced outputs has been fanned out (the engine loop asks has_unfinished
-    again only after it delivered that step's batches).
+    again only after it delivered that step's batches); `idle` once it has stepped and
+    then has nothing left (every step's batches delivered).
     """
 
     def __init__(self, replica_id: str, step_s: float = 0.0) -> None:
@@ -39,6 +40,7 @@ class GatedEngine:
         self.add_entered = threading.Event()
         self.release_add = threading.Event()
         self.fanned_out = threading.Event()
+        self.idle = threading.Event()
         self._stepped = False
 
     def __getattr__(self, name: str) -> Any:
@@ -58,7 +60,10 @@ class GatedEngine:
     def has_unfinished(self) -> bool:
         if self._stepped:
             self.fanned_out.set()
-        return self.engine.has_unfinished()
+        unfinished = self.engine.has_unfinished()
+        if self._stepped and not unfinished:
+            self.idle.set()
+        return unfinished
 
 
 def local_server(engine: Any, replica_id: str = "r0", heartbeat_s: float = 1.0) -> LLMServer:
@@ -78,11 +83,13 @@ class InProcessResponse:
 
     def __init__(self, items: AsyncIterator[bytes]) -> None:
         self._items: asyncio.Queue = asyncio.Queue()
+        self.num_items = 0  # messages the replica sent on this stream
         self._task = asyncio.get_running_loop().create_task(self._drive(items))
 
     async def _drive(self, items: AsyncIterator[bytes]) -> None:
         try:
             async for item in items:
+                self.num_items += 1
                 self._items.put_nowait(item)
         except asyncio.CancelledError:
             self._items.put_nowait(asyncio.CancelledError("request cancelled"))

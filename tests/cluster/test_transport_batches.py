@@ -1,0 +1,192 @@
+"""The step-batched output path, in one process (tests/cluster/inprocess.py): the column
+format, DeltaStream's merging, and that ordering and completeness hold when a carrier
+message carries several steps and requests get 0, 1 or several tokens per step."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from bench.cluster import FakeEngine
+from cluster.errors import ReplicaDiedError, ReplicaError
+from cluster.transport import (
+    CallerTransport,
+    CarrierBatch,
+    DeltaStream,
+    StepBatch,
+    TokenDelta,
+    decode_message,
+)
+from replica.outputs import RequestOutput
+from tests.cluster.inprocess import GatedEngine, InProcessHandle, local_server, wait_thread_event
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def params(max_tokens: int) -> dict[str, Any]:
+    return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+async def deltas_of(stream: DeltaStream) -> list[TokenDelta]:
+    """Every item the stream gives until its last; raises the ReplicaError it ends with."""
+    items = []
+    while True:
+        item = await asyncio.wait_for(stream.get(), 60)
+        if isinstance(item, ReplicaError):
+            raise item
+        items.append(item)
+        if item.finished:
+            return items
+
+
+# --- the wire format ----------------------------------------------------------------------
+
+
+def test_step_batches_round_trip_as_columns() -> None:
+    first = StepBatch()
+    first.add("a", [5], None)
+    first.add("b", [6, 7, 8], None)  # several tokens in one step (e.g. speculative)
+    first.add("c", [], "abort")  # no token, but an end
+    second = StepBatch()
+    second.add("b", [9], "length")
+    second.add("d", [], "error")
+
+    message = decode_message(CarrierBatch("r0", [first, second]).encode())
+
+    assert isinstance(message, CarrierBatch) and message.replica_id == "r0"
+    assert [s.deltas() for s in message.steps] == [
+        [TokenDelta("a", [5]), TokenDelta("b", [6, 7, 8]), TokenDelta("c", [], "abort")],
+        [TokenDelta("b", [9], "length"), TokenDelta("d", [], "error")],
+    ]
+
+
+# --- DeltaStream ------------------------------------------------------------------------
+
+
+def test_delta_stream_merges_what_arrived_and_keeps_order() -> None:
+    stream = DeltaStream("a")
+    assert stream.take() is None
+    stream.push_one(1)
+    stream.push([2, 3])
+    stream.push_one(4)
+    assert stream.take() == TokenDelta("a", [1, 2, 3, 4])
+    assert stream.take() is None
+    stream.push([5])
+    stream.finish("stop")
+    assert stream.take() == TokenDelta("a", [5], "stop")
+
+
+def test_delta_stream_gives_tokens_before_the_error_they_preceded() -> None:
+    stream = DeltaStream("a")
+    stream.push([1, 2])
+    error = ReplicaDiedError("carrier failed", "a")
+    stream.fail(error)
+    assert stream.take() == TokenDelta("a", [1, 2])
+    assert stream.take() is error
+
+
+def test_delta_stream_wakes_a_waiting_reader_once_with_everything() -> None:
+    stream = DeltaStream("a")
+
+    async def scenario() -> TokenDelta | ReplicaError:
+        reader = asyncio.create_task(stream.get())
+        await asyncio.sleep(0)  # the reader waits
+        assert not reader.done()
+        stream.push_one(1)
+        stream.push_one(2)  # before the reader runs: one wake-up, both tokens
+        return await reader
+
+    assert asyncio.run(scenario()) == TokenDelta("a", [1, 2])
+
+
+# --- through a replica: uneven steps, merged messages -------------------------------------
+
+
+class UnevenEngine(FakeEngine):
+    """Request i gets (step + i) % 4 new tokens per step: rows of 0, 1, 2 and 3 tokens,
+    so the caller's demux cannot take the one-token-per-request shortcut. A request's
+    tokens are 0, 1, 2, ... so the caller can check order and completeness."""
+
+    def __init__(self) -> None:
+        super().__init__("r0")
+        self.num_steps = 0
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for i, (request_id, r) in enumerate(list(self.requests.items())):
+            n = min((self.num_steps + i) % 4, r.max_tokens - r.num_generated)
+            token_ids = list(range(r.num_generated, r.num_generated + n))
+            r.num_generated += n
+            finished = r.num_generated >= r.max_tokens
+            reason = "length" if finished else None
+            outputs.append(RequestOutput(request_id, token_ids, finished, reason))
+            if finished:
+                del self.requests[request_id]
+        self.num_steps += 1
+        return outputs
+
+
+@pytest.fixture
+def uneven_handle() -> Iterator[InProcessHandle]:
+    server = local_server(UnevenEngine())
+    try:
+        yield InProcessHandle(server)
+    finally:
+        server.shutdown()
+
+
+def test_uneven_steps_reach_every_request_in_order(uneven_handle: InProcessHandle) -> None:
+    transport = CallerTransport(uneven_handle)
+    lengths = [1, 2, 7, 30, 64, 5]
+
+    async def one(i: int, max_tokens: int) -> list[int]:
+        _, stream = await transport.submit(f"req-{i}", [1, 2, 3], params(max_tokens))
+        deltas = await deltas_of(stream)
+        assert [d.finish_reason for d in deltas][-1] == "length"
+        return [t for d in deltas for t in d.token_ids]
+
+    async def scenario() -> list[list[int]]:
+        return await asyncio.gather(*(one(i, n) for i, n in enumerate(lengths)))
+
+    assert asyncio.run(scenario()) == [list(range(n)) for n in lengths]
+
+
+@pytest.fixture
+def gated() -> GatedEngine:
+    return GatedEngine("r0")
+
+
+@pytest.fixture
+def gated_handle(gated: GatedEngine) -> Iterator[InProcessHandle]:
+    server = local_server(gated)
+    try:
+        yield InProcessHandle(server)
+    finally:
+        server.shutdown()
+
+
+def test_steps_made_while_the_carrier_could_not_run_share_one_message(
+    gated: GatedEngine, gated_handle: InProcessHandle
+) -> None:
+    """The replica's loop is held while the engine runs a request's 20 steps: the carrier
+    then sends them as one message, and the caller still gets all 20 tokens in order."""
+    transport = CallerTransport(gated_handle)
+
+    async def scenario() -> list[TokenDelta]:
+        gated.gate_adds.set()
+        submit = asyncio.create_task(transport.submit("a", [1, 2, 3], params(20)))
+        await wait_thread_event(gated.add_entered)
+        gated.gate_adds.clear()
+        gated.release_add.set()
+        assert gated.idle.wait(30)  # this loop is held: every step lands in the outbox
+        _, stream = await submit
+        return await deltas_of(stream)
+
+    deltas = asyncio.run(scenario())
+    assert [t for d in deltas for t in d.token_ids] == list(range(1, 21))
+    assert deltas[-1].finish_reason == "length"
+    (response,) = gated_handle.streams["submit"].responses
+    assert response.num_items == 2  # the ack, then one message with the 20 steps
