@@ -3,6 +3,9 @@
     # start 2 local CPU replicas of gpt2-tiny, same trace under two routers
     python -m bench.load --model gpt2-tiny --replicas 2 --device cpu --num-blocks 256 \
         --routers kv,pow2 --num-requests 64 --rate 20 --input-len 64 --output-len 16 --out r.json
+    # the generators' own ceiling: model-free replicas (FakeEngine, a step every 2 ms)
+    python -m bench.load --model fake --fake-step-ms 2 --replicas 1 --concurrency 256 \
+        --num-requests 2048 --input-len 16 --output-len 128 --num-procs 1
     # attach to a running app (python -m cluster serve ...), closed loop of 32 users
     python -m bench.load --app-name kvfleet --concurrency 32 --dataset prefix --num-prefixes 8
 
@@ -191,7 +194,7 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
         for router, config in configs.items():
             if config is not None:
                 t_deploy = time.monotonic()
-                deploy(config)
+                deploy(config, args.fake_step_ms)
                 print(
                     f"deployed {args.replicas} x {args.model} with router {router!r} "
                     f"in {time.monotonic() - t_deploy:.1f} s"
@@ -267,7 +270,7 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
 
 _TARGET_KEYS = (
     "app_name model replicas routers router num_blocks max_num_seqs block_size device "
-    "on_overload num_procs"
+    "on_overload num_procs fake_step_ms"
 ).split()
 
 
@@ -288,6 +291,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--on-overload", default="hold", choices=("hold", "reject"))
     t.add_argument("--max-hold-s", type=float, default=30.0)
     t.add_argument("--ray-num-cpus", type=int, default=None)
+    t.add_argument(
+        "--fake-step-ms", type=float, default=None,
+        help="replicas run a model-free FakeEngine stepping every MS (one token per request"
+        " per step): measures the generators, not the replicas; --model is then only a name",
+    )  # fmt: skip
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", type=int, default=200)
     w.add_argument("--rate", type=float, default=math.inf, help="req/s; inf: all at once")
