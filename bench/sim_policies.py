@@ -34,6 +34,7 @@ import numpy as np
 from bench.sim_workload import Workload
 from replica.stats import ReplicaStats
 from router import Admission, OverloadedError, RouterConfig, RouteRequest
+from router.prefix_index import HashPostings
 
 REAL_POLICIES = ("kv", "prefix", "pow2")
 PEER_POLICIES = ("sglang", "dynamo", "serve_pow2", "random", "round_robin")
@@ -178,44 +179,36 @@ class ServePow2Router(RandomRouter):
 
 
 class ApproxPrefixIndex:
-    """Router-side record of which worker was sent which block chains (LRU-capped per worker)."""
+    """Router-side record of which worker was sent which block chains (LRU-capped per worker).
+
+    Postings are router.prefix_index.HashPostings (slot = worker), so a longest-prefix
+    search is O(prompt blocks) big-int ANDs plus numpy over the workers, however many
+    workers share a prefix (sets per hash cost O(workers) per block).
+    """
 
     def __init__(self, num_workers: int, max_blocks_per_worker: int) -> None:
         self.trees: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_workers)]
-        self.owners: dict[int, set[int]] = {}
+        self.sizes = np.zeros(num_workers, dtype=np.int64)  # len(trees[w])
+        self.owners = HashPostings()
         self.max_blocks = max_blocks_per_worker
 
     def insert(self, worker: int, hashes: Sequence[int]) -> None:
         tree = self.trees[worker]
+        owners = self.owners
         for h in hashes:
             if h in tree:
                 tree.move_to_end(h)
             else:
                 tree[h] = None
-                self.owners.setdefault(h, set()).add(worker)
+                owners.add(h, worker)
         while len(tree) > self.max_blocks:
             h, _ = tree.popitem(last=False)
-            owners = self.owners[h]
-            owners.discard(worker)
-            if not owners:
-                del self.owners[h]
+            owners.discard(h, worker)
+        self.sizes[worker] = len(tree)
 
-    def overlaps(self, hashes: Sequence[int]) -> dict[int, int]:
-        """Worker -> leading blocks of `hashes` in its tree (workers with none omitted)."""
-        result: dict[int, int] = {}
-        alive: set[int] | None = None
-        for depth, h in enumerate(hashes):
-            owners = self.owners.get(h)
-            nxt = set() if not owners else (set(owners) if alive is None else alive & owners)
-            if alive is not None:
-                for w in alive - nxt:
-                    result[w] = depth
-            alive = nxt
-            if not alive:
-                return result
-        for w in alive or ():
-            result[w] = len(hashes)
-        return result
+    def overlaps(self, hashes: Sequence[int]) -> np.ndarray:
+        """int64 [num_workers]: leading blocks of `hashes` in each worker's tree."""
+        return self.owners.matched_blocks(hashes, len(self.trees))
 
 
 class SGLangRouter:
@@ -235,7 +228,7 @@ class SGLangRouter:
     ) -> None:
         self.workload = workload
         self.index = ApproxPrefixIndex(num_replicas, max_blocks)
-        self.loads = [0] * num_replicas
+        self.loads = np.zeros(num_replicas, dtype=np.int64)  # requests in flight from here
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
@@ -249,22 +242,22 @@ class SGLangRouter:
         num_prompt = wl.prompt_len_list[rid]
         hashes = wl.block_hashes(rid, num_prompt // wl.block_size)
         loads = self.loads
-        max_load, min_load = max(loads), min(loads)
+        max_load, min_load = int(loads.max()), int(loads.min())
         if (
             max_load - min_load > self.balance_abs_threshold
             and max_load > self.balance_rel_threshold * min_load
         ):
-            worker = loads.index(min_load)
+            worker = int(np.argmin(loads))
         else:
             overlaps = self.index.overlaps(hashes)
-            best = max(overlaps.values(), default=0)
+            best = int(overlaps.max())
             if best * wl.block_size > self.cache_threshold * num_prompt:
-                ties = [w for w, n in overlaps.items() if n == best]
-                worker = min(ties, key=lambda w: (loads[w], w))
+                ties = np.flatnonzero(overlaps == best)
+                worker = int(ties[np.argmin(loads[ties])])  # least loaded, then lowest id
             else:
-                sizes = [len(t) for t in self.index.trees]
-                smallest = min(sizes)
-                worker = self.rng.choice([w for w, n in enumerate(sizes) if n == smallest])
+                sizes = self.index.sizes
+                smallest = np.flatnonzero(sizes == sizes.min()).tolist()
+                worker = self.rng.choice(smallest)
         self.index.insert(worker, hashes)
         loads[worker] += 1
         return worker, 0.0
@@ -305,9 +298,7 @@ class DynamoRouter:
         bs = wl.block_size
         num_prompt_blocks = -(-wl.prompt_len_list[rid] // bs)
         hashes = wl.block_hashes(rid, wl.prompt_len_list[rid] // bs)
-        new_blocks = np.full(len(self.prefill_blocks), float(num_prompt_blocks))
-        for w, n in self.index.overlaps(hashes).items():
-            new_blocks[w] -= n
+        new_blocks = num_prompt_blocks - self.index.overlaps(hashes).astype(np.float64)
         cost = self.overlap_weight * (self.prefill_blocks + new_blocks) + self.active_blocks
         ties = np.flatnonzero(cost == cost.min())
         worker = int(ties[0] if len(ties) == 1 else self.rng.choice(ties))

@@ -24,46 +24,37 @@ def mask_slots(mask: int, num_slots: int) -> np.ndarray:
     return np.unpackbits(raw, bitorder="little")[:num_slots].view(bool)
 
 
-class PrefixIndex:
-    """Block hash -> the fleet slots whose published cached_prefix_hashes hold it.
+class HashPostings:
+    """Block hash -> the slots holding it, as one int per hash.
 
-    Algorithm: a posting is ~slot (a negative int) while one replica holds the
-    hash, which is most of them (private blocks), else a bitmask of slots (bit s
-    for slot s). update() diffs a replica's new summary against its previous one
-    (O(hashes) on a changed snapshot, O(1) when the tuple is the same object),
-    so nothing is rebuilt per request. match_levels() ANDs the postings of the
-    prompt's blocks in order: O(prompt blocks) big-int operations, whatever the
-    number of replicas holding them.
-    Invariant: slot s is in posting(h) iff h is in held[s].
-    Failure: none; memory is about 100 bytes per distinct (hash, holder) beyond
-    the snapshots themselves.
+    A posting is ~slot (a negative int) while one slot holds the hash, which is
+    most of them (private blocks), else a bitmask of slots (bit s for slot s):
+    small for the common case, and one big-int AND per block for a match,
+    however many slots hold it.
     """
 
     def __init__(self) -> None:
         self.postings: dict[int, int] = {}
-        self.held: dict[int, tuple[int, ...]] = {}  # slot -> its summary as published
 
-    def update(self, slot: int, hashes: tuple[int, ...]) -> None:
-        old = self.held.get(slot, ())
-        if hashes is not old and hashes != old:
-            old_set, new_set = set(old), set(hashes)
-            for h in old_set - new_set:
-                self._remove(h, slot)
-            for h in new_set - old_set:
-                self._add(h, slot)
-        if hashes:
-            self.held[slot] = hashes
+    def add(self, block_hash: int, slot: int) -> None:
+        posting = self.postings.get(block_hash)
+        if posting is None:
+            self.postings[block_hash] = ~slot
+        elif posting < 0:
+            self.postings[block_hash] = (1 << ~posting) | (1 << slot)
         else:
-            self.held.pop(slot, None)
+            self.postings[block_hash] = posting | (1 << slot)
 
-    def remove(self, slot: int) -> None:
-        self.update(slot, ())
-
-    def move(self, from_slot: int, to_slot: int) -> None:
-        """Renumber a replica (the fleet compacts its slots); to_slot must be empty."""
-        hashes = self.held.get(from_slot, ())
-        self.remove(from_slot)
-        self.update(to_slot, hashes)
+    def discard(self, block_hash: int, slot: int) -> None:
+        """Drop slot from the hash's posting (it must hold it)."""
+        posting = self.postings[block_hash]
+        if posting < 0:
+            del self.postings[block_hash]
+            return
+        posting &= ~(1 << slot)
+        # One holder left: back to the small form.
+        is_single = posting & (posting - 1) == 0
+        self.postings[block_hash] = ~(posting.bit_length() - 1) if is_single else posting
 
     def holders(self, block_hash: int) -> int:
         """Bitmask of the slots holding block_hash."""
@@ -73,8 +64,8 @@ class PrefixIndex:
         return 1 << ~posting if posting < 0 else posting
 
     def match_levels(self, hashes: Sequence[int], candidates: int) -> list[tuple[int, int]]:
-        """(num_blocks, slots) pairs: the candidate slots whose summaries hold exactly the
-        first num_blocks of `hashes` contiguously (num_blocks >= 1; the others match 0).
+        """(num_blocks, slots) pairs: the candidate slots that hold exactly the first
+        num_blocks of `hashes` contiguously (num_blocks >= 1; the others match 0).
 
         Contiguous from the first block, because a cached block is only reusable
         when every block before it is too.
@@ -93,21 +84,49 @@ class PrefixIndex:
         levels.append((len(hashes), alive))
         return levels
 
-    def _add(self, block_hash: int, slot: int) -> None:
-        posting = self.postings.get(block_hash)
-        if posting is None:
-            self.postings[block_hash] = ~slot
-        elif posting < 0:
-            self.postings[block_hash] = (1 << ~posting) | (1 << slot)
-        else:
-            self.postings[block_hash] = posting | (1 << slot)
+    def matched_blocks(self, hashes: Sequence[int], num_slots: int) -> np.ndarray:
+        """int64 [num_slots]: match_levels over every slot, as an array."""
+        matched = np.zeros(num_slots, dtype=np.int64)
+        for num_blocks, mask in self.match_levels(hashes, (1 << num_slots) - 1):
+            matched[mask_slots(mask, num_slots)] = num_blocks
+        return matched
 
-    def _remove(self, block_hash: int, slot: int) -> None:
-        posting = self.postings[block_hash]
-        if posting < 0:
-            del self.postings[block_hash]
-            return
-        posting &= ~(1 << slot)
-        # One holder left: back to the small form.
-        is_single = posting & (posting - 1) == 0
-        self.postings[block_hash] = ~(posting.bit_length() - 1) if is_single else posting
+
+class PrefixIndex(HashPostings):
+    """Block hash -> the fleet slots whose published cached_prefix_hashes hold it.
+
+    Algorithm: update() diffs a replica's new summary against its previous one
+    (O(hashes) on a changed snapshot, O(1) when the tuple is the same object),
+    so nothing is rebuilt per request; match_levels() ANDs the postings of the
+    prompt's blocks in order: O(prompt blocks) big-int operations, whatever the
+    number of replicas holding them.
+    Invariant: slot s is in posting(h) iff h is in held[s].
+    Failure: none; memory is about 100 bytes per distinct (hash, holder) beyond
+    the snapshots themselves.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[int, tuple[int, ...]] = {}  # slot -> its summary as published
+
+    def update(self, slot: int, hashes: tuple[int, ...]) -> None:
+        old = self.held.get(slot, ())
+        if hashes is not old and hashes != old:
+            old_set, new_set = set(old), set(hashes)
+            for h in old_set - new_set:
+                self.discard(h, slot)
+            for h in new_set - old_set:
+                self.add(h, slot)
+        if hashes:
+            self.held[slot] = hashes
+        else:
+            self.held.pop(slot, None)
+
+    def remove(self, slot: int) -> None:
+        self.update(slot, ())
+
+    def move(self, from_slot: int, to_slot: int) -> None:
+        """Renumber a replica (the fleet compacts its slots); to_slot must be empty."""
+        hashes = self.held.get(from_slot, ())
+        self.remove(from_slot)
+        self.update(to_slot, hashes)

@@ -261,3 +261,24 @@ def test_validate_infers_the_pool_size_from_kv_samples(tmp_path):
     result["runs"]["kv"]["kv_samples"] = []
     with pytest.raises(SystemExit, match="--num-blocks"):
         replica_overrides(result, parser().parse_args([]))
+
+
+def test_peer_prefix_index_matches_its_trees():
+    from bench.sim_policies import ApproxPrefixIndex
+
+    rng = random.Random(0)
+    index = ApproxPrefixIndex(num_workers=6, max_blocks_per_worker=12)
+    chains = [[rng.getrandbits(40) for _ in range(10)] for _ in range(4)]
+    for _ in range(400):
+        chain = rng.choice(chains)
+        index.insert(rng.randrange(6), chain[: rng.randrange(1, 11)] + [rng.getrandbits(40)])
+        query = rng.choice(chains)[: rng.randrange(0, 11)]
+        expected = []
+        for tree in index.trees:
+            depth = 0
+            while depth < len(query) and query[depth] in tree:
+                depth += 1
+            expected.append(depth)
+        assert index.overlaps(query).tolist() == expected
+        assert index.sizes.tolist() == [len(t) for t in index.trees]
+        assert all(len(t) <= 12 for t in index.trees)
