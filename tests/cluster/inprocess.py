@@ -73,6 +73,7 @@ def local_server(engine: Any, replica_id: str = "r0", heartbeat_s: float = 1.0) 
         engine_factory=lambda *_: engine,
         heartbeat_s=heartbeat_s,
         replica_id=replica_id,
+        gil_switch_interval_s=None,  # a process-wide setting: not the test runner's
     )
 
 
