@@ -234,9 +234,10 @@ def decode_message(data: bytes) -> SubmitAck | CarrierBatch | Heartbeat:
 class DeltaStream:
     """One request's output on the caller side: tokens in order, then its end.
 
-    The carrier's demux appends to it (no wake-up unless a reader waits); get() takes
-    everything that arrived since the last get() as one TokenDelta, so a reader that
-    falls behind catches up in one wake-up instead of one per step. Invariant: the
+    The carrier's demux appends to it (no wake-up unless a reader waits); take() (or
+    get(), which waits) returns everything that arrived since the last one as one
+    TokenDelta, so a reader that falls behind catches up in one wake-up instead of one
+    per step. Invariant: the
     items a reader gets are its tokens in order, then either a finished TokenDelta or
     the ReplicaError it ends with (after any tokens received before the failure).
     Nothing is read after that last item.
