@@ -24,9 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config import ClusterConfig
-from cluster.metrics import ReplicaMetrics
-from cluster.request_router import encode_routing_stats
-from cluster.transport import (
+from cluster.messages import (
     ABORTED,
     ERROR_FINISH,
     INVALID,
@@ -37,6 +35,8 @@ from cluster.transport import (
     SubmitAck,
     SubmitRequest,
 )
+from cluster.metrics import ReplicaMetrics
+from cluster.request_router import encode_routing_stats
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
 
