@@ -9,23 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.layer_norm import fused_add_layer_norm, layer_norm
-from kernels.rms_norm import fused_add_rms_norm, rms_norm
-
-
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm: normalise in float32, cast back, then scale by the weight."""
-    input_dtype = x.dtype
-    x = x.to(torch.float32)
-    variance = x.pow(2).mean(-1, keepdim=True)
-    x = x * torch.rsqrt(variance + eps)
-    return weight * x.to(input_dtype)
+from kernels.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_ref
 
 
 def add_rms_norm_torch(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     residual = residual + x
-    return rms_norm_torch(residual, weight, eps), residual
+    return rms_norm_ref(residual, weight, eps), residual
 
 
 def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,7 +40,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self._norm = rms_norm_fused if fused else rms_norm_torch
+        self._norm = rms_norm_fused if fused else rms_norm_ref  # LlamaRMSNorm's numerics
         self._add_norm = add_rms_norm_fused if fused else add_rms_norm_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden_size]
