@@ -89,6 +89,7 @@ class PrefillInputs:
         pin = device.type == "cuda"
         self.staging = torch.zeros((2, size), dtype=torch.int64, pin_memory=pin)
         self.inputs = torch.zeros(size, dtype=torch.int64, device=device)
+        self._device_views: dict[PrefillBucket, dict[str, torch.Tensor]] = {}
 
     def bucket(self, num_tokens: int, num_seqs: int) -> PrefillBucket:
         """The padded shape for a step: the next captured token size on CUDA, exact on CPU."""
@@ -98,8 +99,17 @@ class PrefillInputs:
         work = prefill_work_capacity(num_tokens, num_seqs, self.block_q)
         return PrefillBucket(num_tokens, num_seqs, work)
 
-    def fill(self, seqs: list[Sequence], lens: list[int], parity: int) -> PrefillStep:
-        """Write one step's inputs into staging[parity] and copy them to the device."""
+    def fill(
+        self,
+        seqs: list[Sequence],
+        lens: list[int],
+        parity: int,
+        bucket: PrefillBucket | None = None,
+    ) -> PrefillStep:
+        """Write one step's inputs into staging[parity] and copy them to the device.
+
+        bucket: the padded shape (default: self.bucket for this step's sizes).
+        """
         q_lens = np.asarray(lens, dtype=np.int64)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
         slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
@@ -108,7 +118,7 @@ class PrefillInputs:
         num_tokens = int(cu[-1])
         ends = starts + q_lens
         is_done = ends == np.fromiter((len(s) for s in seqs), np.int64, len(seqs))
-        bucket = self.bucket(num_tokens, len(seqs))
+        bucket = bucket or self.bucket(num_tokens, len(seqs))
         v = self._views(self.staging[parity].numpy(), bucket)
         for seq, start, lo, hi in zip(seqs, starts.tolist(), cu[:-1].tolist(), cu[1:].tolist()):
             v["ids"][lo:hi] = seq.token_ids[start : start + hi - lo]
@@ -139,17 +149,14 @@ class PrefillInputs:
 
     def fill_padding(self, parity: int) -> None:
         """Every row of the largest bucket as padding (for capturing graphs)."""
-        v = self._views(self.staging[parity].numpy(), self.bucket(self.max_num_tokens, 0))
-        for name in ("ids", "positions", "context_lens", "start_positions", "last_rows"):
-            v[name][:] = 0
-        for name in ("token_slots", "seq_slots", "done_slots"):
-            v[name][:] = self.null_row
-        v["cu_seqlens"][:] = 0
-        v["work"][:] = -1
-        self.inputs.copy_(self.staging[parity])
+        self.fill([], [], parity, self.bucket(self.max_num_tokens, 0))
 
     def device_views(self, bucket: PrefillBucket) -> dict[str, torch.Tensor]:
-        return self._views(self.inputs, bucket)
+        """Views of the device buffer for a bucket; made once per bucket (the buffer is fixed)."""
+        views = self._device_views.get(bucket)
+        if views is None:
+            views = self._device_views[bucket] = self._views(self.inputs, bucket)
+        return views
 
     def metadata(self, bucket: PrefillBucket, block_table: torch.Tensor) -> AttentionMetadata:
         v = self.device_views(bucket)

@@ -109,3 +109,17 @@ def test_bucketed_pass_matches_exact_reference(dtype, device):
     assert np.array_equal(
         padded.device_views(step.bucket)["done_slots"][:3].cpu().numpy(), [1, 7, 2]
     )
+
+
+def test_fill_padding_covers_the_largest_bucket():
+    seqs, lens = _seqs([(0, 5, 5), (0, 16, 40)])
+    inputs = PrefillInputs(
+        64, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, MAX_SEQS, torch.device("cpu"), True
+    )
+    inputs.fill(seqs, lens, parity=0)
+    inputs.fill_padding(parity=0)
+    v = inputs.device_views(inputs.bucket(64, 0))
+    assert v["ids"].eq(0).all() and v["positions"].eq(0).all()
+    assert v["token_slots"].eq(MAX_SEQS).all() and v["seq_slots"].eq(MAX_SEQS).all()
+    assert v["cu_seqlens"].eq(0).all() and v["context_lens"].eq(0).all()
+    assert v["work"].eq(-1).all()
