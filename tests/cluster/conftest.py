@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
 from cluster import Client, ClusterConfig, build_app
+from tests.cluster.local_ray import local_serve
 
 APP_NAME = "kvfleet-test"
 
@@ -32,33 +31,6 @@ class RunningApp:
     config: ClusterConfig
     client: Client
     base_url: str
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def local_serve(num_cpus: int) -> Iterator[str]:
-    """A local Ray (num_cpus logical CPUs) with Serve's HTTP proxy on a free port.
-
-    Yields the proxy's base URL; shuts Serve and Ray down on exit. Each replica
-    takes one logical CPU (cluster.build_app), so num_cpus bounds the replicas.
-    """
-    import ray
-    from ray import serve
-
-    # "local": never attach to a cluster someone else started on this machine.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    try:
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from cluster import Client, ClusterConfig, build_app
 from cluster.ingress import MAX_BODY_BYTES
 from cluster.transport import CallerTransport
 from replica import LLMEngine, SamplingParams
+from tests.cluster.local_ray import free_port, init_local_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -35,12 +35,6 @@ class App:
     client: Client
     base_url: str
     expected: list[int]  # GOOD_PROMPT's tokens from an offline engine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +55,8 @@ def app() -> Iterator[App]:
     engine = LLMEngine(config.engine_config("offline", num_gpus=0))
     expected = engine.generate([GOOD_PROMPT], GOOD)[0].token_ids
     del engine
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    init_local_ray(num_cpus=2)
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")

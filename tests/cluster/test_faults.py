@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from cluster.errors import ReplicaDiedError, ReplicaError
 from replica import LLMEngine, SamplingParams
 from replica.stats import ReplicaStats
 from router.errors import OverloadedError
+from tests.cluster.local_ray import free_port, init_local_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -64,8 +64,8 @@ def fault_app() -> Iterator[FaultApp]:
     import ray
     from ray import serve
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    init_local_ray(num_cpus=4)
+    port = free_port()
     config = fault_config(http=True)
     try:
         _serve_app(config, port)
@@ -77,12 +77,6 @@ def fault_app() -> Iterator[FaultApp]:
 
 
 # --- helpers ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def random_prompts(num: int, length: int, seed: int) -> list[list[int]]:

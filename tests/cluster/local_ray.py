@@ -1,0 +1,64 @@
+"""Starting a local Ray for a test module, and a free port for Serve's HTTP proxy.
+
+Every cluster test module starts and stops its own Ray, one after another, on a
+2-core CI machine. A start can fail there for reasons outside the code under test
+(the previous session's processes still exiting, a slow GCS): init_local_ray
+retries a failed start after a clean shutdown instead of failing the module, and
+prints why each failed start failed so that a real regression stays visible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+import time
+from collections.abc import Iterator
+
+START_ATTEMPTS = 3
+RETRY_PAUSE_S = 3.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_local_ray(num_cpus: int) -> None:
+    """ray.init a new local cluster of num_cpus logical CPUs; up to START_ATTEMPTS tries."""
+    import ray
+
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            # "local": never attach to a cluster someone else started on this machine.
+            ray.init(
+                address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False
+            )
+            return
+        except Exception as e:
+            print(f"ray.init attempt {attempt} failed: {e!r}", file=sys.stderr)
+            ray.shutdown()
+            if attempt == START_ATTEMPTS:
+                raise
+            time.sleep(RETRY_PAUSE_S)
+
+
+@contextlib.contextmanager
+def local_serve(num_cpus: int) -> Iterator[str]:
+    """A local Ray (num_cpus logical CPUs) with Serve's HTTP proxy on a free port.
+
+    Yields the proxy's base URL; shuts Serve and Ray down on exit. Each replica
+    takes one logical CPU (cluster.build_app), so num_cpus bounds the replicas.
+    """
+    import ray
+    from ray import serve
+
+    init_local_ray(num_cpus)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
