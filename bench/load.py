@@ -156,6 +156,7 @@ def _cluster_config(args: argparse.Namespace, router: str) -> ClusterConfig:
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
+        carrier_messages_per_step=args.carrier_messages_per_step,
         device=args.device,
         seed=args.seed,
         app_name=args.app_name,
@@ -190,7 +191,8 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
     runs: dict[str, dict] = {}
     pool: GeneratorPool | None = None
     try:
-        pool = GeneratorPool(num_procs, ray_address)  # starts while the first app deploys
+        # Starts while the first app deploys.
+        pool = GeneratorPool(num_procs, ray_address, router_thread=args.router_thread)
         for router, config in configs.items():
             if config is not None:
                 t_deploy = time.monotonic()
@@ -270,7 +272,7 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
 
 _TARGET_KEYS = (
     "app_name model replicas routers router num_blocks max_num_seqs block_size device "
-    "on_overload num_procs fake_step_ms"
+    "on_overload num_procs fake_step_ms carrier_messages_per_step router_thread"
 ).split()
 
 
@@ -287,6 +289,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--num-blocks", type=int, default=None)
     t.add_argument("--max-num-seqs", type=int, default=256)
     t.add_argument("--block-size", type=int, default=16)
+    t.add_argument(
+        "--router-thread", action="store_true",
+        help="generators route on Serve's router thread (its default), not on their loop",
+    )  # fmt: skip
+    t.add_argument(
+        "--carrier-messages-per-step", type=int, default=4,
+        help="replica message budget per engine step (ClusterConfig)",
+    )  # fmt: skip
     t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     t.add_argument("--on-overload", default="hold", choices=("hold", "reject"))
     t.add_argument("--max-hold-s", type=float, default=30.0)

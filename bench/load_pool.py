@@ -43,7 +43,10 @@ class Round:
 class GeneratorPool:
     """num_procs generator processes, each a Ray driver connected to ray_address."""
 
-    def __init__(self, num_procs: int, ray_address: str) -> None:
+    def __init__(self, num_procs: int, ray_address: str, router_thread: bool = False) -> None:
+        """router_thread: the generators' Serve handles route on Serve's router thread
+        (its default) rather than on their own event loop (Client.route_on_caller_loop)."""
+        self.router_thread = router_thread
         ctx = mp.get_context("spawn")
         self.events = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(num_procs)]
@@ -80,7 +83,10 @@ class GeneratorPool:
         users = split_concurrency(concurrency, self.num_procs) if concurrency else None
         for p, commands in enumerate(self.commands):
             if p not in self.dead:
-                plan = WorkerPlan(p, app_name, shares[p], users[p] if users else None, timeout_s)
+                plan = WorkerPlan(
+                    p, app_name, shares[p], users[p] if users else None, timeout_s,
+                    route_on_caller_loop=not self.router_thread,
+                )  # fmt: skip
                 commands.put(("prepare", plan))
         t_prepare = time.monotonic()
         while len(state.ready) + len(state.failures) < self.num_procs:

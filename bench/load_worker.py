@@ -46,6 +46,7 @@ class WorkerPlan:
     concurrency: int | None  # closed-loop users in this process; None: open loop
     timeout_s: float
     warmup: bool = True
+    route_on_caller_loop: bool = True  # Client option
 
 
 @dataclass
@@ -89,11 +90,9 @@ def worker_main(proc: int, ray_address: str, events: Any, commands: Any) -> None
         ray.init(address=ray_address, log_to_driver=False, logging_level="ERROR")
         import cluster.client  # noqa: F401  (torch and all: now, while the replicas start)
 
-        while True:
-            kind, plan = commands.get()
-            if kind == "stop":
-                break
-            events.put(("result", proc, uvloop.run(_run(plan, events, commands))))
+        # One loop for the process: a Serve router that ran on it (a Client with
+        # route_on_caller_loop) must not outlive its loop.
+        uvloop.run(_rounds(proc, events, commands))
     except BaseException:
         events.put(("failed", proc, traceback.format_exc()))
     events.close()
@@ -101,6 +100,15 @@ def worker_main(proc: int, ray_address: str, events: Any, commands: Any) -> None
     ray.shutdown()
     # Leftover non-daemon threads (Ray's, the Client's) could hold the exit for seconds.
     os._exit(0)
+
+
+async def _rounds(proc: int, events: Any, commands: Any) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        kind, plan = await loop.run_in_executor(None, commands.get)
+        if kind == "stop":
+            return
+        events.put(("result", proc, await _run(plan, events, commands)))
 
 
 def _classify(exc: BaseException) -> str:
@@ -185,7 +193,8 @@ async def _warmup(client: Any) -> None:
 async def _run(plan: WorkerPlan, events: Any, commands: Any) -> WorkerResult:
     from cluster.client import Client
 
-    client = Client(plan.app_name)  # a new one per round: the app was redeployed
+    # A new one per round (the app was redeployed), on this round's loop.
+    client = Client(plan.app_name, route_on_caller_loop=plan.route_on_caller_loop)
     await client.model_info_async()
     if plan.warmup:
         await _warmup(client)
@@ -218,4 +227,5 @@ async def _run(plan: WorkerPlan, events: Any, commands: Any) -> WorkerResult:
     result.wall_s = time.perf_counter() - wall0
     result.cpu_s = time.process_time() - cpu0
     result.records = list(records.values())
+    await client.aclose()  # the round's Serve router, on this loop
     return result

@@ -25,6 +25,10 @@ def _parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--router", choices=ROUTERS, default="kv")
     serve_p.add_argument("--num-blocks", type=int, default=None)
     serve_p.add_argument("--max-num-seqs", type=int, default=256)
+    serve_p.add_argument(
+        "--carrier-messages-per-step", type=int, default=4,
+        help="streaming messages a replica sends per engine step (see ClusterConfig)",
+    )  # fmt: skip
     serve_p.add_argument("--device", default="auto")
     serve_p.add_argument("--port", type=int, default=8000)
     serve_p.add_argument("--app-name", default="kvfleet")
@@ -49,6 +53,7 @@ def serve_main(args: argparse.Namespace) -> None:
         router=args.router,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
+        carrier_messages_per_step=args.carrier_messages_per_step,
         device=args.device,
         http=not args.no_http,
         app_name=args.app_name,

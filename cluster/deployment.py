@@ -229,15 +229,16 @@ class EngineLoop:
                 continue  # e.g. a prefill chunk: nothing for the caller yet
             if tracked.first_token_s is None or finished:
                 self._observe(tracked, len(token_ids), finished, now_s)
+            first = tracked.num_tokens == 0
             tracked.num_tokens += len(token_ids)
             batch = batches.get(tracked.caller_id)
             if batch is None:
                 batch = batches[tracked.caller_id] = StepBatch()
             if finished:
-                batch.add(request_id, token_ids, out.finish_reason or "stop")
+                batch.add(request_id, token_ids, out.finish_reason or "stop", first)
                 del tracked_by_id[request_id]
             else:
-                batch.add(request_id, token_ids, None)
+                batch.add(request_id, token_ids, None, first)
         for caller_id, batch in batches.items():
             self._deliver(caller_id, batch)
 
@@ -253,6 +254,10 @@ class EngineLoop:
             self._metrics.tpot_s.observe((now_s - tracked.first_token_s) / (num_tokens - 1))
 
 
+# The longest a step batch waits on the replica for its carrier's interval to pass.
+CARRIER_MAX_HOLD_S = 0.02
+
+
 @dataclass
 class _Carrier:
     """This replica's live stream to one caller, and that caller's requests here."""
@@ -260,10 +265,12 @@ class _Carrier:
     carrier_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     in_flight: set[str] = field(default_factory=set)
     pending: list[StepBatch] = field(default_factory=list)  # not yet sent, in step order
+    due: bool = False  # send pending now (its interval passed, or a batch is urgent)
+    hold_until_s: float = 0.0  # loop time by which pending goes out regardless
     waiter: asyncio.Future | None = None  # set while the carrier waits for work
 
     def wake(self, beat: bool = False) -> None:
-        """Resume a waiting carrier; beat: the heartbeat period passed with nothing."""
+        """Resume a waiting carrier; beat: its wait timed out (heartbeat or hold)."""
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(beat)
@@ -427,21 +434,29 @@ class LLMServer:
         carrier.in_flight.clear()
 
     async def _carry(self, carrier: _Carrier) -> AsyncIterator[bytes]:
-        """Send what is pending as one message, or a heartbeat after a quiet period."""
+        """Send what is pending as one message once it is due (see _drain_outbox) or has
+        waited CARRIER_MAX_HOLD_S, or a heartbeat after a quiet period."""
         loop = asyncio.get_running_loop()
         while carrier.in_flight or carrier.pending:
-            if not carrier.pending:
+            if carrier.in_flight and not carrier.due:
+                if carrier.pending:
+                    wait_s = max(0.0, carrier.hold_until_s - loop.time())
+                else:
+                    wait_s = self._heartbeat_s
                 carrier.waiter = waiter = loop.create_future()
-                timer = loop.call_later(self._heartbeat_s, carrier.wake, True)
+                timer = loop.call_later(wait_s, carrier.wake, True)
                 try:
-                    beat = await waiter
+                    timed_out = await waiter
                 finally:
                     timer.cancel()
                     carrier.waiter = None
-                if beat and carrier.in_flight:
-                    yield self._heartbeat
-                continue
-            steps, carrier.pending = carrier.pending, []
+                if not timed_out:
+                    continue  # woken: pending is due, or a request was dropped
+                if not carrier.pending:
+                    if carrier.in_flight:
+                        yield self._heartbeat
+                    continue
+            steps, carrier.pending, carrier.due = carrier.pending, [], False
             yield CarrierBatch(self.replica_id, steps).encode()
 
     async def abort(self, request_id: str) -> bool:
@@ -494,6 +509,10 @@ class LLMServer:
         # one appended before it is popped below.
         self._drain_scheduled = False
         outbox = self._outbox
+        # Every step goes out while there are at most carrier_messages_per_step callers;
+        # beyond, each carrier sends every `interval` steps (module docstring).
+        interval = -(-len(self._carriers) // self._config.carrier_messages_per_step)
+        now_s = self._loop.time() if self._loop is not None else 0.0
         while outbox:
             caller_id, batch = outbox.popleft()
             carrier = self._carriers.get(caller_id)
@@ -502,6 +521,11 @@ class LLMServer:
             if batch.finishes:
                 ids = batch.request_ids
                 carrier.in_flight.difference_update([ids[i] for i, _ in batch.finishes])
+            starts_hold = not carrier.pending
+            if starts_hold:
+                carrier.hold_until_s = now_s + CARRIER_MAX_HOLD_S
             carrier.pending.append(batch)
-            if carrier.waiter is not None:
-                carrier.wake()
+            if batch.urgent or len(carrier.pending) >= interval:
+                carrier.due = True
+            if carrier.waiter is not None and (carrier.due or starts_hold):
+                carrier.wake()  # to send, or to wait until hold_until_s instead

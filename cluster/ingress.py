@@ -104,7 +104,9 @@ async def _read_body(request: Request) -> bytes:
 class Ingress:
     def __init__(self, llm_handle: Any, model: str) -> None:
         self.model = model
-        self.client = Client(handle=llm_handle)
+        # Its own handle rather than llm_handle (which binds LLMServer into the app), to
+        # route on this replica's loop, which lives as long as the replica.
+        self.client = Client(llm_handle.app_name, route_on_caller_loop=True)
 
     @api.get("/health")
     async def health(self) -> dict:

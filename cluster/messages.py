@@ -108,15 +108,23 @@ class StepBatch:
     Request request_ids[i] got num_tokens[i] new tokens, the next ones of the flat
     token_ids; finishes lists (i, finish_reason) for the requests that ended. Columns
     rather than one record per request: msgpack packs and unpacks flat lists of ints
-    in C, and neither side builds a Python object per token.
+    in C, and neither side builds a Python object per token. urgent (replica side, not
+    sent): the batch holds a request's first token or its end, which the replica sends
+    at once rather than within its carrier's step interval.
     """
 
     request_ids: list[str] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finishes: list[tuple[int, str]] = field(default_factory=list)
+    urgent: bool = False
 
-    def add(self, request_id: str, token_ids: list[int], finish_reason: str | None) -> None:
+    def add(
+        self, request_id: str, token_ids: list[int], finish_reason: str | None, first: bool = False
+    ) -> None:
+        """first: token_ids start the request's output."""
+        if finish_reason is not None or first:
+            self.urgent = True
         if finish_reason is not None:
             self.finishes.append((len(self.request_ids), finish_reason))
         self.request_ids.append(request_id)

@@ -10,8 +10,11 @@ and picks the replica. The replica answers with one `SubmitAck`:
   step holding the new tokens of every request that caller has in flight there (and a
   `Heartbeat` every heartbeat period while no step has output for it), and it closes
   once that set is empty. A `CarrierBatch` message holds the step batches that were
-  pending when the carrier ran: one step while the transport keeps up, several when
-  steps come faster than messages go (no timer: nothing waits to fill a message);
+  pending when the carrier ran: one step while the transport keeps up and the replica
+  has few callers, several when steps come faster than messages go, or when the
+  replica has more callers than ClusterConfig.carrier_messages_per_step (each carrier
+  then sends every few steps, at most CARRIER_MAX_HOLD_S late; first tokens and
+  finishes go out at once);
 - otherwise the ack says "attached" and the submit stream ends at once; the request's
   tokens ride on the existing carrier.
 
@@ -213,6 +216,10 @@ class CallerTransport:
         self._given_up: set[str] = set()  # carrier ids
         self._tasks: set[asyncio.Task] = set()
         self._watchdog: asyncio.Task | None = None
+
+    @property
+    def handle(self) -> Any:
+        return self._handle
 
     @property
     def num_in_flight(self) -> int:

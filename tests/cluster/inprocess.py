@@ -66,8 +66,12 @@ class GatedEngine:
         return unfinished
 
 
-def local_server(engine: Any, replica_id: str = "r0", heartbeat_s: float = 1.0) -> LLMServer:
-    config = ClusterConfig(model="fake", device="cpu", stats_period_s=0.05)
+def local_server(
+    engine: Any, replica_id: str = "r0", heartbeat_s: float = 1.0, **overrides: Any
+) -> LLMServer:
+    """An LLMServer around engine; overrides: ClusterConfig fields."""
+    fields = {"model": "fake", "device": "cpu", "stats_period_s": 0.05, **overrides}
+    config = ClusterConfig(**fields)
     return LLMServer(
         config,
         engine_factory=lambda *_: engine,
@@ -84,13 +88,13 @@ class InProcessResponse:
 
     def __init__(self, items: AsyncIterator[bytes]) -> None:
         self._items: asyncio.Queue = asyncio.Queue()
-        self.num_items = 0  # messages the replica sent on this stream
+        self.items: list[bytes] = []  # messages the replica sent on this stream
         self._task = asyncio.get_running_loop().create_task(self._drive(items))
 
     async def _drive(self, items: AsyncIterator[bytes]) -> None:
         try:
             async for item in items:
-                self.num_items += 1
+                self.items.append(item)
                 self._items.put_nowait(item)
         except asyncio.CancelledError:
             self._items.put_nowait(asyncio.CancelledError("request cancelled"))
@@ -111,6 +115,10 @@ class InProcessResponse:
         if isinstance(item, BaseException):
             raise item
         return item
+
+    @property
+    def num_items(self) -> int:
+        return len(self.items)
 
     def cancel(self) -> None:
         self._task.cancel()

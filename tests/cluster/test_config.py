@@ -27,6 +27,8 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
         ("device", "tpu"),
         ("stats_period_s", 0.0),
         ("stats_period_s", 5.0),
+        ("carrier_messages_per_step", 0),
+        ("carrier_messages_per_step", 2.5),
         ("high_watermark", 1.5),
         ("on_overload", "drop"),
         ("max_hold_s", -1.0),

@@ -190,3 +190,74 @@ def test_steps_made_while_the_carrier_could_not_run_share_one_message(
     assert deltas[-1].finish_reason == "length"
     (response,) = gated_handle.streams["submit"].responses
     assert response.num_items == 2  # the ack, then one message with the 20 steps
+
+
+# --- the replica's message budget: many callers, few messages per step ---------------------
+
+
+def carrier_steps(handle: InProcessHandle, carrier_id: str) -> list[list[StepBatch]]:
+    """The steps of each message a carrier sent, in order (the ack left out)."""
+    for response in handle.streams["submit"].responses:
+        messages = [decode_message(item) for item in response.items]
+        if messages and messages[0].carrier_id == carrier_id:
+            return [m.steps for m in messages[1:] if isinstance(m, CarrierBatch)]
+    raise AssertionError(f"no stream carried {carrier_id}")
+
+
+def run_callers(
+    handle: InProcessHandle, num_callers: int, max_tokens: int
+) -> list[tuple[list[int], list[list[StepBatch]]]]:
+    """One request per caller (a transport each); (its tokens, its carrier's messages)."""
+    transports = [CallerTransport(handle) for _ in range(num_callers)]
+
+    async def one(i: int) -> tuple[list[int], str]:
+        _, stream = await transports[i].submit(f"req-{i}", [1, 2, 3], params(max_tokens))
+        deltas = await deltas_of(stream)
+        assert deltas[-1].finish_reason == "length"
+        return [t for d in deltas for t in d.token_ids], stream.carrier_id
+
+    async def scenario() -> list[tuple[list[int], str]]:
+        return await asyncio.gather(*(one(i) for i in range(num_callers)))
+
+    return [(tokens, carrier_steps(handle, cid)) for tokens, cid in asyncio.run(scenario())]
+
+
+def test_more_callers_than_the_budget_send_every_few_steps() -> None:
+    """Budget 1 message per step, 4 callers: each carrier sends every 4 steps, except
+    the first token (at once); every token arrives, in order."""
+    server = local_server(FakeEngine("r0", step_s=0.002), carrier_messages_per_step=1)
+    try:
+        results = run_callers(InProcessHandle(server), num_callers=4, max_tokens=41)
+    finally:
+        server.shutdown()
+    for tokens, messages in results:
+        assert tokens == list(range(1, 42))
+        assert len(messages[0]) == 1 and messages[0][0].num_tokens == [1]  # the first token
+        assert max(len(steps) for steps in messages) <= 4
+        # 1 + 40 / 4 when every caller is there from the first step; a few more while
+        # the carriers of the other callers are still being elected.
+        assert len(messages) <= 16, [len(steps) for steps in messages]
+
+
+def test_within_the_budget_every_step_is_sent() -> None:
+    server = local_server(FakeEngine("r0", step_s=0.002), carrier_messages_per_step=4)
+    try:
+        results = run_callers(InProcessHandle(server), num_callers=4, max_tokens=41)
+    finally:
+        server.shutdown()
+    for tokens, messages in results:
+        assert tokens == list(range(1, 42))
+        assert len(messages) >= 20  # one per step, bar those the loop fell behind on
+
+
+def test_a_held_step_goes_out_after_the_hold_limit() -> None:
+    """Steps slower than CARRIER_MAX_HOLD_S: a carrier over its budget still sends each
+    step, the hold limit bounds how late a token is."""
+    server = local_server(FakeEngine("r0", step_s=0.05), carrier_messages_per_step=1)
+    try:
+        results = run_callers(InProcessHandle(server), num_callers=2, max_tokens=8)
+    finally:
+        server.shutdown()
+    for tokens, messages in results:
+        assert tokens == list(range(1, 9))
+        assert [len(steps) for steps in messages] == [1] * 8
