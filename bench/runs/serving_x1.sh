@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The serving path on one H200 (issues 5 and 6), results under $1 (default results/).
+# Usage: bash bench/runs/serving_x1.sh OUT_DIR [MODEL]
+#  - bench.cluster's Serve overhead (TTFT p50 at concurrency 1), handle routing on the
+#    caller's loop against Serve's router thread;
+#  - one replica under 256 closed-loop users in 8 generator processes (8 callers, more
+#    than the default message budget of 4), A/B of the two serving-path changes:
+#    old path (every step to every caller, Serve's router thread), caller-loop routing
+#    alone, then message budgets 4 (each caller every 2 steps) and 2 (every 4 steps),
+#    and budget 4 with Serve running the replica's user code on its main loop.
+set -u
+out=${1:-results}
+model=${2:-gpt2}
+mkdir -p "$out"
+timeout 200 python -m bench.cluster --model "$model" --device cuda --sections overhead \
+  --out "$out/cluster_overhead.json" 2>&1 | grep -E "^\||^###|Error" | grep -v raylet | tail -8
+run() {  # name, extra bench.load args
+  local name=$1
+  shift
+  timeout 110 python -m bench.load --model "$model" --replicas 1 --device cuda --routers kv \
+    --dataset random --input-len 128 --output-len 128 --concurrency 256 --num-requests 2048 \
+    --num-procs 8 --out "$out/serving_${name}.json" "$@" \
+    2>&1 | grep -E "^\| kv|SATURATED|LOST|LEAK|Error" | grep -v raylet | tail -4 | sed "s/^/$name /"
+}
+run old --carrier-messages-per-step 1000 --router-thread
+run budget4 --carrier-messages-per-step 4
+run loop --carrier-messages-per-step 1000
+run budget2 --carrier-messages-per-step 2
+# Serve runs the replica's user code on its main loop: one thread hop less per message.
+RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 run budget4_mainloop --carrier-messages-per-step 4
