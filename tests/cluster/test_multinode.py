@@ -7,6 +7,7 @@ Each node offers one "kvfleet_slot" custom resource and every replica needs one
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -65,6 +66,11 @@ def test_one_replica_per_node_both_serve(two_node_app: tuple[ClusterConfig, Clie
     assert ray.available_resources().get(SLOT, 0) == 0
     assert len(client.stats()) == 2
 
+    # The client's Serve router starts with its first request and gets replica stats
+    # from the controller some 0.2-0.3 s later; until then a replica without stats is
+    # only a last resort (KVFleetRequestRouter), so the burst waits for them.
+    client.generate([1, 2, 3], GREEDY)
+    time.sleep(1.0)
     prompts = [[(7 * i + j) % 500 + 1 for j in range(8 + i)] for i in range(12)]
 
     async def burst() -> list[list]:
