@@ -339,9 +339,10 @@ def current_loop_handle(app_name: str) -> Any:
 
     Serve's default handle routes on a loop thread of its own, so every call crosses
     threads twice in the calling process, and that thread competes for the GIL.
-    Routing on the calling loop cost about a third less caller CPU per call and ~1 ms
-    less latency on the 2-core CPU box (BENCHMARKS.md, "Routing on the caller's
-    loop"). Not serve.get_deployment_handle's cached handle: this one belongs to the
+    Routing on the calling loop cut the TTFT that Serve adds from 4.5 to 4.0 ms on
+    the H200 host, and caller CPU per unary call from 2.3 to 1.8 ms on the CPU box
+    (BENCHMARKS.md, "Routing on the caller's loop"; bench/serve_handle.py). Not
+    serve.get_deployment_handle's cached handle: this one belongs to the
     loop it was made on, so Client keeps one per loop, and the loop must keep running
     while it is in use (Client.aclose shuts its router down).
     """

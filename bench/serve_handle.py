@@ -1,0 +1,108 @@
+"""What one Serve handle call costs the caller: Serve's router thread vs the caller's loop.
+
+    python -m bench.serve_handle            # CPU is enough: no model, an echo deployment
+
+A bare echo deployment (no kvfleet code on the replica), called through two handles
+in the same run: Serve's default (its router on a loop thread of its own) and one
+initialized to route on the calling loop (what Client(route_on_caller_loop=True)
+uses). Per kind: latency p50/p90 at concurrency 1 of a unary call, of a streaming
+call's first item and of a whole one-item stream; then calls/s and the caller
+process's CPU per call at concurrency 200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+from bench.common import machine_description, markdown_table, percentile, write_json
+
+
+class Echo:
+    async def unary(self, x: int) -> int:
+        return x
+
+    async def stream(self, x: int) -> Any:
+        yield x
+
+
+async def _one(handle: Any, kind: str) -> float:
+    t0 = time.perf_counter()
+    if kind == "unary":
+        await handle.options(method_name="unary").remote(1)
+        return time.perf_counter() - t0
+    gen = handle.options(method_name="stream", stream=True).remote(1)
+    await gen.__anext__()
+    first_s = time.perf_counter() - t0
+    async for _ in gen:
+        pass
+    return first_s if kind == "stream first item" else time.perf_counter() - t0
+
+
+async def measure(handle: Any, n: int, concurrency: int) -> list[dict]:
+    rows = []
+    for _ in range(20):  # warm: the router, the replica's queue-length cache
+        await _one(handle, "unary")
+        await _one(handle, "stream")
+    for kind in ("unary", "stream first item", "stream"):
+        lat = [await _one(handle, kind) for _ in range(n)]
+        rows.append({"call": kind, "concurrency": 1, "p50_ms": percentile(lat, 50) * 1e3,
+                     "p90_ms": percentile(lat, 90) * 1e3})  # fmt: skip
+    for kind in ("unary", "stream"):
+        gate = asyncio.Semaphore(concurrency)
+
+        async def gated(kind: str = kind, gate: asyncio.Semaphore = gate) -> None:
+            async with gate:
+                await _one(handle, kind)
+
+        num_calls = 10 * n
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(gated() for _ in range(num_calls)))
+        wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+        rows.append({"call": kind, "concurrency": concurrency, "calls_per_s": num_calls / wall_s,
+                     "caller_cpu_ms_per_call": cpu_s / num_calls * 1e3})  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    import ray
+    from ray import serve
+    from ray.serve.handle import DeploymentHandle
+
+    parser = argparse.ArgumentParser(prog="python -m bench.serve_handle", description=__doc__)
+    parser.add_argument("--calls", type=int, default=300, help="calls per latency figure")
+    parser.add_argument("--concurrency", type=int, default=200)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        deployment = serve.deployment(
+            Echo, max_ongoing_requests=1 << 16, ray_actor_options={"num_cpus": 0}
+        )
+        serve.run(deployment.bind(), name="echo", route_prefix=None)
+        rows = []
+        for kind in ("router thread (default)", "router on caller loop"):
+
+            async def run(kind: str = kind) -> list[dict]:
+                handle = DeploymentHandle("Echo", "echo")
+                if kind == "router on caller loop":
+                    handle._init(_run_router_in_separate_loop=False)
+                result = await measure(handle, args.calls, args.concurrency)
+                await handle.shutdown_async()
+                return result
+
+            rows += [{"handle": kind, **row} for row in asyncio.run(run())]
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(f"\n{machine_description()}, {time.strftime('%Y-%m-%d')}\n")
+    columns = ["handle", "call", "concurrency", "p50_ms", "p90_ms", "calls_per_s",
+               "caller_cpu_ms_per_call"]  # fmt: skip
+    print(markdown_table(rows, columns))
+    write_json(args.out, {"args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
