@@ -56,6 +56,7 @@ submit raises. Nothing hangs:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -199,6 +200,8 @@ class CallerTransport:
     instance as its last item (see the module docstring).
     """
 
+    MAX_GIVEN_UP = 1024
+
     def __init__(
         self, handle: Any, carrier_timeout_s: float = 10.0, abort_timeout_s: float = 5.0
     ) -> None:
@@ -213,7 +216,9 @@ class CallerTransport:
         self._submit = handle.options(method_name="submit", stream=True)
         self._attempts: dict[str, _Attempt] = {}
         self._links: dict[str, _Link] = {}  # by carrier id
-        self._given_up: set[str] = set()  # carrier ids
+        # Carrier ids given up on, newest last; only acks of submits sent before the
+        # loss can name one, so the oldest are dropped beyond MAX_GIVEN_UP.
+        self._given_up: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._tasks: set[asyncio.Task] = set()
         self._watchdog: asyncio.Task | None = None
 
@@ -385,7 +390,9 @@ class CallerTransport:
     def _lose_carrier(self, carrier_id: str, caller_id: str) -> None:
         """Never attach to carrier_id again: a replica that is in fact alive may keep
         it registered for caller_id, so later submits go out under a fresh caller id."""
-        self._given_up.add(carrier_id)
+        self._given_up[carrier_id] = None
+        while len(self._given_up) > self.MAX_GIVEN_UP:
+            self._given_up.popitem(last=False)
         if caller_id == self.caller_id:
             self._epoch += 1
             self.caller_id = f"{self._base_caller_id}.{self._epoch}"

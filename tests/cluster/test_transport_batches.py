@@ -45,6 +45,17 @@ async def deltas_of(stream: DeltaStream) -> list[TokenDelta]:
 # --- the wire format ----------------------------------------------------------------------
 
 
+def test_first_tokens_and_ends_make_a_batch_urgent() -> None:
+    batch = StepBatch()
+    batch.add("a", [5], None)
+    assert not batch.urgent  # a later token of a running request can wait its turn
+    batch.add("b", [6], None, first=True)
+    assert batch.urgent
+    ended = StepBatch()
+    ended.add("a", [], "abort")
+    assert ended.urgent
+
+
 def test_step_batches_round_trip_as_columns() -> None:
     first = StepBatch()
     first.add("a", [5], None)
@@ -232,10 +243,9 @@ def test_more_callers_than_the_budget_send_every_few_steps() -> None:
         server.shutdown()
     for tokens, messages in results:
         assert tokens == list(range(1, 42))
-        assert len(messages[0]) == 1 and messages[0][0].num_tokens == [1]  # the first token
-        assert max(len(steps) for steps in messages) <= 4
         # 1 + 40 / 4 when every caller is there from the first step; a few more while
-        # the carriers of the other callers are still being elected.
+        # the carriers of the other callers are still being elected. (Fewer when the
+        # loop falls behind the steps: then a message carries whatever is pending.)
         assert len(messages) <= 16, [len(steps) for steps in messages]
 
 
@@ -261,3 +271,18 @@ def test_a_held_step_goes_out_after_the_hold_limit() -> None:
     for tokens, messages in results:
         assert tokens == list(range(1, 9))
         assert [len(steps) for steps in messages] == [1] * 8
+
+
+def test_given_up_carriers_are_remembered_up_to_a_bound() -> None:
+    class NoCalls:
+        def options(self, **_: Any) -> None:
+            return None
+
+    transport = CallerTransport(NoCalls())
+    first_caller_id = transport.caller_id
+    for i in range(CallerTransport.MAX_GIVEN_UP + 10):
+        transport._lose_carrier(f"carrier-{i}", transport.caller_id)
+    assert transport.caller_id != first_caller_id  # later submits elect a fresh carrier
+    assert len(transport._given_up) == CallerTransport.MAX_GIVEN_UP
+    assert "carrier-9" not in transport._given_up  # the oldest went first
+    assert f"carrier-{CallerTransport.MAX_GIVEN_UP + 9}" in transport._given_up
