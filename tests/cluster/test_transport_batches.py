@@ -216,33 +216,35 @@ def carrier_steps(handle: InProcessHandle, carrier_id: str) -> list[list[StepBat
 
 
 def run_callers(
-    handle: InProcessHandle, num_callers: int, max_tokens: int
-) -> list[tuple[list[int], list[list[StepBatch]]]]:
-    """One request per caller (a transport each); (its tokens, its carrier's messages)."""
+    step_s: float, messages_per_step: int, num_callers: int, max_tokens: int
+) -> list[list[list[StepBatch]]]:
+    """One request per caller (a transport each) on a FakeEngine replica; checks that
+    each gets all its tokens in order; returns each carrier's messages."""
+    engine = FakeEngine("r0", step_s=step_s)
+    server = local_server(engine, carrier_messages_per_step=messages_per_step)
+    handle = InProcessHandle(server)
     transports = [CallerTransport(handle) for _ in range(num_callers)]
 
-    async def one(i: int) -> tuple[list[int], str]:
+    async def one(i: int) -> str:
         _, stream = await transports[i].submit(f"req-{i}", [1, 2, 3], params(max_tokens))
         deltas = await deltas_of(stream)
         assert deltas[-1].finish_reason == "length"
-        return [t for d in deltas for t in d.token_ids], stream.carrier_id
+        assert [t for d in deltas for t in d.token_ids] == list(range(1, max_tokens + 1))
+        return stream.carrier_id
 
-    async def scenario() -> list[tuple[list[int], str]]:
+    async def scenario() -> list[str]:
         return await asyncio.gather(*(one(i) for i in range(num_callers)))
 
-    return [(tokens, carrier_steps(handle, cid)) for tokens, cid in asyncio.run(scenario())]
+    try:
+        return [carrier_steps(handle, carrier_id) for carrier_id in asyncio.run(scenario())]
+    finally:
+        server.shutdown()
 
 
 def test_more_callers_than_the_budget_send_every_few_steps() -> None:
-    """Budget 1 message per step, 4 callers: each carrier sends every 4 steps, except
-    the first token (at once); every token arrives, in order."""
-    server = local_server(FakeEngine("r0", step_s=0.002), carrier_messages_per_step=1)
-    try:
-        results = run_callers(InProcessHandle(server), num_callers=4, max_tokens=41)
-    finally:
-        server.shutdown()
-    for tokens, messages in results:
-        assert tokens == list(range(1, 42))
+    """Budget 1 message per step, 4 callers: each carrier sends every 4 steps (its
+    request's first token at once)."""
+    for messages in run_callers(0.002, messages_per_step=1, num_callers=4, max_tokens=41):
         # 1 + 40 / 4 when every caller is there from the first step; a few more while
         # the carriers of the other callers are still being elected. (Fewer when the
         # loop falls behind the steps: then a message carries whatever is pending.)
@@ -250,26 +252,14 @@ def test_more_callers_than_the_budget_send_every_few_steps() -> None:
 
 
 def test_within_the_budget_every_step_is_sent() -> None:
-    server = local_server(FakeEngine("r0", step_s=0.002), carrier_messages_per_step=4)
-    try:
-        results = run_callers(InProcessHandle(server), num_callers=4, max_tokens=41)
-    finally:
-        server.shutdown()
-    for tokens, messages in results:
-        assert tokens == list(range(1, 42))
+    for messages in run_callers(0.002, messages_per_step=4, num_callers=4, max_tokens=41):
         assert len(messages) >= 20  # one per step, bar those the loop fell behind on
 
 
 def test_a_held_step_goes_out_after_the_hold_limit() -> None:
     """Steps slower than CARRIER_MAX_HOLD_S: a carrier over its budget still sends each
     step, the hold limit bounds how late a token is."""
-    server = local_server(FakeEngine("r0", step_s=0.05), carrier_messages_per_step=1)
-    try:
-        results = run_callers(InProcessHandle(server), num_callers=2, max_tokens=8)
-    finally:
-        server.shutdown()
-    for tokens, messages in results:
-        assert tokens == list(range(1, 9))
+    for messages in run_callers(0.05, messages_per_step=1, num_callers=2, max_tokens=8):
         assert [len(steps) for steps in messages] == [1] * 8
 
 
