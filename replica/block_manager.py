@@ -83,6 +83,20 @@ class BlockManager:
             hits.pop()  # the last token must be computed to produce logits
         return hits
 
+    def first_uncached_hash(self, seq: Sequence) -> int | None:
+        """The hash of the sequence's first full block with no cached KV (None: there is
+        none, or prefix caching is off)."""
+        if not self.enable_prefix_caching:
+            return None
+        for h in seq.full_block_hashes(self.block_size):
+            if h not in self.hash_to_block:
+                return h
+        return None
+
+    def uncommitted_hashes(self, seq: Sequence) -> list[int]:
+        """Hashes of the running sequence's full blocks whose KV is not computed yet."""
+        return seq.full_block_hashes(self.block_size)[seq.num_committed_blocks :]
+
     def can_allocate(self, seq: Sequence) -> bool:
         if not self.free_slots:
             return False

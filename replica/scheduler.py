@@ -45,6 +45,13 @@ class Scheduler:
     whole sequence and token budget remain. A request is never dropped: one
     that cannot run now waits; the engine rejects at add time any request that
     could not fit even alone.
+
+    Prefix sharing among requests that arrive together: a block's hash is
+    registered when the step computing it is launched, so a waiting sequence
+    whose next uncached block is being computed by a sequence already running
+    (prefilling, or admitted earlier in this pass) waits, letting others pass,
+    and is admitted a step or two later onto the cached prefix instead of
+    computing and holding a copy of it (as SGLang's in-batch prefix check does).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -108,20 +115,34 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.token_ids[-1] == PLACEHOLDER or not bm.can_allocate(seq):
-                # First come, first served: later arrivals do not overtake. A preempted
-                # sequence waits until its in-flight token has come back from the device.
-                break
-            self.waiting.popleft()
+        in_progress = self._hashes_in_progress()
+        i = 0  # waiting[:i] wait for a prefix that running sequences are computing
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
+            if seq.token_ids[-1] == PLACEHOLDER:
+                break  # a preempted sequence waits for its in-flight token to come back
+            if in_progress and bm.first_uncached_hash(seq) in in_progress:
+                i += 1
+                continue
+            if not bm.can_allocate(seq):
+                break  # first come, first served: later arrivals do not overtake
+            del self.waiting[i]
             bm.allocate(seq)
+            if bm.enable_prefix_caching:
+                in_progress.update(bm.uncommitted_hashes(seq))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunk = min(len(seq) - seq.num_computed_tokens, budget)
             batch.prefill_seqs.append(seq)
             batch.prefill_lens.append(chunk)
             budget -= chunk
+
+    def _hashes_in_progress(self) -> set[int]:
+        """Hashes of blocks that prefilling sequences compute in this step or later."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching or not self.waiting:
+            return set()
+        return {h for seq in self.prefilling for h in bm.uncommitted_hashes(seq)}
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it is recomputed later from its tokens."""

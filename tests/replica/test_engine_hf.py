@@ -104,6 +104,37 @@ def test_shared_prefixes_hit_the_cache(checkpoint, block_size):
     assert all(out.num_cached_tokens == 2 * block_size for out in rest)
 
 
+@pytest.mark.parametrize("max_num_batched_tokens", [2048, 8])
+def test_requests_arriving_together_share_the_prefix_in_flight(checkpoint, max_num_batched_tokens):
+    """Requests that arrive with one whose prefix is still being computed (in one step,
+    or over several chunks) wait for it and start on the cached blocks instead of
+    computing and holding a copy; the tokens are unchanged."""
+    path, hf_model = checkpoint
+    engine = make_engine(path, 16, max_num_batched_tokens=max_num_batched_tokens)
+    system = random_prompts(7, [3 * 16 + 5])[0]
+    prompts = [system + s for s in random_prompts(8, [1, 5, 11, 3])]
+    outs = assert_matches_hf(engine, hf_model, prompts)
+    assert [out.num_cached_tokens for out in outs] == [0] + [3 * 16] * 3
+
+
+def test_a_request_waiting_for_a_prefix_lets_others_pass(checkpoint):
+    path, _ = checkpoint
+    engine = make_engine(path, 16)
+    system, other = random_prompts(9, [40, 40])
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    engine.add_request("first", system + [5], params)
+    engine.add_request("same-prefix", system + [6], params)
+    engine.add_request("other-prefix", other, params)
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == ["first", "other-prefix"]
+    assert [s.request_id for s in engine.scheduler.waiting] == ["same-prefix"]
+    engine.step()  # "first"'s prefix blocks were registered when its step launched
+    assert engine.requests["same-prefix"].num_cached_tokens == 2 * 16
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leak(engine)
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_small_pool_forces_preemption(checkpoint, block_size):
     path, hf_model = checkpoint
