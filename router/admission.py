@@ -152,13 +152,20 @@ class Admission:
         self.settle_reservations(now_s)
         own = self.reservations.by_request.get(request.request_id)
         own_slot = fleet.slot_of.get(own.replica_id) if own is not None else None
-        room = room_for(fleet, request, own_slot, own.num_blocks if own is not None else 0)
+        matched = self.matched_blocks(request, np.arange(len(fleet)))
+        own_blocks = own.num_blocks if own is not None else 0
+        room = room_for(fleet, request, own_slot, own_blocks, matched)
         refused = room.refused(config.high_watermark)
         fresh = now_s - fleet.column("timestamp_s") <= config.stats_max_age_s
         admissible = np.flatnonzero(~refused & fresh)
         tiers = []
         if len(admissible):
-            candidates = Candidates(fleet, admissible, room.load[admissible])
+            candidates = Candidates(
+                fleet,
+                admissible,
+                room.load[admissible],
+                None if matched is None else matched[admissible],
+            )
             tiers = self.policy.rank(candidates, request)
         stale = np.flatnonzero(~refused & ~fresh).tolist()
         last_resort = [*unknown_replica_ids, *(fleet.ids[slot] for slot in stale)]
@@ -229,13 +236,22 @@ class Admission:
             named.append(f"{len(slots) - MAX_REFUSALS_NAMED} more replicas refuse")
         return "; ".join(named)
 
+    def matched_blocks(self, request: RouteRequest, slots: np.ndarray) -> np.ndarray | None:
+        """Leading prompt blocks cached at each of these fleet slots; None when the fleet
+        keeps no prefix index (the policy does not use one) or the prompt is unknown."""
+        if self.fleet.prefix is None or not request.knows_prompt or not len(slots):
+            return None
+        return Candidates(self.fleet, slots, np.zeros(len(slots))).matched_blocks(request)
+
     def num_blocks_to_reserve(self, request: RouteRequest, replica_id: str) -> int:
+        """Blocks the request will take there: its prompt, less the prefix cached there."""
         slot = self.fleet.slot_of.get(replica_id)
-        if slot is not None:
-            block_size = self.fleet.stats[slot].block_size
-        else:  # left the fleet, or never had readable stats
+        if slot is None:  # left the fleet, or never had readable stats
             block_size = self.block_size_by_replica.get(replica_id, DEFAULT_BLOCK_SIZE)
-        return max(1, request.num_prompt_blocks(block_size))
+            return max(1, request.num_prompt_blocks(block_size))
+        num_blocks = request.num_prompt_blocks(self.fleet.stats[slot].block_size)
+        matched = self.matched_blocks(request, np.array([slot]))
+        return max(1, num_blocks - (0 if matched is None else int(matched[0])))
 
     def reserve(self, request: RouteRequest, replica_id: str, now_s: float) -> None:
         """Record that the request was routed to replica_id (moves an earlier reservation)."""

@@ -27,6 +27,7 @@ class Candidates:
     fleet: Fleet
     slots: np.ndarray  # int64 [num_candidates]: fleet slots
     loads: np.ndarray  # float64 [num_candidates]: load_fraction with the request
+    matched: np.ndarray | None = None  # matched_blocks, when the caller already has it
 
     @classmethod
     def from_stats(cls, stats: Sequence[ReplicaStats], request: RouteRequest) -> Candidates:
@@ -51,6 +52,8 @@ class Candidates:
         at that size, matched in the fleet's PrefixIndex against the candidates
         of that size. O(prompt blocks) plus numpy work over the candidates.
         """
+        if self.matched is not None:
+            return self.matched
         matched = np.zeros(len(self.slots), dtype=np.int64)
         index = self.fleet.prefix
         if index is None or not len(self.slots):

@@ -19,7 +19,7 @@ from router.request import RouteRequest
 class Room:
     """Per fleet slot: [num_replicas] arrays."""
 
-    needed: np.ndarray  # int64: the request's prompt blocks at the replica's block size
+    needed: np.ndarray  # int64: prompt blocks at the replica's block size, less cached ones
     available: np.ndarray  # int64: free + cached - waiting, after charging, at least 0
     committed: np.ndarray  # float64: (used + waiting) / total, after charging
     load: np.ndarray  # float64: (used + waiting + needed) / total (load_fraction)
@@ -30,10 +30,19 @@ class Room:
 
 
 def room_for(
-    fleet: Fleet, request: RouteRequest, own_slot: int | None = None, own_blocks: int = 0
+    fleet: Fleet,
+    request: RouteRequest,
+    own_slot: int | None = None,
+    own_blocks: int = 0,
+    matched: np.ndarray | None = None,
 ) -> Room:
     """Room with fleet's reserved column charged, less own_blocks at own_slot (the request's
-    own reservation, which is not in its own way)."""
+    own reservation, which is not in its own way).
+
+    matched (int64 per fleet slot, optional): leading prompt blocks each replica has
+    cached (Candidates.matched_blocks); the request needs only the rest there, and at
+    least one block (its last token is always computed). Without it, the whole prompt.
+    """
     total, free, cached = fleet.column("total"), fleet.column("free"), fleet.column("cached")
     reserved = fleet.column("reserved")
     if own_slot is not None and own_blocks:
@@ -45,6 +54,8 @@ def room_for(
     used = total - (free - from_free) - (cached - from_cached)
     queued = used + fleet.column("waiting")
     needed = -(-request.num_prompt_tokens // fleet.column("block_size"))
+    if matched is not None:
+        needed = np.maximum(needed - matched, 1)
     return Room(
         needed=needed,
         available=np.maximum(total - queued, 0),

@@ -162,3 +162,29 @@ def test_no_replicas_holds(now_s: float) -> None:
     decision = admission(backoff_initial_s=0.05).admit([], RouteRequest("r"), NOW_S)
     assert not decision.admitted
     assert decision.retry_after_s == pytest.approx(0.05)
+
+
+def test_a_cached_prefix_counts_toward_room_and_reservations(now_s: float) -> None:
+    """Prefix policy: a replica that caches the prompt's first 3 of 4 blocks needs one more
+    block for it (not 4): it is admitted with 2 blocks left, and reserves only 1."""
+    from replica.hashing import prefix_block_hashes
+
+    tokens = list(range(64))  # 4 blocks of 16
+    hashes = tuple(prefix_block_hashes(tokens, 16))
+    stats = [
+        make_stats(
+            "warm", num_blocks_total=52, num_blocks_used=50, cached_prefix_hashes=hashes[:3]
+        ),
+        make_stats("cold", num_blocks_total=52, num_blocks_used=50),
+    ]
+    request = RouteRequest.from_tokens("r", tokens)
+    adm = admission(policy="prefix", high_watermark=1.0)
+    decision = adm.admit(stats, request, now_s)
+    assert decision.tiers == [["warm"]]  # cold has 2 blocks for a 4-block prompt
+    adm.reserve(request, "warm", now_s)
+    assert adm.reservations.num_blocks_by_replica["warm"] == 1
+    # The kv policy keeps no prefix index: the whole prompt must fit.
+    with pytest.raises(OverloadedError):
+        admission(policy="kv", high_watermark=1.0, on_overload="reject").admit(
+            stats, request, now_s
+        )
