@@ -185,11 +185,18 @@ class SimReplica:
             budget -= chunk
             num_prefill += chunk
         max_num_seqs = self.config.max_num_seqs
-        while self.waiting and budget > 0 and len(self.running) < max_num_seqs:
-            seq = self.waiting[0]
+        in_progress = self._hashes_in_progress()
+        i = 0  # as replica.Scheduler: waiting[:i] wait for a prefix being computed
+        while i < len(self.waiting) and budget > 0 and len(self.running) < max_num_seqs:
+            seq = self.waiting[i]
+            if in_progress and self._first_uncached_hash(seq) in in_progress:
+                i += 1
+                continue
             if not self._allocate(seq):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            if in_progress is not None:
+                in_progress.update(self._uncomputed_hashes(seq))
             self.num_waiting_tokens -= seq.prompt_len
             self.running[seq] = None
             self.prefilling.append(seq)
@@ -206,6 +213,26 @@ class SimReplica:
         dt = self.cost.step_s(num_prefill, self.num_decode, self.context_tokens)
         self.busy_s += dt
         return now_s + dt
+
+    # ---- prefixes being computed -------------------------------------------------
+    def _hashes_in_progress(self) -> set[int] | None:
+        """Prompt-block hashes that prefilling sequences will register (None: caching off)."""
+        if not self.config.enable_prefix_caching:
+            return None
+        if not self.waiting or not self.prefilling:
+            return set()
+        return {h for seq in self.prefilling for h in self._uncomputed_hashes(seq)}
+
+    def _uncomputed_hashes(self, seq: SimSeq) -> list[int]:
+        num_full = seq.prompt_len // self.block_size
+        return self.workload.block_hashes(seq.rid, num_full)[len(seq.held_hashes) :]
+
+    def _first_uncached_hash(self, seq: SimSeq) -> int | None:
+        max_hits = (seq.prompt_len - 1) // self.block_size
+        for h in self.workload.block_hashes(seq.rid, max_hits):
+            if h not in self.resident:
+                return h
+        return None
 
     # ---- blocks ----------------------------------------------------------------
     def _take_blocks(self, n: int) -> None:
