@@ -147,7 +147,11 @@ def _cluster_config(args: argparse.Namespace, router: str) -> ClusterConfig:
     admission = (
         {}
         if router in SERVE_ROUTERS
-        else {"on_overload": args.on_overload, "max_hold_s": args.max_hold_s}
+        else {
+            "on_overload": args.on_overload,
+            "max_hold_s": args.max_hold_s,
+            "queue_fraction": args.queue_fraction,
+        }
     )
     return ClusterConfig(
         model=args.model,
@@ -272,7 +276,7 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
 
 _TARGET_KEYS = (
     "app_name model replicas routers router num_blocks max_num_seqs block_size device "
-    "on_overload num_procs fake_step_ms carrier_messages_per_step router_thread"
+    "on_overload queue_fraction num_procs fake_step_ms carrier_messages_per_step router_thread"
 ).split()
 
 
@@ -289,6 +293,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--num-blocks", type=int, default=None)
     t.add_argument("--max-num-seqs", type=int, default=256)
     t.add_argument("--block-size", type=int, default=16)
+    t.add_argument(
+        "--queue-fraction", type=float, default=0.0,
+        help="kvfleet routers: RouterConfig.queue_fraction (replica-side queueing allowed)",
+    )  # fmt: skip
     t.add_argument(
         "--router-thread", action="store_true",
         help="generators route on Serve's router thread (its default), not on their loop",

@@ -262,6 +262,7 @@ def sim_config(args: argparse.Namespace, num_replicas: int, **overrides: object)
         stats_period_s=args.stats_period_ms / 1e3, stats_delay_s=args.stats_delay_ms / 1e3,
         slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3, seed=args.seed,
         progress_every=args.progress_every,
+        router=RouterConfig(seed=args.seed, queue_fraction=args.queue_fraction),
     )  # fmt: skip
     fields |= {k: v for k, v in overrides.items() if k not in replica_fields}
     return SimConfig(**fields)
@@ -289,6 +290,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefix-hashes", type=int, default=2048)
     p.add_argument("--stats-period-ms", type=float, default=50.0)
     p.add_argument("--stats-delay-ms", type=float, default=100.0)
+    p.add_argument(
+        "--queue-fraction", type=float, default=0.0,
+        help="kvfleet policies: RouterConfig.queue_fraction",
+    )  # fmt: skip
     p.add_argument("--slo-ttft-ms", type=float, default=250.0)
     p.add_argument("--slo-tpot-ms", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)

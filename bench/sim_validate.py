@@ -14,8 +14,8 @@ From the result JSON (bench/load.py's report(): "workload", "target", "runs"):
     EngineConfig's defaults, which the load test does not change; stats period and
     delay are the simulator's flags (defaults: ClusterConfig's 50 ms period);
   - the routers: every run in "runs", mapped to the simulator's policy of the same
-    algorithm (LOAD_ROUTER_POLICIES); the kvfleet ones with target on_overload and
-    the run's seed, as ClusterConfig.router_config() builds them.
+    algorithm (LOAD_ROUTER_POLICIES); the kvfleet ones with target on_overload,
+    queue_fraction and the run's seed, as ClusterConfig.router_config() builds them.
 For each router it prints predicted vs measured output-token throughput, request
 throughput and TTFT p50/p99 (bench.load's definitions; bench/sim_report.py
 computes the same ones) with the relative error (predicted - measured) / measured.
@@ -143,7 +143,11 @@ def validate(path: str, args: argparse.Namespace, cost: CostModel) -> dict:
             print(f"| {router} | (no simulator model of this router) | | | |")
             report[router] = {"skipped": "no simulator model of this router"}
             continue
-        router_config = RouterConfig(seed=seed, on_overload=on_overload)
+        router_config = RouterConfig(
+            seed=seed,
+            on_overload=on_overload,
+            queue_fraction=result["target"].get("queue_fraction") or 0.0,
+        )
         config: SimConfig = sim_config(args, num_replicas, router=router_config, **overrides)
         predicted = simulate(policy, workload, config, cost)
         rows = compare(predicted, run["metrics"])

@@ -12,7 +12,7 @@ from router.config import POLICIES, RouterConfig
 SERVE_ROUTERS = ("serve-pow2", "serve-round-robin", "serve-consistent-hash")
 ROUTERS = (*POLICIES, *SERVE_ROUTERS)
 # ClusterConfig fields that only kvfleet's admission control reads.
-ADMISSION_FIELDS = ("high_watermark", "on_overload", "max_hold_s")
+ADMISSION_FIELDS = ("high_watermark", "queue_fraction", "on_overload", "max_hold_s")
 ON_OVERLOAD = ("hold", "reject")
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -40,7 +40,8 @@ class ClusterConfig:
     """A kvfleet Serve application: which model, how many replicas, how requests route.
 
     Engine options (block_size .. device) are passed to every replica's EngineConfig;
-    router options (high_watermark, on_overload, max_hold_s) to the KV request router.
+    router options (high_watermark, queue_fraction, on_overload, max_hold_s) to the KV
+    request router (router.RouterConfig documents them).
     router is a kvfleet policy ("kv", "prefix", "pow2": router/ behind admission
     control) or one of Ray Serve's own routers as a peer: "serve-pow2" (Serve's
     default, power of two choices over queue lengths), "serve-round-robin", or
@@ -71,6 +72,7 @@ class ClusterConfig:
     stats_period_s: float = 0.05
     carrier_messages_per_step: int = 4
     high_watermark: float = 0.95
+    queue_fraction: float = 0.0
     on_overload: str = "hold"
     max_hold_s: float = 30.0
     num_gpus_per_replica: float | None = None
@@ -104,6 +106,12 @@ class ClusterConfig:
         _positive_float("high_watermark", self.high_watermark)
         if self.high_watermark > 1.0:
             raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark!r}")
+        if (
+            isinstance(self.queue_fraction, bool)
+            or not isinstance(self.queue_fraction, int | float)
+            or not 0.0 <= self.queue_fraction <= 4.0
+        ):
+            raise ValueError(f"queue_fraction must be in [0, 4], got {self.queue_fraction!r}")
         if self.on_overload not in ON_OVERLOAD:
             raise ValueError(f"on_overload must be one of {ON_OVERLOAD}, got {self.on_overload!r}")
         _positive_float("max_hold_s", self.max_hold_s)
@@ -190,6 +198,7 @@ class ClusterConfig:
         return RouterConfig(
             policy=self.router,
             high_watermark=self.high_watermark,
+            queue_fraction=self.queue_fraction,
             on_overload=self.on_overload,
             max_hold_s=self.max_hold_s,
             seed=self.seed,

@@ -19,6 +19,7 @@ itself when Serve asks for the same request again.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ from router.config import RouterConfig
 from router.errors import OverloadedError
 from router.factory import make_policy
 from router.fleet import Fleet
-from router.load import committed_fraction, num_available_blocks
+from router.load import committed_fraction, num_available_blocks, num_waiting_blocks
 from router.request import RouteRequest
 from router.reservations import Reservation, ReservationBook
 from router.room import room_for
@@ -44,22 +45,34 @@ DEFAULT_BLOCK_SIZE = 16
 MAX_REFUSALS_NAMED = 4
 
 
-def refusal(stats: ReplicaStats, request: RouteRequest, high_watermark: float) -> str | None:
+def refusal(
+    stats: ReplicaStats,
+    request: RouteRequest,
+    high_watermark: float,
+    queue_fraction: float = 0.0,
+    num_needed: int | None = None,
+) -> str | None:
     """Why a (charged) replica cannot admit the request now, or None if it can.
 
     Queued prompts count as taken blocks in both tests (router.load), so a request
     is held back by the same blocks whether it is still this router's reservation,
-    waiting on the replica, or running there.
+    waiting on the replica, or running there. queue_fraction: see RouterConfig.
+    num_needed: the blocks the request needs there (default: its whole prompt).
     """
-    num_needed = request.num_prompt_blocks(stats.block_size)
-    num_available = num_available_blocks(stats)
+    if num_needed is None:
+        num_needed = request.num_prompt_blocks(stats.block_size)
+    if queue_fraction:
+        queued = stats.num_blocks_used + num_waiting_blocks(stats)
+        num_available = math.floor(stats.num_blocks_total * (1.0 + queue_fraction)) - queued
+    else:
+        num_available = num_available_blocks(stats)
     if num_available < num_needed:
         return f"{stats.replica_id}: {num_available} blocks available < {num_needed} needed"
     usage = committed_fraction(stats)
-    if usage >= high_watermark:
+    if usage >= high_watermark + queue_fraction:
         return (
             f"{stats.replica_id}: kv usage with queue {usage:.3f} >= "
-            f"high_watermark {high_watermark}"
+            f"high_watermark {high_watermark} + queue_fraction {queue_fraction}"
         )
     return None
 
@@ -155,7 +168,7 @@ class Admission:
         matched = self.matched_blocks(request, np.arange(len(fleet)))
         own_blocks = own.num_blocks if own is not None else 0
         room = room_for(fleet, request, own_slot, own_blocks, matched)
-        refused = room.refused(config.high_watermark)
+        refused = room.refused(config.high_watermark, config.queue_fraction)
         fresh = now_s - fleet.column("timestamp_s") <= config.stats_max_age_s
         admissible = np.flatnonzero(~refused & fresh)
         tiers = []
@@ -179,7 +192,8 @@ class Admission:
         if tiers:
             return Decision(tiers)
 
-        reason = self.refusals(np.flatnonzero(refused), request, now_s) or "no replicas"
+        reason = self.refusals(np.flatnonzero(refused), request, now_s, room.needed)
+        reason = reason or "no replicas"
         if len(fleet) and not last_resort and bool(np.all(room.needed > fleet.column("total"))):
             raise OverloadedError(config.backoff_max_s, f"prompt larger than any replica: {reason}")
         if config.on_overload == "reject":
@@ -212,7 +226,13 @@ class Admission:
         for replica_id in touched | book.drain_changed():
             fleet.set_reserved(replica_id, book.num_reserved_blocks(replica_id))
 
-    def refusals(self, slots: np.ndarray, request: RouteRequest, now_s: float) -> str:
+    def refusals(
+        self,
+        slots: np.ndarray,
+        request: RouteRequest,
+        now_s: float,
+        needed: np.ndarray | None = None,
+    ) -> str:
         """Why the first refused replicas refuse (router.load's wording), and how many more.
 
         Each names its snapshot's age and this router's reservations on it: a refusal
@@ -224,7 +244,11 @@ class Admission:
         for slot in slots[:MAX_REFUSALS_NAMED].tolist():
             stats = fleet.stats[slot]
             why = refusal(
-                book.charge(stats, request.request_id), request, self.config.high_watermark
+                book.charge(stats, request.request_id),
+                request,
+                self.config.high_watermark,
+                self.config.queue_fraction,
+                None if needed is None else int(needed[slot]),
             )
             age_ms = 1e3 * (now_s - stats.timestamp_s)
             num_reserved = int(fleet.column("reserved")[slot])

@@ -21,6 +21,14 @@ class RouterConfig:
     # A replica whose KV usage (including its queued prompts and this router's
     # reservations) is at or above this fraction admits nothing new.
     high_watermark: float = 0.95
+    # How far past its blocks a replica may be committed (used + queued prompts +
+    # reservations), as a fraction of them: both the room test (blocks for the prompt)
+    # and the watermark allow this much more. The replica's own queue takes what does
+    # not fit yet and schedules it the moment blocks free, which the router would only
+    # learn a stats delay later. 0 (the default): only room that a snapshot shows free.
+    # In the simulator at KV saturation 0.1-0.5 admitted what the replicas carry where
+    # 0 held most requests (BENCHMARKS.md "Simulator: shared prefixes at KV saturation").
+    queue_fraction: float = 0.0
     # "hold": wait with backoff up to max_hold_s, then raise OverloadedError.
     # "reject": raise OverloadedError at once.
     on_overload: str = "hold"
@@ -44,6 +52,8 @@ class RouterConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0.0 < self.high_watermark <= 1.0:
             raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
+        if not 0.0 <= self.queue_fraction <= 4.0:
+            raise ValueError(f"queue_fraction must be in [0, 4], got {self.queue_fraction}")
         if self.on_overload not in OVERLOAD_MODES:
             raise ValueError(
                 f"on_overload must be one of {OVERLOAD_MODES}, got {self.on_overload!r}"

@@ -23,10 +23,16 @@ class Room:
     available: np.ndarray  # int64: free + cached - waiting, after charging, at least 0
     committed: np.ndarray  # float64: (used + waiting) / total, after charging
     load: np.ndarray  # float64: (used + waiting + needed) / total (load_fraction)
+    queued: np.ndarray  # int64: used + waiting, after charging
+    total: np.ndarray  # int64: the replica's blocks
 
-    def refused(self, high_watermark: float) -> np.ndarray:
-        """bool: the replica has no room for the prompt, or is at the high watermark."""
-        return (self.available < self.needed) | (self.committed >= high_watermark)
+    def refused(self, high_watermark: float, queue_fraction: float = 0.0) -> np.ndarray:
+        """bool: the replica has no room for the prompt, or is at the high watermark,
+        each allowing queue_fraction of its blocks more (RouterConfig.queue_fraction)."""
+        if not queue_fraction:
+            return (self.available < self.needed) | (self.committed >= high_watermark)
+        room = np.floor(self.total * (1.0 + queue_fraction)).astype(np.int64) - self.queued
+        return (room < self.needed) | (self.committed >= high_watermark + queue_fraction)
 
 
 def room_for(
@@ -61,4 +67,6 @@ def room_for(
         available=np.maximum(total - queued, 0),
         committed=queued / total,
         load=(queued + needed) / total,
+        queued=queued,
+        total=total,
     )

@@ -30,6 +30,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
         ("carrier_messages_per_step", 0),
         ("carrier_messages_per_step", 2.5),
         ("high_watermark", 1.5),
+        ("queue_fraction", -1.0),
         ("on_overload", "drop"),
         ("max_hold_s", -1.0),
         ("num_gpus_per_replica", -1),

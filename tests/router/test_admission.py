@@ -188,3 +188,26 @@ def test_a_cached_prefix_counts_toward_room_and_reservations(now_s: float) -> No
         admission(policy="kv", high_watermark=1.0, on_overload="reject").admit(
             stats, request, now_s
         )
+
+
+def test_queue_fraction_lets_a_replica_queue_past_its_free_blocks(now_s: float) -> None:
+    stats = [make_stats("tight", num_blocks_used=50, num_blocks_total=52)]  # 2 blocks left
+    request = RouteRequest("r", num_prompt_tokens=3 * 16)
+    strict = admission(high_watermark=1.0, on_overload="reject")
+    with pytest.raises(OverloadedError, match="2 blocks available < 3 needed"):
+        strict.admit(stats, request, now_s)
+    # floor(52 * 1.1) - 50 = 7 blocks may be committed past the free ones.
+    lax = admission(high_watermark=1.0, queue_fraction=0.1)
+    assert lax.admit(stats, request, now_s).tiers == [["tight"]]
+    too_big = RouteRequest("big", num_prompt_tokens=8 * 16)
+    with pytest.raises(OverloadedError, match="7 blocks available < 8 needed"):
+        admission(high_watermark=1.0, queue_fraction=0.1, on_overload="reject").admit(
+            stats, too_big, now_s
+        )
+
+
+def test_queue_fraction_raises_the_watermark_by_as_much(now_s: float) -> None:
+    stats = [make_stats("hot", num_blocks_used=96)]
+    assert admission(high_watermark=0.95).admit(stats, RouteRequest("r"), now_s).tiers == []
+    lax = admission(high_watermark=0.95, queue_fraction=0.05)
+    assert lax.admit(stats, RouteRequest("r"), now_s).tiers == [["hot"]]

@@ -164,6 +164,8 @@ def test_room_columns_equal_the_scalar_measures(seed: int) -> None:
         assert room.load[slot] == load_fraction(charged, request)
         refused = room.refused(0.9)[slot]
         assert refused == (refusal(charged, request, 0.9) is not None), replica_id
+        refused = room.refused(0.9, 0.25)[slot]
+        assert refused == (refusal(charged, request, 0.9, 0.25) is not None), replica_id
 
 
 def test_tiebreak_columns_equal_the_scalar_tiebreak() -> None:

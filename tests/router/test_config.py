@@ -13,6 +13,8 @@ from router import OverloadedError, RouterConfig
         ("policy", "round_robin"),
         ("high_watermark", 0.0),
         ("high_watermark", 1.5),
+        ("queue_fraction", -0.1),
+        ("queue_fraction", 5.0),
         ("on_overload", "drop"),
         ("max_hold_s", 0.0),
         ("backoff_initial_s", -1.0),
