@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The issue-6 load runs on one host with 4 GPUs (H200 x4), results under $1 (default results/).
-# Usage: bash bench/runs/load_x4.sh OUT_DIR [scaling|prefix|all]
+# Usage: bash bench/runs/load_x4.sh OUT_DIR [scaling|prefix|queue|all]
 set -u
 out=${1:-results}
 what=${2:-all}
@@ -25,4 +25,15 @@ if [[ $what == prefix || $what == all ]]; then
     --input-len 64 --output-len 32 --rate 480 --num-requests 2880 \
     --slo-ttft-ms 300 --slo-tpot-ms 50 --num-procs 8 --out "$out/prefix_qwen3.json" \
     2>&1 | grep -E "^\||SATURATED|LOST|LEAK|leak check|deployed|Error|ratios" | tail -40
+fi
+if [[ $what == queue || $what == all ]]; then
+  # The same trace, kvfleet's prefix policy letting replicas queue past their free blocks
+  # (RouterConfig.queue_fraction; the simulator's case for it is in BENCHMARKS.md).
+  for q in 0.1 0.25 0.5; do
+    timeout 300 python -m bench.load --model qwen3-0.6b --replicas 4 --device cuda \
+      --num-blocks 3072 --routers prefix --queue-fraction "$q" --dataset prefix \
+      --num-prefixes 32 --prefix-len 4096 --input-len 64 --output-len 32 --rate 480 \
+      --num-requests 2880 --slo-ttft-ms 300 --slo-tpot-ms 50 --num-procs 8 \
+      --out "$out/prefix_qwen3_q$q.json" 2>&1 | grep -E "^\| prefix|LOST|LEAK|Error" | tail -3
+  done
 fi
