@@ -196,7 +196,7 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
     pool: GeneratorPool | None = None
     try:
         # Starts while the first app deploys.
-        pool = GeneratorPool(num_procs, ray_address, router_thread=args.router_thread)
+        pool = GeneratorPool(num_procs, ray_address, args.route_on_caller_loop)
         for router, config in configs.items():
             if config is not None:
                 t_deploy = time.monotonic()
@@ -276,7 +276,8 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
 
 _TARGET_KEYS = (
     "app_name model replicas routers router num_blocks max_num_seqs block_size device "
-    "on_overload queue_fraction num_procs fake_step_ms carrier_messages_per_step router_thread"
+    "on_overload queue_fraction num_procs fake_step_ms carrier_messages_per_step "
+    "route_on_caller_loop"
 ).split()
 
 
@@ -298,8 +299,9 @@ def _parser() -> argparse.ArgumentParser:
         help="kvfleet routers: RouterConfig.queue_fraction (replica-side queueing allowed)",
     )  # fmt: skip
     t.add_argument(
-        "--router-thread", action="store_true",
-        help="generators route on Serve's router thread (its default), not on their loop",
+        "--route-on-caller-loop", action="store_true",
+        help="generators route on their own loop (Client option) instead of Serve's router "
+        "thread; a round after a redeploy has been seen to hang in this mode",
     )  # fmt: skip
     t.add_argument(
         "--carrier-messages-per-step", type=int, default=4,

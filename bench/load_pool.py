@@ -43,10 +43,12 @@ class Round:
 class GeneratorPool:
     """num_procs generator processes, each a Ray driver connected to ray_address."""
 
-    def __init__(self, num_procs: int, ray_address: str, router_thread: bool = False) -> None:
-        """router_thread: the generators' Serve handles route on Serve's router thread
-        (its default) rather than on their own event loop (Client.route_on_caller_loop)."""
-        self.router_thread = router_thread
+    def __init__(
+        self, num_procs: int, ray_address: str, route_on_caller_loop: bool = False
+    ) -> None:
+        """route_on_caller_loop: the generators' Clients route on their own event loop
+        (Client option) instead of Serve's router thread."""
+        self.route_on_caller_loop = route_on_caller_loop
         ctx = mp.get_context("spawn")
         self.events = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(num_procs)]
@@ -85,7 +87,7 @@ class GeneratorPool:
             if p not in self.dead:
                 plan = WorkerPlan(
                     p, app_name, shares[p], users[p] if users else None, timeout_s,
-                    route_on_caller_loop=not self.router_thread,
+                    route_on_caller_loop=self.route_on_caller_loop,
                 )  # fmt: skip
                 commands.put(("prepare", plan))
         t_prepare = time.monotonic()

@@ -46,7 +46,7 @@ class WorkerPlan:
     concurrency: int | None  # closed-loop users in this process; None: open loop
     timeout_s: float
     warmup: bool = True
-    route_on_caller_loop: bool = True  # Client option
+    route_on_caller_loop: bool = False  # Client option
 
 
 @dataclass
@@ -100,6 +100,9 @@ def worker_main(proc: int, ray_address: str, events: Any, commands: Any) -> None
     ray.shutdown()
     # Leftover non-daemon threads (Ray's, the Client's) could hold the exit for seconds.
     os._exit(0)
+
+
+_past_clients: list[Any] = []  # one per finished round (see the end of _run)
 
 
 async def _rounds(proc: int, events: Any, commands: Any) -> None:
@@ -227,5 +230,8 @@ async def _run(plan: WorkerPlan, events: Any, commands: Any) -> WorkerResult:
     result.wall_s = time.perf_counter() - wall0
     result.cpu_s = time.process_time() - cpu0
     result.records = list(records.values())
-    await client.aclose()  # the round's Serve router, on this loop
+    # Not client.aclose(): with route_on_caller_loop, a round after a redeploy was once
+    # seen (CI) to hang before "ready" after the previous round's router was shut down
+    # on this loop; the round's client stays referenced for the process's life instead.
+    _past_clients.append(client)
     return result

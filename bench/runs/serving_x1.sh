@@ -4,10 +4,9 @@
 #  - bench.cluster's Serve overhead (TTFT p50 at concurrency 1), handle routing on the
 #    caller's loop against Serve's router thread;
 #  - one replica under 256 closed-loop users in 8 generator processes (8 callers, more
-#    than the default message budget of 4), A/B of the two serving-path changes:
-#    old path (every step to every caller, Serve's router thread), caller-loop routing
-#    alone, then message budgets 4 (each caller every 2 steps) and 2 (every 4 steps),
-#    and budget 4 with Serve running the replica's user code on its main loop.
+#    than the default message budget of 4), A/B of the serving-path changes: old path
+#    (every step to every caller, Serve's router thread), caller-loop routing alone,
+#    then message budgets 4 (each caller every 2 steps) and 2 (every 4 steps).
 set -u
 out=${1:-results}
 model=${2:-gpt2}
@@ -22,9 +21,10 @@ run() {  # name, extra bench.load args
     --num-procs 8 --out "$out/serving_${name}.json" "$@" \
     2>&1 | grep -E "^\| kv|SATURATED|LOST|LEAK|Error" | grep -v raylet | tail -4 | sed "s/^/$name /"
 }
-run old --carrier-messages-per-step 1000 --router-thread
-run budget4 --carrier-messages-per-step 4
-run loop --carrier-messages-per-step 1000
-run budget2 --carrier-messages-per-step 2
-# Serve runs the replica's user code on its main loop: one thread hop less per message.
-RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 run budget4_mainloop --carrier-messages-per-step 4
+# On 2026-11-22 (BENCHMARKS.md) the replicas ran their methods on a thread of their own in
+# the first four runs (then the default; budget4_mainloop set the main loop, now the
+# default through cluster/app.py REPLICA_ENV_VARS, which this script cannot undo).
+run old --carrier-messages-per-step 1000
+run budget4 --carrier-messages-per-step 4 --route-on-caller-loop
+run loop --carrier-messages-per-step 1000 --route-on-caller-loop
+run budget2 --carrier-messages-per-step 2 --route-on-caller-loop
