@@ -19,7 +19,6 @@ itself when Serve asks for the same request again.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,7 +31,7 @@ from router.config import RouterConfig
 from router.errors import OverloadedError
 from router.factory import make_policy
 from router.fleet import Fleet
-from router.load import committed_fraction, num_available_blocks, num_waiting_blocks
+from router.load import committed_fraction, num_available_blocks
 from router.request import RouteRequest
 from router.reservations import Reservation, ReservationBook
 from router.room import room_for
@@ -61,11 +60,7 @@ def refusal(
     """
     if num_needed is None:
         num_needed = request.num_prompt_blocks(stats.block_size)
-    if queue_fraction:
-        queued = stats.num_blocks_used + num_waiting_blocks(stats)
-        num_available = math.floor(stats.num_blocks_total * (1.0 + queue_fraction)) - queued
-    else:
-        num_available = num_available_blocks(stats)
+    num_available = num_available_blocks(stats, queue_fraction)
     if num_available < num_needed:
         return f"{stats.replica_id}: {num_available} blocks available < {num_needed} needed"
     usage = committed_fraction(stats)
@@ -167,8 +162,8 @@ class Admission:
         own_slot = fleet.slot_of.get(own.replica_id) if own is not None else None
         matched = self.matched_blocks(request, np.arange(len(fleet)))
         own_blocks = own.num_blocks if own is not None else 0
-        room = room_for(fleet, request, own_slot, own_blocks, matched)
-        refused = room.refused(config.high_watermark, config.queue_fraction)
+        room = room_for(fleet, request, own_slot, own_blocks, matched, config.queue_fraction)
+        refused = room.refused(config.high_watermark)
         fresh = now_s - fleet.column("timestamp_s") <= config.stats_max_age_s
         admissible = np.flatnonzero(~refused & fresh)
         tiers = []
@@ -231,13 +226,14 @@ class Admission:
         slots: np.ndarray,
         request: RouteRequest,
         now_s: float,
-        needed: np.ndarray | None = None,
+        needed: np.ndarray,
     ) -> str:
         """Why the first refused replicas refuse (router.load's wording), and how many more.
 
         Each names its snapshot's age and this router's reservations on it: a refusal
         read off a snapshot from before the replica drained, or one made of this
         router's own reservations, reads differently from a replica that is full now.
+        needed: Room.needed, the blocks the request needs at each slot.
         """
         fleet, book = self.fleet, self.reservations
         named = []
@@ -248,7 +244,7 @@ class Admission:
                 request,
                 self.config.high_watermark,
                 self.config.queue_fraction,
-                None if needed is None else int(needed[slot]),
+                int(needed[slot]),
             )
             age_ms = 1e3 * (now_s - stats.timestamp_s)
             num_reserved = int(fleet.column("reserved")[slot])

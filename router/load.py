@@ -16,8 +16,9 @@ def num_waiting_blocks(stats: ReplicaStats) -> int:
     return -(-stats.num_waiting_tokens // stats.block_size)
 
 
-def num_available_blocks(stats: ReplicaStats) -> int:
-    """Blocks a new sequence may take: free and evictable cached ones not promised to the queue.
+def num_available_blocks(stats: ReplicaStats, queue_fraction: float = 0.0) -> int:
+    """Blocks a new sequence may take: free and evictable cached ones not promised to the
+    queue, plus queue_fraction of the replica's blocks (RouterConfig.queue_fraction).
 
     The replica's waiting prompts take blocks before a newly arrived request does
     (its scheduler is first come, first served), so they are not room. Without
@@ -26,7 +27,8 @@ def num_available_blocks(stats: ReplicaStats) -> int:
     reservations. Counting its whole prompt is conservative: a waiting prompt's
     cached prefix blocks would be shared, not taken.
     """
-    room = stats.num_blocks_free + stats.num_blocks_cached - num_waiting_blocks(stats)
+    allowance = int(stats.num_blocks_total * queue_fraction)
+    room = stats.num_blocks_free + stats.num_blocks_cached + allowance - num_waiting_blocks(stats)
     return max(0, room)
 
 

@@ -20,19 +20,16 @@ class Room:
     """Per fleet slot: [num_replicas] arrays."""
 
     needed: np.ndarray  # int64: prompt blocks at the replica's block size, less cached ones
-    available: np.ndarray  # int64: free + cached - waiting, after charging, at least 0
+    available: np.ndarray  # int64: free + cached + allowance - waiting, charged, at least 0
     committed: np.ndarray  # float64: (used + waiting) / total, after charging
     load: np.ndarray  # float64: (used + waiting + needed) / total (load_fraction)
-    queued: np.ndarray  # int64: used + waiting, after charging
-    total: np.ndarray  # int64: the replica's blocks
+    queue_fraction: float = 0.0  # RouterConfig.queue_fraction: in available, and below
 
-    def refused(self, high_watermark: float, queue_fraction: float = 0.0) -> np.ndarray:
-        """bool: the replica has no room for the prompt, or is at the high watermark,
-        each allowing queue_fraction of its blocks more (RouterConfig.queue_fraction)."""
-        if not queue_fraction:
-            return (self.available < self.needed) | (self.committed >= high_watermark)
-        room = np.floor(self.total * (1.0 + queue_fraction)).astype(np.int64) - self.queued
-        return (room < self.needed) | (self.committed >= high_watermark + queue_fraction)
+    def refused(self, high_watermark: float) -> np.ndarray:
+        """bool: the replica has no room for the prompt, or is at the high watermark
+        (raised by queue_fraction, as the room is)."""
+        watermark = high_watermark + self.queue_fraction
+        return (self.available < self.needed) | (self.committed >= watermark)
 
 
 def room_for(
@@ -41,9 +38,10 @@ def room_for(
     own_slot: int | None = None,
     own_blocks: int = 0,
     matched: np.ndarray | None = None,
+    queue_fraction: float = 0.0,
 ) -> Room:
     """Room with fleet's reserved column charged, less own_blocks at own_slot (the request's
-    own reservation, which is not in its own way).
+    own reservation, which is not in its own way); queue_fraction: RouterConfig's.
 
     matched (int64 per fleet slot, optional): leading prompt blocks each replica has
     cached (Candidates.matched_blocks); the request needs only the rest there, and at
@@ -62,11 +60,11 @@ def room_for(
     needed = -(-request.num_prompt_tokens // fleet.column("block_size"))
     if matched is not None:
         needed = np.maximum(needed - matched, 1)
+    allowance = (total * queue_fraction).astype(np.int64)  # as int(): floor, >= 0
     return Room(
         needed=needed,
-        available=np.maximum(total - queued, 0),
+        available=np.maximum(total + allowance - queued, 0),
         committed=queued / total,
         load=(queued + needed) / total,
-        queued=queued,
-        total=total,
+        queue_fraction=queue_fraction,
     )

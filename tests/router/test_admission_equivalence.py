@@ -157,6 +157,7 @@ def test_room_columns_equal_the_scalar_measures(seed: int) -> None:
     own = book.by_request.get("q3")
     own_slot = fleet.slot_of.get(own.replica_id) if own else None
     room = room_for(fleet, request, own_slot, own.num_blocks if own else 0)
+    lax = room_for(fleet, request, own_slot, own.num_blocks if own else 0, queue_fraction=0.25)
     for slot, replica_id in enumerate(fleet.ids):
         charged = book.charge(fleet.stats[slot], "q3")
         assert room.available[slot] == num_available_blocks(charged)
@@ -164,7 +165,8 @@ def test_room_columns_equal_the_scalar_measures(seed: int) -> None:
         assert room.load[slot] == load_fraction(charged, request)
         refused = room.refused(0.9)[slot]
         assert refused == (refusal(charged, request, 0.9) is not None), replica_id
-        refused = room.refused(0.9, 0.25)[slot]
+        refused = lax.refused(0.9)[slot]
+        assert lax.available[slot] == num_available_blocks(charged, 0.25)
         assert refused == (refusal(charged, request, 0.9, 0.25) is not None), replica_id
 
 
