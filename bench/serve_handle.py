@@ -71,6 +71,8 @@ def main() -> None:
     from ray import serve
     from ray.serve.handle import DeploymentHandle
 
+    from cluster.client import current_loop_handle
+
     parser = argparse.ArgumentParser(prog="python -m bench.serve_handle", description=__doc__)
     parser.add_argument("--calls", type=int, default=300, help="calls per latency figure")
     parser.add_argument("--concurrency", type=int, default=200)
@@ -86,9 +88,10 @@ def main() -> None:
         for kind in ("router thread (default)", "router on caller loop"):
 
             async def run(kind: str = kind) -> list[dict]:
-                handle = DeploymentHandle("Echo", "echo")
                 if kind == "router on caller loop":
-                    handle._init(_run_router_in_separate_loop=False)
+                    handle = current_loop_handle("echo", "Echo")
+                else:
+                    handle = DeploymentHandle("Echo", "echo")
                 result = await measure(handle, args.calls, args.concurrency)
                 await handle.shutdown_async()
                 return result

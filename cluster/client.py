@@ -334,8 +334,9 @@ class Client:
         return asyncio.run_coroutine_threadsafe(coro, self._thread_loop).result()
 
 
-def current_loop_handle(app_name: str) -> Any:
-    """A new handle on the app's LLMServer whose Serve router runs on the running loop.
+def current_loop_handle(app_name: str, deployment_name: str = LLM_DEPLOYMENT) -> Any:
+    """A new handle on the app's deployment (LLMServer) whose Serve router runs on the
+    running loop.
 
     Serve's default handle routes on a loop thread of its own, so every call crosses
     threads twice in the calling process, and that thread competes for the GIL.
@@ -348,6 +349,6 @@ def current_loop_handle(app_name: str) -> Any:
     """
     from ray.serve.handle import DeploymentHandle
 
-    handle = DeploymentHandle(LLM_DEPLOYMENT, app_name)
+    handle = DeploymentHandle(deployment_name, app_name)
     handle._init(_run_router_in_separate_loop=False)
     return handle

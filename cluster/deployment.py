@@ -510,9 +510,9 @@ class LLMServer:
         self._drain_scheduled = False
         outbox = self._outbox
         # Every step goes out while there are at most carrier_messages_per_step callers;
-        # beyond, each carrier sends every `interval` steps (module docstring).
+        # beyond, each carrier sends every `interval` steps (ClusterConfig).
         interval = -(-len(self._carriers) // self._config.carrier_messages_per_step)
-        now_s = self._loop.time() if self._loop is not None else 0.0
+        now_s = asyncio.get_running_loop().time()
         while outbox:
             caller_id, batch = outbox.popleft()
             carrier = self._carriers.get(caller_id)
