@@ -15,8 +15,9 @@ and learn when a step's outputs have been handed to the replica's loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from bench.cluster import FakeEngine
@@ -79,6 +80,16 @@ def local_server(
         replica_id=replica_id,
         gil_switch_interval_s=None,  # a process-wide setting: not the test runner's
     )
+
+
+@contextlib.contextmanager
+def in_process(engine: Any, **overrides: Any) -> Iterator[InProcessHandle]:
+    """A handle on local_server(engine, **overrides), shut down on exit."""
+    server = local_server(engine, **overrides)
+    try:
+        yield InProcessHandle(server)
+    finally:
+        server.shutdown()
 
 
 class InProcessResponse:

@@ -20,7 +20,7 @@ from tests.cluster.inprocess import (
     GatedEngine,
     InProcessHandle,
     InProcessResponse,
-    local_server,
+    in_process,
     wait_thread_event,
 )
 
@@ -36,11 +36,8 @@ def engine() -> GatedEngine:
 
 @pytest.fixture
 def handle(engine: GatedEngine) -> Iterator[InProcessHandle]:
-    server = local_server(engine)
-    try:
-        yield InProcessHandle(server)
-    finally:
-        server.shutdown()
+    with in_process(engine) as in_process_handle:
+        yield in_process_handle
 
 
 def params(max_tokens: int) -> dict[str, Any]:

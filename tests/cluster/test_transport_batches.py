@@ -21,7 +21,7 @@ from cluster.transport import (
     decode_message,
 )
 from replica.outputs import RequestOutput
-from tests.cluster.inprocess import GatedEngine, InProcessHandle, local_server, wait_thread_event
+from tests.cluster.inprocess import GatedEngine, InProcessHandle, in_process, wait_thread_event
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -142,11 +142,8 @@ class UnevenEngine(FakeEngine):
 
 @pytest.fixture
 def uneven_handle() -> Iterator[InProcessHandle]:
-    server = local_server(UnevenEngine())
-    try:
-        yield InProcessHandle(server)
-    finally:
-        server.shutdown()
+    with in_process(UnevenEngine()) as handle:
+        yield handle
 
 
 def test_uneven_steps_reach_every_request_in_order(uneven_handle: InProcessHandle) -> None:
@@ -172,11 +169,8 @@ def gated() -> GatedEngine:
 
 @pytest.fixture
 def gated_handle(gated: GatedEngine) -> Iterator[InProcessHandle]:
-    server = local_server(gated)
-    try:
-        yield InProcessHandle(server)
-    finally:
-        server.shutdown()
+    with in_process(gated) as handle:
+        yield handle
 
 
 def test_steps_made_while_the_carrier_could_not_run_share_one_message(
@@ -220,25 +214,21 @@ def run_callers(
 ) -> list[list[list[StepBatch]]]:
     """One request per caller (a transport each) on a FakeEngine replica; checks that
     each gets all its tokens in order; returns each carrier's messages."""
-    engine = FakeEngine("r0", step_s=step_s)
-    server = local_server(engine, carrier_messages_per_step=messages_per_step)
-    handle = InProcessHandle(server)
-    transports = [CallerTransport(handle) for _ in range(num_callers)]
 
-    async def one(i: int) -> str:
-        _, stream = await transports[i].submit(f"req-{i}", [1, 2, 3], params(max_tokens))
+    async def one(transport: CallerTransport, i: int) -> str:
+        _, stream = await transport.submit(f"req-{i}", [1, 2, 3], params(max_tokens))
         deltas = await deltas_of(stream)
         assert deltas[-1].finish_reason == "length"
         assert [t for d in deltas for t in d.token_ids] == list(range(1, max_tokens + 1))
         return stream.carrier_id
 
-    async def scenario() -> list[str]:
-        return await asyncio.gather(*(one(i) for i in range(num_callers)))
+    async def scenario(handle: InProcessHandle) -> list[str]:
+        transports = [CallerTransport(handle) for _ in range(num_callers)]
+        return await asyncio.gather(*(one(t, i) for i, t in enumerate(transports)))
 
-    try:
-        return [carrier_steps(handle, carrier_id) for carrier_id in asyncio.run(scenario())]
-    finally:
-        server.shutdown()
+    engine = FakeEngine("r0", step_s=step_s)
+    with in_process(engine, carrier_messages_per_step=messages_per_step) as handle:
+        return [carrier_steps(handle, carrier_id) for carrier_id in asyncio.run(scenario(handle))]
 
 
 def test_more_callers_than_the_budget_send_every_few_steps() -> None:
