@@ -114,7 +114,7 @@ class Admission:
     def __init__(self, config: RouterConfig, policy: RoutingPolicy | None = None) -> None:
         self.config = config
         self.policy = policy if policy is not None else make_policy(config)
-        self.reservations = ReservationBook(config.reservation_ttl_s)
+        self.reservations = ReservationBook(config.reservation_ttl_s, config.reservation_arrival_s)
         self.fleet = Fleet(with_prefix_index=self.policy.needs_prefix_index)
         self.block_size_by_replica: dict[str, int] = {}
 
@@ -219,7 +219,11 @@ class Admission:
                 self.block_size_by_replica[replica_id] = stats.block_size
                 book.expire_replica(replica_id, stats.timestamp_s, now_s)
         for replica_id in touched | book.drain_changed():
-            fleet.set_reserved(replica_id, book.num_reserved_blocks(replica_id))
+            fleet.set_reserved(
+                replica_id,
+                book.num_reserved_blocks(replica_id),
+                book.num_reservations(replica_id),
+            )
 
     def refusals(
         self,

@@ -43,8 +43,13 @@ class RouterConfig:
     # max_load > balance_rel_threshold * min_load (SGLang cache-aware router).
     balance_abs_threshold: float = 0.1
     balance_rel_threshold: float = 1.5
-    # A reservation lives until a newer snapshot of its replica arrives, or this long.
+    # A reservation lives until a snapshot of its replica stamped more than
+    # reservation_arrival_s after it arrives, or reservation_ttl_s. The request reaches
+    # the replica's engine up to one call and one engine step after the router chose
+    # it; a snapshot stamped in between does not count it yet. (Snapshots that ride on
+    # carrier messages reach routers a few ms old, so this gap is what they would miss.)
     reservation_ttl_s: float = 2.0
+    reservation_arrival_s: float = 0.05
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -67,6 +72,11 @@ class RouterConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.reservation_arrival_s < self.reservation_ttl_s:
+            raise ValueError(
+                f"reservation_arrival_s must be in [0, reservation_ttl_s), "
+                f"got {self.reservation_arrival_s}"
+            )
         if self.backoff_max_s < self.backoff_initial_s:
             raise ValueError(
                 f"backoff_max_s ({self.backoff_max_s}) must be >= "

@@ -16,7 +16,10 @@ _DTYPES = {
     "cached": np.int64,  # num_blocks_cached
     "waiting": np.int64,  # blocks the waiting prompts need (router.load.num_waiting_blocks)
     "block_size": np.int64,
+    "seqs": np.int64,  # num_running + num_waiting
+    "max_seqs": np.int64,  # max_num_seqs (0: the snapshot does not say)
     "reserved": np.int64,  # this router's reserved blocks (set by router.Admission)
+    "reserved_seqs": np.int64,  # this router's reserved requests (likewise)
     "timestamp_s": np.float64,
     "replica_key": np.uint64,  # router.tiebreak.replica_key
     "replica_id": object,  # ids again, so a ranking becomes tiers without a Python loop
@@ -74,6 +77,8 @@ class Fleet:
         c["cached"][slot] = stats.num_blocks_cached
         c["waiting"][slot] = -(-stats.num_waiting_tokens // stats.block_size)
         c["block_size"][slot] = stats.block_size
+        c["seqs"][slot] = stats.num_running + stats.num_waiting
+        c["max_seqs"][slot] = stats.max_num_seqs
         c["timestamp_s"][slot] = stats.timestamp_s
         if self.prefix is not None:
             self.prefix.update(slot, stats.cached_prefix_hashes)
@@ -117,10 +122,11 @@ class Fleet:
             for replica_id in [r for r in self.ids if r not in keep]:
                 self.forget(replica_id)
 
-    def set_reserved(self, replica_id: str, num_blocks: int) -> None:
+    def set_reserved(self, replica_id: str, num_blocks: int, num_requests: int) -> None:
         slot = self.slot_of.get(replica_id)
         if slot is not None:
             self._columns["reserved"][slot] = num_blocks
+            self._columns["reserved_seqs"][slot] = num_requests
 
     def drain_changed(self) -> set[str]:
         changed, self.changed = self.changed, set()
@@ -137,6 +143,7 @@ class Fleet:
         self.stats.append(stats)
         self.slot_of[replica_id] = slot
         self._columns["reserved"][slot] = 0
+        self._columns["reserved_seqs"][slot] = 0
         self._columns["replica_key"][slot] = replica_key(replica_id)
         self._columns["replica_id"][slot] = replica_id
         return slot

@@ -10,10 +10,11 @@ from router.request import RouteRequest
 
 
 class KVPolicy(RoutingPolicy):
-    """Ranks replicas by KV work: blocks in use plus blocks their waiting prompts need.
+    """Ranks replicas by work: KV blocks or sequence slots, whichever is fuller.
 
-    Algorithm: load = (used blocks + ceil(waiting tokens / block_size) + this
-    request's prompt blocks) / total blocks, where "used" already includes this
+    Algorithm: load = max((used blocks + ceil(waiting tokens / block_size) + this
+    request's prompt blocks) / total blocks, (running + waiting + 1) / max_num_seqs)
+    (router.load.load_fraction), where "used" and "waiting" already include this
     router's reservations (charged by admission). Ascending load; equal loads
     are ordered by router.tiebreak (seed, request id, replica id), so ties
     spread over requests yet repeat exactly for the same seed.

@@ -41,14 +41,31 @@ def committed_fraction(stats: ReplicaStats) -> float:
     return (stats.num_blocks_used + num_waiting_blocks(stats)) / stats.num_blocks_total
 
 
-def load_fraction(stats: ReplicaStats, request: RouteRequest | None = None) -> float:
-    """KV work the replica has, as a fraction of its blocks.
+def seq_fraction(stats: ReplicaStats, request: RouteRequest | None = None) -> float:
+    """Sequence slots the replica's running and waiting requests fill (+ this request), as a
+    fraction of its max_num_seqs; 0 for a snapshot that does not say (max_num_seqs 0).
 
-    Used blocks + blocks its waiting prompts will take (+ this request's
+    Can exceed 1: requests past max_num_seqs wait for a slot however many blocks are free.
+    """
+    if stats.max_num_seqs <= 0:
+        return 0.0
+    num_seqs = stats.num_running + stats.num_waiting + (request is not None)
+    return num_seqs / stats.max_num_seqs
+
+
+def load_fraction(stats: ReplicaStats, request: RouteRequest | None = None) -> float:
+    """Work the replica has, as a fraction of its capacity: KV blocks or sequence slots,
+    whichever is fuller.
+
+    KV: used blocks + blocks its waiting prompts will take (+ this request's
     prompt, so replicas of different sizes compare by where the request would
-    leave them). Can exceed 1: waiting work is a queue, not a state.
+    leave them). Slots: seq_fraction. A replica with a large cache runs out of
+    sequence slots first; by blocks alone, one that has just taken a batch of
+    short new requests looks lightest while every new request there must wait
+    for a slot, and routers whose snapshots all say so herd onto it (seen on 4
+    H200s, BENCHMARKS.md). Can exceed 1: waiting work is a queue, not a state.
     """
     num_blocks = stats.num_blocks_used + num_waiting_blocks(stats)
     if request is not None:
         num_blocks += request.num_prompt_blocks(stats.block_size)
-    return num_blocks / stats.num_blocks_total
+    return max(num_blocks / stats.num_blocks_total, seq_fraction(stats, request))

@@ -21,10 +21,12 @@ class ReservationBook:
 
     Algorithm: reserve() on each routing decision (keyed by request id, so
     re-routing the same request moves its reservation); a reservation is
-    released by the first snapshot of its replica stamped after it was made
-    (the snapshot then counts the request itself), or after ttl_s, whichever
-    comes first. charge() shows a snapshot with the reserved blocks taken from
-    free (then cached) blocks and counted as used, leaving out the reservation
+    released by the first snapshot of its replica stamped more than arrival_s
+    after it was made (the snapshot then counts the request itself: arrival_s
+    covers the request's way to the replica's engine), or after ttl_s,
+    whichever comes first. charge() shows a snapshot with the reserved blocks taken from
+    free (then cached) blocks and counted as used, and the reserved requests as
+    waiting sequences (their prompt blocks are the used ones), leaving out the reservation
     of the request being admitted (Serve re-asks for a request whose first
     choice it could not probe; that request's blocks are not in its own way).
     Cost: queries are O(1) from per-replica running totals; expiry pops from
@@ -38,8 +40,9 @@ class ReservationBook:
     early or late, the TTL bounds the late side.
     """
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, arrival_s: float = 0.0) -> None:
         self.ttl_s = ttl_s
+        self.arrival_s = arrival_s  # RouterConfig.reservation_arrival_s
         self.by_request: dict[str, Reservation] = {}
         self.num_blocks_by_replica: dict[str, int] = {}
         self.num_reservations_by_replica: dict[str, int] = {}
@@ -88,12 +91,12 @@ class ReservationBook:
     def expire_replica(self, replica_id: str, snapshot_s: float, now_s: float) -> None:
         """Drop replica_id's reservations covered by its snapshot at snapshot_s, or past the TTL."""
         heap = self.heap_by_replica.get(replica_id)
-        ttl_s = self.ttl_s
+        ttl_s, arrival_s = self.ttl_s, self.arrival_s
         while heap:
             entry = heap[0]
             reserved_at_s = entry[0]
             if self.is_live(entry):
-                if now_s - reserved_at_s < ttl_s and snapshot_s <= reserved_at_s:
+                if now_s - reserved_at_s < ttl_s and snapshot_s <= reserved_at_s + arrival_s:
                     return
                 self.release(entry[2])
                 if replica_id not in self.heap_by_replica:  # that was its last one
@@ -141,10 +144,12 @@ class ReservationBook:
 
     def charge(self, stats: ReplicaStats, exclude_request_id: str | None = None) -> ReplicaStats:
         num_reserved = self.num_reserved_blocks(stats.replica_id)
+        num_requests = self.num_reservations(stats.replica_id)
         own = self.by_request.get(exclude_request_id) if exclude_request_id is not None else None
         if own is not None and own.replica_id == stats.replica_id:
             num_reserved -= own.num_blocks
-        if num_reserved == 0:
+            num_requests -= 1
+        if num_reserved == 0 and num_requests == 0:
             return stats
         from_free = min(num_reserved, stats.num_blocks_free)
         from_cached = min(num_reserved - from_free, stats.num_blocks_cached)
@@ -156,4 +161,5 @@ class ReservationBook:
             num_blocks_free=num_free,
             num_blocks_cached=num_cached,
             kv_usage=num_used / stats.num_blocks_total,
+            num_waiting=stats.num_waiting + num_requests,
         )

@@ -22,7 +22,7 @@ class Room:
     needed: np.ndarray  # int64: prompt blocks at the replica's block size, less cached ones
     available: np.ndarray  # int64: free + cached + allowance - waiting, charged, at least 0
     committed: np.ndarray  # float64: (used + waiting) / total, after charging
-    load: np.ndarray  # float64: (used + waiting + needed) / total (load_fraction)
+    load: np.ndarray  # float64: max(KV, slot) fraction with the request (load_fraction)
     queue_fraction: float = 0.0  # RouterConfig.queue_fraction: in available, and below
 
     def refused(self, high_watermark: float) -> np.ndarray:
@@ -40,18 +40,20 @@ def room_for(
     matched: np.ndarray | None = None,
     queue_fraction: float = 0.0,
 ) -> Room:
-    """Room with fleet's reserved column charged, less own_blocks at own_slot (the request's
-    own reservation, which is not in its own way); queue_fraction: RouterConfig's.
+    """Room with fleet's reserved columns charged, less own_blocks (and its one request) at
+    own_slot (the request's own reservation, which is not in its own way); queue_fraction:
+    RouterConfig's.
 
     matched (int64 per fleet slot, optional): leading prompt blocks each replica has
     cached (Candidates.matched_blocks); the request needs only the rest there, and at
     least one block (its last token is always computed). Without it, the whole prompt.
     """
     total, free, cached = fleet.column("total"), fleet.column("free"), fleet.column("cached")
-    reserved = fleet.column("reserved")
+    reserved, reserved_seqs = fleet.column("reserved"), fleet.column("reserved_seqs")
     if own_slot is not None and own_blocks:
-        reserved = reserved.copy()
+        reserved, reserved_seqs = reserved.copy(), reserved_seqs.copy()
         reserved[own_slot] -= own_blocks
+        reserved_seqs[own_slot] -= 1
     # As ReservationBook.charge: reserved blocks come out of free, then cached ones.
     from_free = np.minimum(reserved, free)
     from_cached = np.minimum(reserved - from_free, cached)
@@ -61,10 +63,14 @@ def room_for(
     if matched is not None:
         needed = np.maximum(needed - matched, 1)
     allowance = (total * queue_fraction).astype(np.int64)  # as int(): floor, >= 0
+    # As router.load.seq_fraction of the charged snapshot (reserved requests wait there).
+    max_seqs = fleet.column("max_seqs")
+    seqs = fleet.column("seqs") + reserved_seqs + 1
+    slots = np.divide(seqs, max_seqs, out=np.zeros(len(seqs)), where=max_seqs > 0)
     return Room(
         needed=needed,
         available=np.maximum(total + allowance - queued, 0),
         committed=queued / total,
-        load=(queued + needed) / total,
+        load=np.maximum((queued + needed) / total, slots),
         queue_fraction=queue_fraction,
     )

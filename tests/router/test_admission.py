@@ -63,8 +63,13 @@ def test_newer_snapshot_releases_reservations(now_s: float) -> None:
     adm.reserve(request, "a", now_s)
     adm.admit(stats, RouteRequest("x"), now_s + 0.01)
     assert adm.reservations.num_reserved_blocks("a") == 10
-    newer = [make_stats("a", num_blocks_used=10, timestamp_s=now_s + 0.02)]
-    adm.admit(newer, RouteRequest("y"), now_s + 0.03)
+    # Stamped after the reservation but within reservation_arrival_s: the request may
+    # not have reached the engine yet, so the snapshot does not release it.
+    arriving = [make_stats("a", timestamp_s=now_s + 0.02)]
+    adm.admit(arriving, RouteRequest("y"), now_s + 0.03)
+    assert adm.reservations.num_reserved_blocks("a") == 10
+    newer = [make_stats("a", num_blocks_used=10, timestamp_s=now_s + 0.06)]
+    adm.admit(newer, RouteRequest("z"), now_s + 0.07)
     assert adm.reservations.num_reserved_blocks("a") == 0
 
 

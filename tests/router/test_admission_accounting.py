@@ -68,6 +68,24 @@ def test_flood_with_retried_choices_admits_the_room_there_is() -> None:
     assert adm.reservations.num_reserved_blocks("a") == 26
 
 
+def test_reserved_requests_fill_sequence_slots() -> None:
+    # A large cache and 8 slots: a runs 2 long sequences (more blocks), b runs 6 short
+    # ones. By blocks b looks lighter for all 10 requests; by slots (the router's own
+    # reservations counted as waiting sequences) a takes them until the slots even out.
+    adm = reject_admission()
+    stats = [
+        make_stats("a", num_blocks_total=1000, num_blocks_used=50, num_running=2, max_num_seqs=8),
+        make_stats("b", num_blocks_total=1000, num_blocks_used=10, num_running=6, max_num_seqs=8),
+    ]
+    placed = []
+    for i in range(10):
+        request = prompt(f"r{i}", 1)
+        placed.append(adm.admit(stats, request, NOW_S).tiers[0][0])
+        adm.reserve(request, placed[-1], NOW_S)
+    assert placed[:4] == ["a"] * 4
+    assert (placed.count("a"), placed.count("b")) == (7, 3)  # 2 + 7 == 6 + 3 sequences
+
+
 def test_waiting_prompts_take_room() -> None:
     # 20 blocks free, but the replica's queue already holds 13 blocks of prompts.
     adm = reject_admission()

@@ -93,7 +93,7 @@ def test_fleet_admission_matches_the_per_replica_loop(policy: str, seed: int) ->
         seed=seed,
     )
     synced, incremental = Admission(config), Admission(config)
-    reference_book = ReservationBook(config.reservation_ttl_s)
+    reference_book = ReservationBook(config.reservation_ttl_s, config.reservation_arrival_s)
     names = [f"r{i}" for i in range(rng.randrange(1, 12))]
     now_s = 100.0
     current = {r: snapshot(rng, r, now_s) for r in names}
@@ -152,7 +152,9 @@ def test_room_columns_equal_the_scalar_measures(seed: int) -> None:
         replica_id = rng.choice(stats).replica_id
         book.reserve(f"q{n}", replica_id, rng.randrange(1, 60), 50.0)
     for replica_id in fleet.ids:
-        fleet.set_reserved(replica_id, book.num_reserved_blocks(replica_id))
+        fleet.set_reserved(
+            replica_id, book.num_reserved_blocks(replica_id), book.num_reservations(replica_id)
+        )
     request = RouteRequest("q3", num_prompt_tokens=rng.randrange(0, 900))
     own = book.by_request.get("q3")
     own_slot = fleet.slot_of.get(own.replica_id) if own else None

@@ -40,6 +40,19 @@ def test_kv_counts_waiting_work(now_s: float) -> None:
     assert KVPolicy().choose_replicas(stats, RouteRequest("r"), now_s)[0] == ["a"]
 
 
+def test_kv_counts_sequence_slots(now_s: float) -> None:
+    # a has just taken a batch of short requests: few blocks, every slot full (the next
+    # request waits for a slot there); b runs fewer, longer sequences on more blocks.
+    stats = [
+        make_stats("a", num_blocks_total=1000, num_blocks_used=20, num_running=64),
+        make_stats("b", num_blocks_total=1000, num_blocks_used=100, num_running=10),
+    ]
+    request = RouteRequest("r", num_prompt_tokens=16)
+    assert KVPolicy().choose_replicas(stats, request, now_s) == [["b"], ["a"]]
+    assert load_fraction(stats[0], request) == 65 / 64  # slots: 64 running + this one
+    assert load_fraction(stats[1], request) == 11 / 64  # slots again: over 101 / 1000 blocks
+
+
 def test_kv_normalises_by_capacity(now_s: float) -> None:
     stats = [
         make_stats("small", num_blocks_total=100, num_blocks_used=50),

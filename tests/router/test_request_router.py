@@ -158,10 +158,10 @@ def test_confirmed_route_keeps_the_reservation_time() -> None:
         tiers = await router.choose_replicas([fake_replica("a", num_blocks_total=32)], request)
         assert [[r.replica_id.unique_id for r in t] for t in tiers] == [["a"]]
         counted = [fake_replica("a", num_blocks_total=32, num_blocks_used=13,
-                                timestamp_s=NOW_S + 0.01)]  # fmt: skip
-        now[0] = NOW_S + 0.02
+                                timestamp_s=NOW_S + 0.06)]  # fmt: skip
+        now[0] = NOW_S + 0.07
         router.on_request_routed(request, counted[0].replica_id, None)
-        now[0] = NOW_S + 0.03
+        now[0] = NOW_S + 0.08
         second = pending("q6", {"prompt_token_ids": list(range(1000, 1200))})
         tiers = await router.choose_replicas(counted, second)
         assert not second.future.done()
