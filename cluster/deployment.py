@@ -42,6 +42,10 @@ from replica.stats import ReplicaStats
 
 logger = logging.getLogger(__name__)
 
+# Carrier messages carry the replica's load (cluster.live_stats) as of a step at most
+# this long ago, or of the last step that ended a request.
+LOAD_STATS_PERIOD_S = 0.002
+
 # (caller_id, what one step produced for that caller), called on the engine thread
 Deliver = Callable[[str, StepBatch], None]
 
@@ -110,6 +114,8 @@ class EngineLoop:
         self._tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._stats = engine.stats()
         self._stats_at_s = time.monotonic()
+        # What carrier messages carry (cluster.live_stats): refreshed by _fan_out.
+        self._refresh_load_stats()
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
         self._thread.start()
 
@@ -213,12 +219,17 @@ class EngineLoop:
         if self._metrics is not None:
             self._metrics.record_stats(self._stats)
 
+    def _refresh_load_stats(self) -> None:
+        self.load_stats = self._engine.stats(with_hashes=False).to_msgpack()
+        self._load_stats_at_s = time.monotonic()
+
     def _fan_out(self, outputs: list[Any]) -> None:
         """One StepBatch per caller with output in this step (runs once per step, on the
         engine thread: kept to list appends, no object per token)."""
         now_s = time.monotonic()
         batches: dict[str, StepBatch] = {}
         tracked_by_id = self._tracked
+        any_finished = False
         for out in outputs:
             request_id = out.request_id
             tracked = tracked_by_id.get(request_id)
@@ -237,8 +248,12 @@ class EngineLoop:
             if finished:
                 batch.add(request_id, token_ids, out.finish_reason or "stop", first)
                 del tracked_by_id[request_id]
+                any_finished = True
             else:
                 batch.add(request_id, token_ids, None, first)
+        # Before delivering: the batch that ends requests carries the load without them.
+        if any_finished or now_s - self._load_stats_at_s >= LOAD_STATS_PERIOD_S:
+            self._refresh_load_stats()
         for caller_id, batch in batches.items():
             self._deliver(caller_id, batch)
 
@@ -457,7 +472,7 @@ class LLMServer:
                         yield self._heartbeat
                     continue
             steps, carrier.pending, carrier.due = carrier.pending, [], False
-            yield CarrierBatch(self.replica_id, steps).encode()
+            yield CarrierBatch(self.replica_id, steps, self._engine_loop.load_stats).encode()
 
     async def abort(self, request_id: str) -> bool:
         try:

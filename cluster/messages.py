@@ -155,9 +155,13 @@ class CarrierBatch:
 
     replica_id: str
     steps: list[StepBatch]
+    # The replica's latest ReplicaStats.to_msgpack() without prefix hashes, for the
+    # caller's routers (cluster.live_stats); None when the replica sends none.
+    stats: bytes | None = None
 
     def encode(self) -> bytes:
-        return msgpack.packb([_BATCH, self.replica_id, [s.to_row() for s in self.steps]])
+        rows = [s.to_row() for s in self.steps]
+        return msgpack.packb([_BATCH, self.replica_id, rows, self.stats])
 
 
 def decode_message(data: bytes) -> SubmitAck | CarrierBatch | Heartbeat:
@@ -165,7 +169,7 @@ def decode_message(data: bytes) -> SubmitAck | CarrierBatch | Heartbeat:
     if raw[0] == _ACK:
         return SubmitAck(*raw[1:6])
     if raw[0] == _BATCH:
-        return CarrierBatch(raw[1], [StepBatch(*row) for row in raw[2]])
+        return CarrierBatch(raw[1], [StepBatch(*row) for row in raw[2]], raw[3])
     if raw[0] == _BEAT:
         return Heartbeat(raw[1])
     raise ValueError(f"unknown transport message kind {raw[0]!r}")

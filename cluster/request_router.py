@@ -31,6 +31,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from cluster import live_stats
 from replica.stats import ReplicaStats
 from router import Admission, OverloadedError, RouterConfig, RouteRequest
 
@@ -112,8 +113,10 @@ class KVFleetRequestRouter(RequestRouter):
 
     Algorithm, per choose_replicas call: decode each candidate's routing_stats
     (cached per replica while the bytes object is unchanged, so Admission's
-    fleet sees the same snapshot object and skips it), build the RouteRequest
-    from the call's arguments, and ask Admission.admit.
+    fleet sees the same snapshot object and skips it); where this process's
+    carriers brought a newer snapshot of the replica (cluster.live_stats), take
+    its load numbers with Serve's prefix hashes; build the RouteRequest from the
+    call's arguments, and ask Admission.admit.
       - admitted: reserve on the first choice, return the ranked tiers (Serve
         then probes queue lengths within a tier and falls to the next tier);
         should_backoff is set so Serve backs off if every tier refuses.
@@ -135,6 +138,8 @@ class KVFleetRequestRouter(RequestRouter):
         self.holds: dict[str, tuple[float, int]] = {}
         # replica unique id -> (routing stats bytes, decoded stats)
         self.decoded: dict[str, tuple[bytes, ReplicaStats]] = {}
+        # replica unique id -> (Serve's snapshot, carrier snapshot, merged): see merge()
+        self.merged: dict[str, tuple[ReplicaStats | None, ReplicaStats, ReplicaStats]] = {}
 
     def collect_stats(
         self, replicas: Sequence[RunningReplica]
@@ -143,19 +148,42 @@ class KVFleetRequestRouter(RequestRouter):
         known, unknown = [], []
         for replica in replicas:
             replica_id = replica.replica_id.unique_id
-            data = (replica.routing_stats or {}).get(ROUTING_STATS_KEY)
-            cached = self.decoded.get(replica_id)
-            if cached is not None and cached[0] is data:
-                known.append(cached[1])
-                continue
-            stats = decode_routing_stats(replica.routing_stats)
+            stats = self.serve_stats(replica_id, replica.routing_stats)
+            live = live_stats.latest(replica_id)
+            if live is not None and (stats is None or live.timestamp_s > stats.timestamp_s):
+                stats = self.merge(replica_id, stats, live)
             if stats is None:
                 unknown.append(replica_id)
-                continue
+            else:
+                known.append(stats)
+        return known, unknown
+
+    def serve_stats(
+        self, replica_id: str, routing_stats: Mapping[str, Any] | None
+    ) -> ReplicaStats | None:
+        """The snapshot Serve delivered, decoded once per bytes object it hands over."""
+        data = (routing_stats or {}).get(ROUTING_STATS_KEY)
+        cached = self.decoded.get(replica_id)
+        if cached is not None and cached[0] is data:
+            return cached[1]
+        stats = decode_routing_stats(routing_stats)
+        if stats is not None:
             stats = dataclasses.replace(stats, replica_id=replica_id)
             self.decoded[replica_id] = (data, stats)
-            known.append(stats)
-        return known, unknown
+        return stats
+
+    def merge(
+        self, replica_id: str, serve: ReplicaStats | None, live: ReplicaStats
+    ) -> ReplicaStats:
+        """The carrier's newer load numbers with Serve's prefix hashes (cluster.live_stats);
+        the same object while neither input changes, so the fleet skips it."""
+        cached = self.merged.get(replica_id)
+        if cached is not None and cached[0] is serve and cached[1] is live:
+            return cached[2]
+        hashes = serve.cached_prefix_hashes if serve is not None else ()
+        stats = dataclasses.replace(live, replica_id=replica_id, cached_prefix_hashes=hashes)
+        self.merged[replica_id] = (serve, live, stats)
+        return stats
 
     def forget_abandoned_holds(self, now_s: float) -> None:
         # A request cancelled between two routing attempts never comes back to clear its entry.

@@ -65,6 +65,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from cluster import live_stats
 from cluster.errors import ReplicaDiedError, ReplicaError
 from cluster.messages import (
     ABORTED,
@@ -336,6 +337,8 @@ class CallerTransport:
                 if isinstance(message, CarrierBatch):
                     for step in message.steps:
                         self._dispatch(link.replica_id, step)
+                    if message.stats is not None:
+                        live_stats.note(link.replica_id, message.stats)
         except asyncio.CancelledError:  # by the watchdog, or the loop is closing
             with contextlib.suppress(Exception):
                 link.gen.cancel()  # the replica then aborts this caller's requests there

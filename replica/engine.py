@@ -289,7 +289,9 @@ class LLMEngine:
         ]
 
     # ---- stats ----------------------------------------------------------------
-    def stats(self) -> ReplicaStats:
+    def stats(self, with_hashes: bool = True) -> ReplicaStats:
+        """The replica's snapshot; with_hashes=False leaves out cached_prefix_hashes (the
+        walk over up to max_prefix_hashes_in_stats blocks) for a load-only snapshot."""
         bm = self.block_manager
         now = time.monotonic()
         events = self._token_events
@@ -310,7 +312,11 @@ class LLMEngine:
             tokens_per_s=tokens_per_s,
             block_size=bm.block_size,
             num_waiting_tokens=sum(len(s) for s in waiting),
-            cached_prefix_hashes=tuple(bm.recent_hashes(self.config.max_prefix_hashes_in_stats)),
+            cached_prefix_hashes=(
+                tuple(bm.recent_hashes(self.config.max_prefix_hashes_in_stats))
+                if with_hashes
+                else ()
+            ),
             timestamp_s=time.time(),
         )
 

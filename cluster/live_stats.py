@@ -1,0 +1,56 @@
+"""Replica load snapshots that ride on carrier messages, for the routers of this process.
+
+Serve hands every router the replicas' record_routing_stats snapshots through its
+controller: a poll every stats period, then a broadcast to every handle and proxy. Under
+load those snapshots reached routers ~0.25 s old (median; 0.4 s p90, with a 50 ms
+period), about half the life of a 128-token request, long enough for every router to
+send a wave of requests to the one replica its snapshot shows idle (BENCHMARKS.md,
+"herding"). A replica also puts its latest snapshot on every carrier message it sends
+(CarrierBatch.stats, without the prefix hashes), so a process that has requests on a
+replica holds a snapshot of it that is at most a stats period plus one message old;
+KVFleetRequestRouter takes whichever of the two is newer.
+
+Process-wide on purpose: the transports that receive the messages and the routers that
+read them are different objects (one per handle) in the same caller process. Written on
+the transports' loop, read on the routers' (a dict lookup and a dict store, each atomic).
+"""
+
+from __future__ import annotations
+
+from replica.stats import ReplicaStats
+
+MAX_REPLICAS = 4096  # replicas remembered per process; the oldest seen go first
+
+_latest: dict[str, tuple[bytes, ReplicaStats]] = {}
+
+
+def note(replica_id: str, data: bytes) -> None:
+    """A replica's snapshot (ReplicaStats.to_msgpack) from one of its carrier messages.
+
+    Decoded only when it differs from the last one (a replica refreshes its snapshot
+    once per stats period and sends it on every message until then). An unreadable
+    snapshot is ignored: Serve's own stats still reach the routers.
+    """
+    known = _latest.get(replica_id)
+    if known is not None and known[0] == data:
+        return
+    try:
+        stats = ReplicaStats.from_msgpack(data)
+    except Exception:  # noqa: BLE001 - whatever a foreign payload raises, routing goes on
+        return
+    if known is not None and stats.timestamp_s <= known[1].timestamp_s:
+        return  # an older carrier message overtaken by a newer one
+    if known is None and len(_latest) >= MAX_REPLICAS:
+        _latest.pop(next(iter(_latest)))
+    _latest[replica_id] = (data, stats)
+
+
+def latest(replica_id: str) -> ReplicaStats | None:
+    """The newest snapshot of replica_id seen on this process's carriers, if any."""
+    known = _latest.get(replica_id)
+    return None if known is None else known[1]
+
+
+def forget_all() -> None:
+    """Tests: start from nothing."""
+    _latest.clear()

@@ -1,0 +1,106 @@
+"""Replica snapshots on carrier messages (cluster.live_stats): the wire, the process table,
+that a caller's transport fills it, and that its routers take the newer of it and Serve's."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+
+from bench.cluster import FakeEngine
+from cluster import live_stats
+from cluster.messages import CarrierBatch, StepBatch, decode_message
+from cluster.transport import CallerTransport
+from router import RouterConfig
+from tests.cluster.inprocess import in_process
+from tests.router.router_fakes import NOW_S, make_stats
+from tests.router.test_request_router import fake_replica, make_router, pending
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def empty_table() -> Iterator[None]:
+    live_stats.forget_all()
+    yield
+    live_stats.forget_all()
+
+
+def test_carrier_batches_carry_a_snapshot_or_none() -> None:
+    step = StepBatch()
+    step.add("a", [5], None)
+    data = make_stats("r0", num_running=3).to_msgpack()
+    assert decode_message(CarrierBatch("r0", [step], data).encode()).stats == data
+    assert decode_message(CarrierBatch("r0", [step]).encode()).stats is None
+
+
+def test_the_table_keeps_the_newest_readable_snapshot() -> None:
+    live_stats.note("r0", make_stats("r0", num_running=1, timestamp_s=NOW_S).to_msgpack())
+    first = live_stats.latest("r0")
+    assert first is not None and first.num_running == 1
+    live_stats.note("r0", make_stats("r0", num_running=1, timestamp_s=NOW_S).to_msgpack())
+    assert live_stats.latest("r0") is first  # the same bytes are not decoded again
+    live_stats.note("r0", make_stats("r0", num_running=9, timestamp_s=NOW_S - 1).to_msgpack())
+    assert live_stats.latest("r0") is first  # an older message that came late
+    live_stats.note("r0", b"\xc1 not msgpack")
+    live_stats.note("r0", make_stats("r0", num_running=2, timestamp_s=NOW_S + 1).to_msgpack())
+    assert live_stats.latest("r0").num_running == 2
+    assert live_stats.latest("r1") is None
+
+
+def test_a_caller_learns_its_replicas_load_from_their_carriers() -> None:
+    seen: set[int] = set()
+
+    async def scenario(handle: object) -> None:
+        transport = CallerTransport(handle)
+        _, stream = await transport.submit("a", [1, 2, 3], {"max_tokens": 8, "ignore_eos": True})
+        while not (await asyncio.wait_for(stream.get(), 60)).finished:
+            stats = live_stats.latest("r0")
+            seen.add(-1 if stats is None else stats.num_running)
+
+    # Serve's stats period is long: what the caller learns, it learns from the carrier.
+    with in_process(FakeEngine("r0", step_s=0.005), stats_period_s=1.0) as handle:
+        asyncio.run(scenario(handle))
+    assert 1 in seen  # while the request ran
+    stats = live_stats.latest("r0")
+    assert stats is not None and stats.replica_id == "r0"
+    assert stats.num_blocks_total > 0 and stats.cached_prefix_hashes == ()
+    assert stats.num_running == 0  # the message that ended the request says it is gone
+
+
+def test_the_router_takes_the_newer_snapshot_with_serves_prefix_hashes() -> None:
+    # Serve's snapshots (0.3 s old) show a idle and b busy; the carriers' newer ones show
+    # a full of requests that arrived since: the request goes to b.
+    async def scenario() -> None:
+        router = make_router(RouterConfig(policy="kv"))
+        old = {"num_blocks_total": 1000, "timestamp_s": NOW_S - 0.3}
+        replicas = [
+            fake_replica("a", cached_prefix_hashes=(7, 8), **old),
+            fake_replica("b", num_running=32, **old),
+        ]
+        request = pending("q", {"prompt_token_ids": list(range(32))})
+        tiers = await router.choose_replicas(replicas, request)
+        assert [t[0].replica_id.unique_id for t in tiers] == ["a", "b"]
+        busy = make_stats("a", num_blocks_total=1000, num_running=64, timestamp_s=NOW_S - 0.01)
+        live_stats.note("a", busy.to_msgpack())
+        request = pending("q2", {"prompt_token_ids": list(range(32))})
+        tiers = await router.choose_replicas(replicas, request)
+        assert [t[0].replica_id.unique_id for t in tiers] == ["b", "a"]
+        known, _ = router.collect_stats(replicas)
+        assert known[0] == dataclasses.replace(busy, cached_prefix_hashes=(7, 8))
+        assert router.collect_stats(replicas)[0][0] is known[0]  # unchanged: the same object
+
+    asyncio.run(scenario())
+
+
+def test_a_stale_carrier_snapshot_does_not_hide_a_newer_serve_one() -> None:
+    async def scenario() -> None:
+        router = make_router(RouterConfig(policy="kv"))
+        live_stats.note("a", make_stats("a", num_running=64, timestamp_s=NOW_S - 1).to_msgpack())
+        replicas = [fake_replica("a", num_running=1, timestamp_s=NOW_S - 0.1)]
+        (stats,), _ = router.collect_stats(replicas)
+        assert stats.num_running == 1
+
+    asyncio.run(scenario())
