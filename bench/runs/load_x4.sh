@@ -6,23 +6,31 @@ out=${1:-results}
 what=${2:-all}
 mkdir -p "$out"
 if [[ $what == scaling || $what == all ]]; then
-  # Throughput scaling, one replica per GPU, closed loop of 256 users per replica.
-  for model in gpt2 qwen3-0.6b; do
-    for n in 1 4; do
-      timeout 240 python -m bench.load --model "$model" --replicas "$n" --device cuda --routers kv \
-        --dataset random --input-len 128 --output-len 128 --concurrency $((256 * n)) \
-        --num-requests $((2048 * n)) --num-procs $((4 * n)) --out "$out/scale_${model}_${n}.json" \
-        2>&1 | grep -E "^\||SATURATED|LOST|LEAK|deployed|Error" | tail -14
-    done
+  # Throughput scaling, one replica per GPU, closed loop of 256 users per replica; the 1- and
+  # 4-replica runs first, then 2 replicas (RUNS="model:n ..." picks; ROUTERS="kv,..." adds
+  # routers, each run over the same trace).
+  for run in ${RUNS:-gpt2:1 gpt2:4 qwen3-0.6b:1 qwen3-0.6b:4 gpt2:2 qwen3-0.6b:2}; do
+    model=${run%:*}
+    n=${run#*:}
+    echo "== $model x$n $(date +%T)"
+    timeout 240 python -m bench.load --model "$model" --replicas "$n" --device cuda \
+      --routers "${ROUTERS:-kv}" \
+      --dataset random --input-len 128 --output-len 128 --concurrency $((256 * n)) \
+      --num-requests $((2048 * n)) --num-procs $((4 * n)) --out "$out/scale_${model}_${n}.json" \
+      2>&1 | grep -E "^\||SATURATED|LOST|LEAK|deployed|Error" | grep -v raylet | tail -14
   done
 fi
 if [[ $what == prefix || $what == all ]]; then
   # Shared prefixes that do not all fit in one replica's cache: 32 x 4096 tokens against
   # 3072 blocks (49K tokens) per replica, so a replica holds about a third of them unless
-  # the router keeps each prefix on one replica; the same open-loop trace under each router.
-  timeout 560 python -m bench.load --model qwen3-0.6b --replicas 4 --device cuda --num-blocks 3072 \
-    --routers prefix,kv,serve-pow2 --dataset prefix --num-prefixes 32 --prefix-len 4096 \
-    --input-len 64 --output-len 32 --rate 480 --num-requests 2880 \
+  # the router keeps each prefix on one replica; the same open-loop trace under each router
+  # (RATE req/s, default 480, for 6 s; REPLICAS, default 4, with 8 prefixes each).
+  rate=${RATE:-480}
+  replicas=${REPLICAS:-4}
+  timeout 560 python -m bench.load --model qwen3-0.6b --replicas "$replicas" --device cuda \
+    --num-blocks 3072 --routers prefix,kv,serve-pow2 --dataset prefix \
+    --num-prefixes $((8 * replicas)) --prefix-len 4096 \
+    --input-len 64 --output-len 32 --rate "$rate" --num-requests $((rate * 6)) \
     --slo-ttft-ms 300 --slo-tpot-ms 50 --num-procs 8 --out "$out/prefix_qwen3.json" \
     2>&1 | grep -E "^\||SATURATED|LOST|LEAK|leak check|deployed|Error|ratios" | tail -40
 fi
