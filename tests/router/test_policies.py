@@ -134,6 +134,18 @@ def test_pow2_is_seeded(now_s: float) -> None:
     assert len({tuple(ids(t)[:2]) for t in runs_a}) > 5
 
 
+def test_pow2_routers_with_one_seed_do_not_sample_in_lockstep(now_s: float) -> None:
+    # Every Serve handle and proxy has its own router, all with the config's seed.
+    stats = [make_stats(f"r{i}") for i in range(8)]
+    a, b = Pow2Policy(seed=0), Pow2Policy(seed=0)
+    pairs_a = [ids(a.choose_replicas(stats, RouteRequest(f"a{i}"), now_s))[:2] for i in range(200)]
+    pairs_b = [ids(b.choose_replicas(stats, RouteRequest(f"b{i}"), now_s))[:2] for i in range(200)]
+    same = sum(pa == pb for pa, pb in zip(pairs_a, pairs_b, strict=True))
+    assert same < 20  # 1 in 56 by chance, not every one
+    firsts = Counter(p[0] for p in pairs_a)
+    assert len(firsts) == 8 and max(firsts.values()) < 50  # about 25 each
+
+
 def test_pow2_never_picks_the_worse_of_its_two(now_s: float) -> None:
     stats = [make_stats(f"r{i}", num_blocks_used=i * 10) for i in range(6)]
     by_id = {s.replica_id: s for s in stats}
