@@ -24,8 +24,9 @@ O(sequences that start, finish or move). Measured on a shared 2-core box,
 ran in 356 s (138 us per routing decision), 2.4 GB resident.
 What is approximate: the cost model is linear and fitted on three decode points
 (prefill slope estimated); no network, Ray or host overhead beyond the fitted
-step; one router process; the prefix cache registers a prompt's blocks when its
-prefill completes; peers are re-implementations, not the systems themselves.
+step; routers (--num-routers) see every snapshot at the same time; the prefix
+cache registers a prompt's blocks when its prefill completes; peers are
+re-implementations, not the systems themselves.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ class SimConfig:
     concurrency: int | None = None
     router: RouterConfig | None = None  # the real policies' config (None: defaults, seed)
     progress_every: int = 0  # print progress every this many routed requests (0: never)
+    # Independent routers, as Serve runs one per handle and proxy: request i is routed
+    # by router i % num_routers, each with its own reservations (or in-flight counts),
+    # all seeing the same snapshots. Many routers on stale snapshots herd.
+    num_routers: int = 1
 
     def __post_init__(self) -> None:
         if self.num_replicas <= 0:
@@ -73,6 +78,8 @@ class SimConfig:
             raise ValueError("stats_period_s must be > 0 and stats_delay_s >= 0")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.num_routers < 1:
+            raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
 
 
 class Arrivals:
@@ -140,16 +147,26 @@ def _simulate(
         SimReplica(i, config.replica, cost, workload, first_token_s, finish_s)
         for i in range(config.num_replicas)
     ]
-    router = make_sim_router(
-        policy, workload, config.num_replicas, config.replica.num_blocks, config.seed,
-        config.router or RouterConfig(seed=config.seed),
-    )  # fmt: skip
+    routers = [
+        make_sim_router(
+            policy,
+            workload,
+            config.num_replicas,
+            config.replica.num_blocks,
+            config.seed + k,
+            config.router or RouterConfig(seed=config.seed),
+        )  # fmt: skip
+        for k in range(config.num_routers)
+    ]
+    num_routers, router = len(routers), routers[0]  # router: what they all are
     heap: list[tuple] = []
     counter = 0
     visible: deque = deque()
     if router.needs_stats:
         for i, r in enumerate(replicas):
-            router.observe(i, r.stats(0.0, router.needs_hashes))
+            snapshot = r.stats(0.0, router.needs_hashes)
+            for each in routers:
+                each.observe(i, snapshot)
             offset_s = config.stats_period_s * (i + 1) / config.num_replicas
             heap.append((offset_s, counter, _PUBLISH, i))
             counter += 1
@@ -168,9 +185,9 @@ def _simulate(
                 r.complete_step(now)
                 if tracks:
                     for rid in r.first_tokens:
-                        router.on_first_token(rid, arg)
+                        routers[rid % num_routers].on_first_token(rid, arg)
                     for rid in r.finished:
-                        router.on_finish(rid, arg)
+                        routers[rid % num_routers].on_finish(rid, arg)
                 if r.finished:
                     num_done += len(r.finished)
                     arrivals.on_done(now, len(r.finished))
@@ -195,9 +212,10 @@ def _simulate(
                 _progress(arrivals.next, n, now, num_done, wall_start, route_s, num_decisions)
         while visible and visible[0][0] <= now:
             _, i, snapshot = visible.popleft()
-            router.observe(i, snapshot)
+            for each in routers:
+                each.observe(i, snapshot)
         t0 = time.perf_counter()
-        replica, retry_after_s = router.route(rid, now, attempt, held_since_s)
+        replica, retry_after_s = routers[rid % num_routers].route(rid, now, attempt, held_since_s)
         route_s += time.perf_counter() - t0
         num_decisions += 1
         if replica >= 0:
@@ -261,7 +279,8 @@ def sim_config(args: argparse.Namespace, num_replicas: int, **overrides: object)
         num_replicas=num_replicas, replica=ReplicaSimConfig(**replica_fields),
         stats_period_s=args.stats_period_ms / 1e3, stats_delay_s=args.stats_delay_ms / 1e3,
         slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3, seed=args.seed,
-        progress_every=args.progress_every,
+        progress_every=args.progress_every, num_routers=args.num_routers,
+        concurrency=args.concurrency,
         router=RouterConfig(seed=args.seed, queue_fraction=args.queue_fraction),
     )  # fmt: skip
     fields |= {k: v for k, v in overrides.items() if k not in replica_fields}
@@ -288,6 +307,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-prefix-hashes", type=int, default=2048)
+    p.add_argument(
+        "--num-routers", type=int, default=1,
+        help="independent routers (one per Serve handle or proxy), requests dealt round robin",
+    )  # fmt: skip
+    p.add_argument(
+        "--concurrency", type=int, default=None,
+        help="closed loop: this many users, each sending its next request when one ends",
+    )  # fmt: skip
     p.add_argument("--stats-period-ms", type=float, default=50.0)
     p.add_argument("--stats-delay-ms", type=float, default=100.0)
     p.add_argument(

@@ -6,7 +6,8 @@ From the result JSON (bench/load.py's report(): "workload", "target", "runs"):
   - the trace: bench.load_workload.build_trace(WorkloadConfig(**workload)) gives the
     very requests the run sent (same seed, prompts, max_tokens, arrival offsets);
     output lengths are max_tokens (the load test sets ignore_eos); workload
-    "concurrency" (closed loop) becomes SimConfig.concurrency;
+    "concurrency" (closed loop) becomes SimConfig.concurrency, and target "num_procs"
+    (one Serve handle, so one router, per generator process) SimConfig.num_routers;
   - the replicas: target replicas, block_size, max_num_seqs, and num_blocks; when
     the run sized its KV pool from memory (num_blocks null), --num-blocks if given,
     else the pool size implied by the run's kv_samples ((free + cached) / (1 -
@@ -100,6 +101,8 @@ def replica_overrides(result: dict, args: argparse.Namespace) -> dict:
         "enable_prefix_caching": engine["enable_prefix_caching"],
         "max_prefix_hashes_in_stats": engine["max_prefix_hashes_in_stats"],
         "concurrency": int(concurrency) if concurrency else None,
+        # Each generator process routes through its own Serve handle: one router each.
+        "num_routers": int(target.get("num_procs") or 1),
     }
 
 

@@ -211,7 +211,9 @@ def test_validate_replays_the_run_and_reports_relative_errors(tmp_path, capsys):
     )  # fmt: skip
     replica = ReplicaSimConfig(num_blocks=300, block_size=16, max_num_seqs=32,
                                max_num_batched_tokens=8192)  # fmt: skip
-    expected = simulate("kv", replay, SimConfig(num_replicas=2, replica=replica, seed=5), COST)
+    # num_procs 2: one router per generator process.
+    config = SimConfig(num_replicas=2, replica=replica, seed=5, num_routers=2)
+    expected = simulate("kv", replay, config, COST)
     measured = measured_metrics(
         throughput=2 * expected["output_tokens_per_s"],
         ttft_p50_ms=expected["ttft_ms"]["p50"] / 2,
@@ -282,3 +284,26 @@ def test_peer_prefix_index_matches_its_trees():
         assert index.overlaps(query).tolist() == expected
         assert index.sizes.tolist() == [len(t) for t in index.trees]
         assert all(len(t) <= 12 for t in index.trees)
+
+
+def test_many_routers_on_stale_snapshots_herd_and_fresh_ones_do_not():
+    # Closed loop, slots (not KV) binding: 16 routers that each see replicas 250 ms late
+    # send waves to whichever replica their snapshot shows lightest (as on 4 H200s,
+    # BENCHMARKS.md); one router, or snapshots a few ms old (the carrier path), do not.
+    wl = WorkloadConfig(dataset="random", num_requests=3000, seed=0)
+
+    def tokens_per_s(num_routers: int, stats_delay_s: float) -> float:
+        replica = ReplicaSimConfig(num_blocks=16384, max_num_seqs=128)
+        result = run("kv", wl, num_replicas=4, concurrency=512, replica=replica,
+                     num_routers=num_routers, stats_delay_s=stats_delay_s)  # fmt: skip
+        assert result["num_completed"] == 3000
+        return result["output_tokens_per_s"]
+
+    herding = tokens_per_s(16, 0.25)
+    assert herding < 0.9 * tokens_per_s(1, 0.25)
+    assert herding < 0.9 * tokens_per_s(16, 0.005)
+
+
+def test_num_routers_must_be_positive():
+    with pytest.raises(ValueError, match="num_routers"):
+        SimConfig(num_routers=0)
