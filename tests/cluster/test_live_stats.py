@@ -104,3 +104,12 @@ def test_a_stale_carrier_snapshot_does_not_hide_a_newer_serve_one() -> None:
         assert stats.num_running == 1
 
     asyncio.run(scenario())
+
+
+def test_the_routers_caches_forget_replicas_that_left() -> None:
+    router = make_router(RouterConfig(policy="kv"))
+    for i in range(100):  # replicas replaced one after another
+        live_stats.note(f"r{i}", make_stats(f"r{i}", timestamp_s=NOW_S + 1).to_msgpack())
+        router.collect_stats([fake_replica(f"r{i}"), fake_replica("kept")])
+    assert len(router.decoded) + len(router.merged) <= 4 * 2 + 16
+    assert "kept" in router.decoded and "r99" in router.merged
