@@ -338,10 +338,17 @@ def test_replica_killed_mid_run_retries_or_types_every_request(fault_app: FaultA
         # or are still being routed: they have streamed nothing and must be retried.
         first = [asyncio.create_task(run_request(client, p, params, started)) for p in prompts[:8]]
         await started.wait()
-        stats = await client.stats_async()
-        victim = max(stats, key=lambda s: s.num_running).replica_id
         rest = [asyncio.create_task(run_request(client, p, params)) for p in prompts[8:]]
-        await asyncio.sleep(0.3)
+        # The victim: a replica with requests mid-stream and others in its queue (the
+        # router may hold the rest instead while KV is short: wait for a queue to form).
+        deadline_s = time.monotonic() + 10.0
+        while True:
+            stats = await client.stats_async()
+            busiest = max(stats, key=lambda s: (s.num_waiting > 0, s.num_running))
+            if busiest.num_waiting and busiest.num_running or time.monotonic() > deadline_s:
+                break
+            await asyncio.sleep(0.02)
+        victim = busiest.replica_id
         kill_replica(victim)
         jobs = first + rest
         done, pending = await asyncio.wait(jobs, timeout=120)
