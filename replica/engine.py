@@ -106,6 +106,7 @@ class LLMEngine:
         self.in_flight: InFlightStep | None = None
         self.last_step: StepTimings | None = None
         self._token_events: deque[tuple[float, int]] = deque()  # (time_s, tokens) per step
+        self._num_window_tokens = 0  # sum of _token_events' tokens, kept as they come and go
         self._next_id = 0
         # Start-up objects (model, graphs, tokenizer) go to the collector's permanent
         # generation, so its full passes during serving do not walk them (ITL spikes).
@@ -240,6 +241,7 @@ class LLMEngine:
                 if (index + 1) % block_size == 0:
                     self.block_manager.commit(seq)  # the block ending here is now known
         self._token_events.append((time.monotonic(), len(tokens)))
+        self._num_window_tokens += len(tokens)
         return outputs
 
     def _finish(self, seq: Sequence, index: int, reason: str, outputs: list) -> None:
@@ -296,8 +298,10 @@ class LLMEngine:
         now = time.monotonic()
         events = self._token_events
         while events and events[0][0] < now - _TOKENS_PER_S_WINDOW_S:
-            events.popleft()
-        tokens_per_s = sum(n for _, n in events) / _TOKENS_PER_S_WINDOW_S
+            self._num_window_tokens -= events.popleft()[1]
+        # A running total: the engine thread takes a load snapshot every few ms
+        # (cluster.deployment), and the window holds one event per step of the last 2 s.
+        tokens_per_s = self._num_window_tokens / _TOKENS_PER_S_WINDOW_S
         waiting = self.scheduler.waiting
         return ReplicaStats(
             replica_id=self.config.replica_id,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -175,6 +176,20 @@ def test_streaming_interface_and_abort_free_blocks(checkpoint):
     assert not engine.abort("drop")
     assert tokens == hf_greedy(hf_model, prompts[0], MAX_NEW) and finished is not None
     assert_no_leak(engine)
+
+
+def test_tokens_per_s_counts_the_last_two_seconds(checkpoint, monkeypatch):
+    path, _ = checkpoint
+    engine = make_engine(path, 16)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(random_prompts(5, [9, 20]), params)
+    num_tokens = sum(len(o.token_ids) for o in outs)
+    assert num_tokens == 12
+    assert engine.stats().tokens_per_s == num_tokens / 2.0  # the window is 2 s
+    later = time.monotonic() + 2.5  # every step's tokens leave the window
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    assert engine.stats(with_hashes=False).tokens_per_s == 0.0
+    assert engine.stats().tokens_per_s == 0.0  # and stay out
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
