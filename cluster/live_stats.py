@@ -5,10 +5,11 @@ controller: a poll every stats period, then a broadcast to every handle and prox
 load those snapshots reached routers ~0.25 s old (median; 0.4 s p90, with a 50 ms
 period), about half the life of a 128-token request, long enough for every router to
 send a wave of requests to the one replica its snapshot shows idle (BENCHMARKS.md,
-"herding"). A replica also puts its latest snapshot on every carrier message it sends
-(CarrierBatch.stats, without the prefix hashes), so a process that has requests on a
-replica holds a snapshot of it that is at most a stats period plus one message old;
-KVFleetRequestRouter takes whichever of the two is newer.
+"herding"). A replica also puts its latest load snapshot on every carrier message it
+sends (CarrierBatch.stats, without the prefix hashes; refreshed on the engine thread at
+most every cluster.deployment.LOAD_STATS_PERIOD_S and on every step that ends a
+request), so a process that has requests on a replica holds a snapshot of it a few ms
+plus one message old; KVFleetRequestRouter takes whichever of the two is newer.
 
 Process-wide on purpose: the transports that receive the messages and the routers that
 read them are different objects (one per handle) in the same caller process. Written on
@@ -27,9 +28,9 @@ _latest: dict[str, tuple[bytes, ReplicaStats]] = {}
 def note(replica_id: str, data: bytes) -> None:
     """A replica's snapshot (ReplicaStats.to_msgpack) from one of its carrier messages.
 
-    Decoded only when it differs from the last one (a replica refreshes its snapshot
-    once per stats period and sends it on every message until then). An unreadable
-    snapshot is ignored: Serve's own stats still reach the routers.
+    Decoded only when it differs from the last one (messages sent between two refreshes
+    of the replica's snapshot carry the same bytes). An unreadable snapshot is ignored:
+    Serve's own stats still reach the routers.
     """
     known = _latest.get(replica_id)
     if known is not None and known[0] == data:

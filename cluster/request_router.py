@@ -157,9 +157,9 @@ class KVFleetRequestRouter(RequestRouter):
             else:
                 known.append(stats)
         if len(self.decoded) + len(self.merged) > 4 * len(replicas) + 16:  # replicas left
-            live = {r.replica_id.unique_id for r in replicas}
-            self.decoded = {k: v for k, v in self.decoded.items() if k in live}
-            self.merged = {k: v for k, v in self.merged.items() if k in live}
+            current = {r.replica_id.unique_id for r in replicas}
+            self.decoded = {k: v for k, v in self.decoded.items() if k in current}
+            self.merged = {k: v for k, v in self.merged.items() if k in current}
         return known, unknown
 
     def serve_stats(

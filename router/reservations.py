@@ -24,11 +24,12 @@ class ReservationBook:
     released by the first snapshot of its replica stamped more than arrival_s
     after it was made (the snapshot then counts the request itself: arrival_s
     covers the request's way to the replica's engine), or after ttl_s,
-    whichever comes first. charge() shows a snapshot with the reserved blocks taken from
-    free (then cached) blocks and counted as used, and the reserved requests as
-    waiting sequences (their prompt blocks are the used ones), leaving out the reservation
-    of the request being admitted (Serve re-asks for a request whose first
-    choice it could not probe; that request's blocks are not in its own way).
+    whichever comes first. charge() shows a snapshot with the reserved blocks
+    taken from free (then cached) blocks and counted as used, and the reserved
+    requests as waiting sequences (their prompt blocks are the used ones),
+    leaving out the reservation of the request being admitted (Serve re-asks
+    for a request whose first choice it could not probe; that request's blocks
+    are not in its own way).
     Cost: queries are O(1) from per-replica running totals; expiry pops from
     min-heaps on reserved_at_s (one per replica for snapshots, one global for
     the TTL), since both release rules release the oldest reservations first.
