@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from ray.serve.config import RequestRouterConfig
@@ -120,7 +120,7 @@ class KVFleetRequestRouter(RequestRouter):
       - admitted: reserve on the first choice, return the ranked tiers (Serve
         then probes queue lengths within a tier and falls to the next tier);
         should_backoff is set so Serve backs off if every tier refuses.
-      - held: sleep the suggested backoff (asyncio.sleep, never a busy loop)
+      - held: sleep the suggested backoff (self.sleep, asyncio.sleep; never a busy loop)
         and return no tiers, so Serve calls again and admission re-evaluates.
       - OverloadedError (reject mode, or hold exhausted): resolve the pending
         request's future with the error, so the caller's response raises it,
@@ -134,6 +134,7 @@ class KVFleetRequestRouter(RequestRouter):
         self.router_config = RouterConfig(**kwargs)
         self.admission = Admission(self.router_config)
         self.clock: Callable[[], float] = time.time
+        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # tests inject both
         # internal request id -> (first held at, attempts so far)
         self.holds: dict[str, tuple[float, int]] = {}
         # replica unique id -> (routing stats bytes, decoded stats)
@@ -236,7 +237,7 @@ class KVFleetRequestRouter(RequestRouter):
             if pending_request is not None:
                 pending_request.routing_context.should_backoff = False
             try:
-                await asyncio.sleep(decision.retry_after_s)
+                await self.sleep(decision.retry_after_s)
             except asyncio.CancelledError:
                 self.holds.pop(request.request_id, None)
                 raise

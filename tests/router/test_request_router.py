@@ -95,7 +95,7 @@ def test_reject_resolves_the_request_with_overloaded_error() -> None:
     asyncio.run(scenario())
 
 
-def test_hold_sleeps_the_backoff_then_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hold_sleeps_the_backoff_then_gives_up() -> None:
     slept: list[float] = []
 
     async def fake_sleep(delay_s: float) -> None:
@@ -103,7 +103,6 @@ def test_hold_sleeps_the_backoff_then_gives_up(monkeypatch: pytest.MonkeyPatch) 
         now[0] += delay_s
 
     now = [NOW_S]
-    monkeypatch.setattr(adapter.asyncio, "sleep", fake_sleep)
 
     async def scenario() -> None:
         router = make_router(
@@ -112,6 +111,7 @@ def test_hold_sleeps_the_backoff_then_gives_up(monkeypatch: pytest.MonkeyPatch) 
             )
         )
         router.clock = lambda: now[0]
+        router.sleep = fake_sleep
         replicas = [fake_replica("full", num_blocks_used=100)]
         request = pending("q3", {"prompt_token_ids": [1, 2, 3]})
         while not request.future.done():
@@ -126,16 +126,15 @@ def test_hold_sleeps_the_backoff_then_gives_up(monkeypatch: pytest.MonkeyPatch) 
     assert slept == pytest.approx([0.1, 0.2, 0.2])
 
 
-def test_hold_admits_once_the_replica_frees(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hold_admits_once_the_replica_frees() -> None:
     replicas = [fake_replica("a", num_blocks_used=100)]
 
     async def fake_sleep(delay_s: float) -> None:
         replicas[0] = fake_replica("a", num_blocks_used=10)
 
-    monkeypatch.setattr(adapter.asyncio, "sleep", fake_sleep)
-
     async def scenario() -> None:
         router = make_router(RouterConfig())
+        router.sleep = fake_sleep
         request = pending("q4", {"prompt_token_ids": [1, 2, 3]})
         assert await router.choose_replicas(replicas, request) == []
         assert "q4" in router.holds
