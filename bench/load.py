@@ -161,6 +161,8 @@ def _cluster_config(args: argparse.Namespace, router: str) -> ClusterConfig:
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
         carrier_messages_per_step=args.carrier_messages_per_step,
+        access_log=args.access_log,
+        engine_process=args.engine_process,
         device=args.device,
         seed=args.seed,
         app_name=args.app_name,
@@ -277,7 +279,7 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
 _TARGET_KEYS = (
     "app_name model replicas routers router num_blocks max_num_seqs block_size device "
     "on_overload queue_fraction num_procs fake_step_ms carrier_messages_per_step "
-    "route_on_caller_loop"
+    "access_log engine_process route_on_caller_loop"
 ).split()
 
 
@@ -306,6 +308,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--carrier-messages-per-step", type=int, default=4,
         help="replica message budget per engine step (ClusterConfig)",
+    )  # fmt: skip
+    t.add_argument("--access-log", action="store_true", help="Serve's per-request log lines")
+    t.add_argument(
+        "--engine-process", action="store_true",
+        help="each replica's engine in a child process (ClusterConfig.engine_process)",
     )  # fmt: skip
     t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     t.add_argument("--on-overload", default="hold", choices=("hold", "reject"))

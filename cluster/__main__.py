@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--port", type=int, default=8000)
     serve_p.add_argument("--app-name", default="kvfleet")
     serve_p.add_argument("--no-http", action="store_true", help="Python client only")
+    serve_p.add_argument(
+        "--access-log", action="store_true", help="Serve's per-request log lines (off: faster)"
+    )
     serve_p.add_argument("--blocking", action="store_true", help="stay in the foreground")
     demo = sub.add_parser("demo", help="2 local replicas, a burst of streams, a table")
     demo.add_argument("--model", default="gpt2-tiny")
@@ -56,6 +59,7 @@ def serve_main(args: argparse.Namespace) -> None:
         carrier_messages_per_step=args.carrier_messages_per_step,
         device=args.device,
         http=not args.no_http,
+        access_log=args.access_log,
         app_name=args.app_name,
     )
     ray.init(ignore_reinit_error=True)

@@ -59,6 +59,7 @@ def build_app(
     }
     if config.replica_resources:
         actor_options["resources"] = dict(config.replica_resources)
+    logging_config = {"enable_access_log": config.access_log}
     llm = serve.deployment(
         LLMServer,
         name=LLM_DEPLOYMENT,
@@ -66,12 +67,13 @@ def build_app(
         max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options=actor_options,
         request_router_config=routing_config(config),
+        logging_config=logging_config,
     ).bind(config, num_gpus, engine_factory)
     if not config.http:
         return llm
     from cluster.ingress import Ingress
 
-    return Ingress.bind(llm, config.model)
+    return Ingress.options(logging_config=logging_config).bind(llm, config.model)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -57,6 +57,13 @@ class ClusterConfig:
     (at most CARRIER_MAX_HOLD_S later); a request's first token and its end are always
     sent at once. Each message costs the replica's process a Serve streaming yield
     (~0.3 ms of CPU), taken from the engine thread's GIL time.
+    access_log turns on Serve's access log (one INFO line per request in each replica's
+    and the ingress's log). Off by default, as vLLM's --disable-log-requests: at ~330
+    requests/s on one replica, Serve's logging held 16% of the replica loop's GIL time
+    with it and 6% without (py-spy, BENCHMARKS.md "Where a replica's time goes").
+    engine_process runs each replica's engine in a child process of the replica
+    (cluster.engine_process), so Serve's per-request work and the engine's host work
+    stop sharing one GIL.
     """
 
     model: str = "gpt2-tiny"
@@ -81,6 +88,8 @@ class ClusterConfig:
     replica_resources: dict[str, float] = field(default_factory=dict)
     max_ongoing_requests: int = 4096
     http: bool = False
+    access_log: bool = False
+    engine_process: bool = False
     app_name: str = "kvfleet"
 
     def __post_init__(self) -> None:
@@ -152,8 +161,9 @@ class ClusterConfig:
                 "replica_resources is for custom resources; GPUs are num_gpus_per_replica"
             )
         _positive_int("max_ongoing_requests", self.max_ongoing_requests)
-        if not isinstance(self.http, bool):
-            raise ValueError(f"http must be a bool, got {self.http!r}")
+        for name in ("http", "access_log", "engine_process"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.app_name, str) or not self.app_name:
             raise ValueError(f"app_name must be a non-empty string, got {self.app_name!r}")
 

@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.config import ClusterConfig
 from cluster.messages import (
@@ -39,6 +39,9 @@ from cluster.metrics import ReplicaMetrics
 from cluster.request_router import encode_routing_stats
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
+
+if TYPE_CHECKING:
+    from cluster.engine_process import EngineProcess
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +195,7 @@ class EngineLoop:
                     self._wakeup.wait(timeout=self._stats_period_s)
                 if time.monotonic() - self._stats_at_s >= self._stats_period_s:
                     self._refresh_stats()
+                self._end_iteration()
         except BaseException as exc:
             self.failure = f"engine loop failed: {exc!r}"
             logger.exception("kvfleet engine loop of replica %s failed", self.replica_id)
@@ -203,6 +207,11 @@ class EngineLoop:
             for _, future in pending:
                 error = EngineUnavailableError(self.failure or "shutting down")
                 _settle(future, future.set_exception, error)
+            self._end_iteration()
+
+    def _end_iteration(self) -> None:
+        """After each pass of commands and step (cluster.engine_process ships its
+        deliveries here, one message per pass)."""
 
     def _fail_tracked(self) -> None:
         per_caller: dict[str, StepBatch] = {}
@@ -316,6 +325,18 @@ def _default_engine_factory(config: ClusterConfig, replica_id: str, num_gpus: fl
     return LLMEngine(config.engine_config(replica_id, num_gpus))
 
 
+def engine_model_info(config: ClusterConfig, engine: Any) -> dict[str, Any]:
+    """What LLMServer.model_info answers (Client.model_info reads it)."""
+    model_config = engine.model_config
+    return {
+        "model": config.model,
+        "vocab_size": model_config.vocab_size,
+        "eos_token_id": model_config.eos_token_id,
+        "has_tokenizer": engine.tokenizer is not None,
+        "max_model_len": engine.max_model_len,
+    }
+
+
 class LLMServer:
     """One replica: an LLMEngine behind the carrier-stream transport.
 
@@ -356,20 +377,33 @@ class LLMServer:
         self._config = config
         self._heartbeat = Heartbeat(self.replica_id).encode()
         self._heartbeat_s = heartbeat_s
-        self._engine = (engine_factory or _default_engine_factory)(
-            config, self.replica_id, num_gpus
-        )
         self._carriers: dict[str, _Carrier] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: collections.deque[tuple[str, StepBatch]] = collections.deque()
         self._drain_scheduled = False
-        self._engine_loop = EngineLoop(
-            self._engine,
-            self.replica_id,
-            config.stats_period_s,
-            self._deliver_threadsafe,
-            ReplicaMetrics(self.replica_id),
-        )
+        self._engine_loop: EngineLoop | EngineProcess
+        if config.engine_process:
+            from cluster.engine_process import EngineProcess
+
+            self._engine_loop = EngineProcess(
+                config,
+                self.replica_id,
+                num_gpus,
+                engine_factory,
+                self._deliver_threadsafe,
+                ReplicaMetrics(self.replica_id),
+            )
+            self._model_info = self._engine_loop.model_info
+        else:
+            engine = (engine_factory or _default_engine_factory)(config, self.replica_id, num_gpus)
+            self._engine_loop = EngineLoop(
+                engine,
+                self.replica_id,
+                config.stats_period_s,
+                self._deliver_threadsafe,
+                ReplicaMetrics(self.replica_id),
+            )
+            self._model_info = engine_model_info(config, engine)
 
     async def submit(self, wire: dict) -> AsyncIterator[bytes]:
         """Admit one request; this stream becomes the caller's carrier if it has none here.
@@ -480,26 +514,21 @@ class LLMServer:
         except EngineUnavailableError:
             return False
 
-    def check_health(self) -> None:
+    # The small methods below are async although they never await: Serve runs a sync
+    # method on a worker thread, a thread hop (and a GIL handoff) for every call.
+    async def check_health(self) -> None:
         """Serve's health probe: fails once the engine loop has stopped, so it is replaced."""
         if not self._engine_loop.is_alive:
             raise RuntimeError(self._engine_loop.failure or "engine loop is not running")
 
-    def record_routing_stats(self) -> dict[str, bytes]:
+    async def record_routing_stats(self) -> dict[str, bytes]:
         return encode_routing_stats(self._engine_loop.stats)
 
-    def stats(self) -> bytes:
+    async def stats(self) -> bytes:
         return self._engine_loop.stats.to_msgpack()
 
-    def model_info(self) -> dict[str, Any]:
-        model_config = self._engine.model_config
-        return {
-            "model": self._config.model,
-            "vocab_size": model_config.vocab_size,
-            "eos_token_id": model_config.eos_token_id,
-            "has_tokenizer": self._engine.tokenizer is not None,
-            "max_model_len": self._engine.max_model_len,
-        }
+    async def model_info(self) -> dict[str, Any]:
+        return self._model_info
 
     def shutdown(self) -> None:
         """Stop the engine loop (Serve: at replica teardown, through __del__)."""

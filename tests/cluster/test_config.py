@@ -35,6 +35,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
         ("max_hold_s", -1.0),
         ("num_gpus_per_replica", -1),
         ("http", "yes"),
+        ("access_log", 1),
     ],
 )
 def test_invalid_field_is_named(field: str, value: object) -> None:
@@ -63,6 +64,14 @@ def test_router_and_engine_configs_follow_cluster_config() -> None:
     engine = config.engine_config("r1", num_gpus=0)
     assert (engine.device, engine.num_blocks, engine.replica_id) == ("cpu", 64, "r1")
     assert config.engine_config("r1", num_gpus=1).device == "cuda"
+
+
+@pytest.mark.parametrize("access_log", [False, True])
+def test_access_log_reaches_both_deployments(access_log: bool) -> None:
+    ingress = build_app(ClusterConfig(http=True, access_log=access_log), num_gpus_in_cluster=0)
+    (llm,) = ingress._bound_deployment.init_args[:1]
+    for deployment in (ingress._bound_deployment, llm._bound_deployment):
+        assert deployment._deployment_config.logging_config["enable_access_log"] is access_log
 
 
 def _app_args(serve_config: dict) -> dict:

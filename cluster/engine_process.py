@@ -1,0 +1,332 @@
+"""The replica's engine in a process of its own (ClusterConfig.engine_process).
+
+Why: a replica's Serve process handles every request (Serve's request path, about
+0.7 ms of GIL time per request, measured with py-spy on the CPU box) and sends every
+streamed message; the engine thread's host work (scheduling, fan-out) needs the same
+GIL, so at a few hundred requests/s the step waits for Serve. With the engine in its
+own process, as vLLM's engine core, the two no longer share a GIL: the child runs the
+unchanged EngineLoop; the replica process only forwards.
+
+Wire (multiprocessing Connection, pickled tuples; one pipe, both directions):
+  parent -> child  ("init", config, replica_id, num_gpus, engine_factory) first, then
+                   ("add", cmd_id, caller_id, request_id, prompt, params),
+                   ("abort", cmd_id, request_id), ("shutdown",)
+  child -> parent  ("ready", model_info, stats, load_stats) or ("failed", reason),
+                   ("done", cmd_id, error, result)  a command's outcome,
+                   ("out", [(caller_id, StepBatch)], load_stats, ttfts, tpots)
+                                                    one engine pass's deliveries,
+                   ("stats", ReplicaStats)          every stats period.
+The child answers a command before it sends the outputs of the pass that ran it, so
+the parent knows a request before any of its tokens.
+
+Failure: when the child dies or its engine fails, every request it held ends with
+"error", later commands raise EngineUnavailableError, and is_alive turns False, so
+Serve's health check replaces the replica. When the parent dies, the child reads EOF
+and exits (the GPU memory goes with it).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing.connection
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from cluster.config import ClusterConfig
+from cluster.deployment import (
+    Deliver,
+    EngineLoop,
+    EngineUnavailableError,
+    _settle,
+    engine_model_info,
+)
+from cluster.messages import ERROR_FINISH, StepBatch
+from cluster.metrics import ReplicaMetrics
+from replica.sampling_params import SamplingParams
+from replica.stats import ReplicaStats
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0  # model load and CUDA graph capture happen before "ready"
+
+
+class EngineProcess:
+    """EngineLoop's interface (add, abort, stats, load_stats, is_alive, failure,
+    shutdown) over an engine that runs in a child process."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        replica_id: str,
+        num_gpus: float,
+        engine_factory: Callable[[ClusterConfig, str, float], Any] | None,
+        deliver: Deliver,
+        metrics: ReplicaMetrics | None = None,
+    ) -> None:
+        self.replica_id = replica_id
+        self._deliver = deliver
+        self._metrics = metrics
+        self.failure: str | None = None
+        self._lock = threading.Lock()  # guards sends, _futures and failure
+        self._futures: dict[int, tuple[concurrent.futures.Future, str, str]] = {}
+        self._ids = itertools.count()
+        self._callers: dict[str, str] = {}  # request id -> caller id, while it runs
+        conn, child_conn = multiprocessing.Pipe(duplex=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "cluster.engine_process", str(child_conn.fileno())],
+            pass_fds=(child_conn.fileno(),),
+            env=env,
+        )
+        child_conn.close()
+        self._conn = conn
+        conn.send(("init", config, replica_id, num_gpus, engine_factory))
+        if not conn.poll(READY_TIMEOUT_S):
+            self._proc.kill()
+            raise RuntimeError(f"engine process of {replica_id} not ready in {READY_TIMEOUT_S}s")
+        try:
+            message = conn.recv()
+            while message[0] == "stats":
+                message = conn.recv()
+        except EOFError:
+            message = ("failed", f"exited with code {self._proc.wait()}")
+        if message[0] != "ready":
+            self._proc.kill()
+            self._proc.wait()
+            raise RuntimeError(f"engine process of {replica_id} failed to start: {message[1]}")
+        _, self.model_info, self._stats, self.load_stats = message
+        self._reader = threading.Thread(
+            target=self._read, name="kvfleet-engine-reader", daemon=True
+        )
+        self._reader.start()
+
+    @property
+    def stats(self) -> ReplicaStats:
+        return self._stats
+
+    @property
+    def is_alive(self) -> bool:
+        return self.failure is None and self._reader.is_alive()
+
+    def add(
+        self, caller_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> concurrent.futures.Future:
+        """Admit a request; the future raises the engine's ValueError for bad input."""
+        return self._command("add", caller_id, request_id, prompt_token_ids, params)
+
+    def abort(self, request_id: str) -> concurrent.futures.Future:
+        """Abort a request if it runs there (frees its blocks); the future gives a bool."""
+        return self._command("abort", "", request_id)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self.failure is None:
+                self.failure = "shutting down"
+            try:
+                self._conn.send(("shutdown",))
+            except OSError:
+                pass  # already gone
+        try:
+            self._proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def _command(self, kind: str, caller_id: str, request_id: str, *args: Any) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self.failure is not None:
+                future.set_exception(EngineUnavailableError(self.failure))
+                return future
+            cmd_id = next(self._ids)
+            self._futures[cmd_id] = (future, caller_id, request_id)
+            try:
+                if kind == "add":
+                    self._conn.send((kind, cmd_id, caller_id, request_id, *args))
+                else:
+                    self._conn.send((kind, cmd_id, request_id))
+            except OSError as exc:  # the child is gone; the reader fails everything
+                del self._futures[cmd_id]
+                future.set_exception(EngineUnavailableError(f"engine process: {exc!r}"))
+        return future
+
+    def _read(self) -> None:
+        """Reader thread: hand each message on; on EOF, fail what the child held."""
+        reason = "engine process exited"
+        try:
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                if kind == "out":
+                    self._on_out(*message[1:])
+                elif kind == "done":
+                    self._on_done(*message[1:])
+                elif kind == "stats":
+                    self._stats = message[1]
+                    if self._metrics is not None:
+                        self._metrics.record_stats(self._stats)
+                elif kind == "failed":  # the engine raised; the child's loop sends
+                    reason = message[1]  # "error" for each of its requests next
+                    self._fail(reason)
+        except (EOFError, OSError):
+            pass
+        code = self._proc.poll()
+        self._fail(reason if code is None else f"{reason} (exit code {code})")
+        self._end_requests()
+
+    def _on_done(self, cmd_id: int, error: BaseException | None, result: Any) -> None:
+        with self._lock:
+            entry = self._futures.pop(cmd_id, None)
+        if entry is None:
+            return  # failed already (_fail)
+        future, caller_id, request_id = entry
+        if error is None and caller_id:
+            self._callers[request_id] = caller_id  # an add that succeeded
+        if error is None:
+            _settle(future, future.set_result, result)
+        else:
+            _settle(future, future.set_exception, error)
+
+    def _on_out(
+        self,
+        deliveries: list[tuple[str, StepBatch]],
+        load_stats: bytes,
+        ttfts: list[float],
+        tpots: list[float],
+    ) -> None:
+        self.load_stats = load_stats
+        callers = self._callers
+        for caller_id, batch in deliveries:
+            for i, _ in batch.finishes:
+                callers.pop(batch.request_ids[i], None)
+            self._deliver(caller_id, batch)
+        if self._metrics is not None:
+            for value in ttfts:
+                self._metrics.ttft_s.observe(value)
+            for value in tpots:
+                self._metrics.tpot_s.observe(value)
+
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            if self.failure is None:
+                self.failure = reason
+                logger.error("kvfleet engine process of replica %s: %s", self.replica_id, reason)
+            futures, self._futures = list(self._futures.values()), {}
+        for future, _, _ in futures:
+            _settle(future, future.set_exception, EngineUnavailableError(self.failure))
+
+    def _end_requests(self) -> None:
+        """The child is gone: "error" for each request it had not ended."""
+        per_caller: dict[str, StepBatch] = {}
+        for request_id, caller_id in self._callers.items():
+            per_caller.setdefault(caller_id, StepBatch()).add(request_id, [], ERROR_FINISH)
+        self._callers.clear()
+        for caller_id, batch in per_caller.items():
+            self._deliver(caller_id, batch)
+
+
+# ---- the child ---------------------------------------------------------------------
+
+
+class _Observations:
+    """ReplicaMetrics' histograms as lists, shipped with each pass's outputs."""
+
+    class _Values(list):
+        observe = list.append
+
+    def __init__(self) -> None:
+        self.ttft_s, self.tpot_s = self._Values(), self._Values()
+
+    def record_stats(self, stats: ReplicaStats) -> None:
+        pass  # the parent records the stats it receives
+
+    def take(self) -> tuple[list[float], list[float]]:
+        taken = list(self.ttft_s), list(self.tpot_s)
+        self.ttft_s.clear()
+        self.tpot_s.clear()
+        return taken
+
+
+class _ChildEngineLoop(EngineLoop):
+    """EngineLoop whose deliveries, stats and failure go to the parent's pipe."""
+
+    def __init__(self, engine: Any, replica_id: str, stats_period_s: float, send: Any) -> None:
+        self._send = send
+        self._reported = False
+        self._pending: list[tuple[str, StepBatch]] = []
+        self._observations = _Observations()
+        super().__init__(
+            engine, replica_id, stats_period_s, self._pending_append, self._observations
+        )
+
+    def _pending_append(self, caller_id: str, batch: StepBatch) -> None:
+        self._pending.append((caller_id, batch))
+
+    def _refresh_stats(self) -> None:
+        super()._refresh_stats()
+        self._send(("stats", self._stats))
+
+    def _end_iteration(self) -> None:
+        if self.failure is not None and not self._reported:  # before the "error" ends
+            self._reported = True
+            self._send(("failed", self.failure))
+        if self._pending:
+            deliveries, self._pending = self._pending, []
+            self._send(("out", deliveries, self.load_stats, *self._observations.take()))
+
+
+def _child_main(fd: int) -> None:
+    sys.setswitchinterval(0.0005)  # the command reader waits less for the engine thread
+    conn = multiprocessing.connection.Connection(fd)
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    _, config, replica_id, num_gpus, engine_factory = conn.recv()
+    try:
+        if engine_factory is None:
+            from cluster.deployment import _default_engine_factory as engine_factory
+        engine = engine_factory(config, replica_id, num_gpus)
+        loop = _ChildEngineLoop(engine, replica_id, config.stats_period_s, send)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        logger.exception("kvfleet engine process of replica %s failed to start", replica_id)
+        send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    # The engine thread already runs: a "stats" may precede this (the parent skips it).
+    send(("ready", engine_model_info(config, engine), loop.stats, loop.load_stats))
+
+    def answer(cmd_id: int) -> Callable[[concurrent.futures.Future], None]:
+        def done(future: concurrent.futures.Future) -> None:
+            error = future.exception()
+            send(("done", cmd_id, error, None if error is not None else future.result()))
+
+        return done
+
+    try:
+        while True:
+            message = conn.recv()
+            kind = message[0]
+            if kind == "add":
+                _, cmd_id, caller_id, request_id, prompt, params = message
+                loop.add(caller_id, request_id, prompt, params).add_done_callback(answer(cmd_id))
+            elif kind == "abort":
+                _, cmd_id, request_id = message
+                loop.abort(request_id).add_done_callback(answer(cmd_id))
+            elif kind == "shutdown":
+                break
+    except (EOFError, OSError):
+        pass  # the parent is gone
+    loop.shutdown()
+
+
+if __name__ == "__main__":
+    _child_main(int(sys.argv[1]))
+    os._exit(0)  # the engine thread is a daemon; do not wait on CUDA or Ray teardown
