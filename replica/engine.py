@@ -106,6 +106,7 @@ class LLMEngine:
         self.in_flight: InFlightStep | None = None
         self.last_step: StepTimings | None = None
         self._token_events: deque[tuple[float, int]] = deque()  # (time_s, tokens) per step
+        self.clock = time.monotonic  # of the tokens_per_s window; tests inject their own
         self._num_window_tokens = 0  # sum of _token_events' tokens, kept as they come and go
         self._next_id = 0
         # Start-up objects (model, graphs, tokenizer) go to the collector's permanent
@@ -240,7 +241,7 @@ class LLMEngine:
                 outputs.append(RequestOutput(seq.request_id, [token]))
                 if (index + 1) % block_size == 0:
                     self.block_manager.commit(seq)  # the block ending here is now known
-        self._token_events.append((time.monotonic(), len(tokens)))
+        self._token_events.append((self.clock(), len(tokens)))
         self._num_window_tokens += len(tokens)
         return outputs
 
@@ -295,7 +296,7 @@ class LLMEngine:
         """The replica's snapshot; with_hashes=False leaves out cached_prefix_hashes (the
         walk over up to max_prefix_hashes_in_stats blocks) for a load-only snapshot."""
         bm = self.block_manager
-        now = time.monotonic()
+        now = self.clock()
         events = self._token_events
         while events and events[0][0] < now - _TOKENS_PER_S_WINDOW_S:
             self._num_window_tokens -= events.popleft()[1]

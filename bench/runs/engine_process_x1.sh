@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One replica on one H200, engine thread vs engine process (ClusterConfig.engine_process),
+# and Serve's access log on vs off; results under $1 (default results/).
+# Usage: bash bench/runs/engine_process_x1.sh OUT_DIR [MODEL ...]
+# Each model: one replica, 256 closed-loop users in 8 generator processes, prompt 128,
+# 128 new tokens, 2048 requests, router kv; the rows differ only in the flag named.
+set -u
+out=${1:-results}
+shift || true
+models=${*:-gpt2 qwen3-0.6b}
+mkdir -p "$out"
+run() {  # model, name, extra bench.load args
+  local model=$1 name=$2
+  shift 2
+  timeout 150 python -m bench.load --model "$model" --replicas 1 --device cuda --routers kv \
+    --dataset random --input-len 128 --output-len 128 --concurrency 256 --num-requests 2048 \
+    --num-procs 8 --out "$out/engine_${model}_${name}.json" "$@" \
+    2>&1 | grep -E "^\| kv|SATURATED|LOST|LEAK|Error" | grep -v raylet | tail -4 \
+    | sed "s/^/$model $name /"
+}
+for model in $models; do
+  run "$model" thread
+  run "$model" process --engine-process
+  run "$model" thread_accesslog --access-log
+done
