@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from bench.cluster import FakeEngine, fake_engine
 from cluster import Client, ClusterConfig, build_app
@@ -184,3 +185,28 @@ def test_serve_app_with_engine_processes_equals_offline() -> None:
             time.sleep(0.05)
         info = client.model_info()
         assert (info.vocab_size, info.max_model_len) == (512, engine.max_model_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model", ["gpt2", "qwen3-0.6b"])
+def test_gpu_engine_process_equals_engine_thread(model: str) -> None:
+    """The child builds the CUDA engine (graphs and all) from the replica's environment;
+    greedy tokens through it equal the in-process engine's."""
+    prompts = [[464, 329, 318], list(range(1, 200)), [7] * 17]
+    params = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    results = []
+    for engine_process in (False, True):
+        config = ClusterConfig(
+            model=model, device="cuda", num_blocks=512, max_num_seqs=8,
+            engine_process=engine_process,
+        )  # fmt: skip
+        server = LLMServer(config, 1.0, replica_id="r0", gil_switch_interval_s=None)
+        try:
+            requests = [wire(f"q{i}", p, **params) for i, p in enumerate(prompts)]
+            results.append(asyncio.run(outcomes(server, requests)))
+        finally:
+            server.shutdown()
+    thread, process = results
+    assert all(finish == "length" and len(tokens) == 40 for tokens, finish in thread.values())
+    assert process == thread
