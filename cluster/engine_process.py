@@ -86,7 +86,14 @@ class EngineProcess:
         )
         child_conn.close()
         self._conn = conn
-        conn.send(("init", config, replica_id, num_gpus, engine_factory))
+        try:
+            conn.send(("init", config, replica_id, num_gpus, engine_factory))
+        except Exception as exc:  # e.g. a lambda: the child imports the factory by name
+            self._proc.kill()
+            self._proc.wait()
+            raise ValueError(
+                f"engine_factory must be picklable with engine_process=True: {exc!r}"
+            ) from exc
         if not conn.poll(READY_TIMEOUT_S):
             self._proc.kill()
             raise RuntimeError(f"engine process of {replica_id} not ready in {READY_TIMEOUT_S}s")
@@ -176,6 +183,10 @@ class EngineProcess:
                     self._fail(reason)
         except (EOFError, OSError):
             pass
+        except Exception as exc:  # a bug on this side: nothing more can reach the callers
+            logger.exception("kvfleet engine process reader of replica %s", self.replica_id)
+            reason = f"engine process reader failed: {exc!r}"
+            self._proc.kill()
         code = self._proc.poll()
         self._fail(reason if code is None else f"{reason} (exit code {code})")
         self._end_requests()
@@ -203,9 +214,9 @@ class EngineProcess:
         self.load_stats = load_stats
         callers = self._callers
         for caller_id, batch in deliveries:
+            self._deliver(caller_id, batch)
             for i, _ in batch.finishes:
                 callers.pop(batch.request_ids[i], None)
-            self._deliver(caller_id, batch)
         if self._metrics is not None:
             for value in ttfts:
                 self._metrics.ttft_s.observe(value)
@@ -228,7 +239,10 @@ class EngineProcess:
             per_caller.setdefault(caller_id, StepBatch()).add(request_id, [], ERROR_FINISH)
         self._callers.clear()
         for caller_id, batch in per_caller.items():
-            self._deliver(caller_id, batch)
+            try:
+                self._deliver(caller_id, batch)
+            except Exception:  # noqa: BLE001 - the other callers still get theirs
+                logger.exception("kvfleet: ending %s's requests", caller_id)
 
 
 # ---- the child ---------------------------------------------------------------------
@@ -290,8 +304,9 @@ def _child_main(fd: int) -> None:
         with send_lock:
             conn.send(message)
 
-    _, config, replica_id, num_gpus, engine_factory = conn.recv()
+    replica_id = "?"
     try:
+        _, config, replica_id, num_gpus, engine_factory = conn.recv()
         if engine_factory is None:
             from cluster.deployment import _default_engine_factory as engine_factory
         engine = engine_factory(config, replica_id, num_gpus)

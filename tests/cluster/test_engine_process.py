@@ -16,12 +16,14 @@ import torch
 
 from bench.cluster import FakeEngine, fake_engine
 from cluster import Client, ClusterConfig, build_app
-from cluster.deployment import LLMServer
+from cluster.deployment import EngineUnavailableError, LLMServer
+from cluster.engine_process import EngineProcess
 from cluster.messages import (
     ERROR_FINISH,
     INVALID,
     UNAVAILABLE,
     CarrierBatch,
+    StepBatch,
     SubmitAck,
     SubmitRequest,
     decode_message,
@@ -145,6 +147,38 @@ def test_engine_failure_in_the_child_is_reported() -> None:
 def test_engine_that_cannot_start_raises_naming_why() -> None:
     with pytest.raises(RuntimeError, match="no model directory at /nowhere"):
         child_server(unloadable_engine)
+
+
+def test_a_failing_delivery_ends_requests_with_error_and_stops_the_child() -> None:
+    delivered: list[StepBatch] = []
+
+    def deliver(caller_id: str, batch: StepBatch) -> None:
+        if not delivered:
+            delivered.append(StepBatch())  # the first delivery fails
+            raise RuntimeError("bug in the replica's delivery")
+        delivered.append(batch)
+
+    config = ClusterConfig(model="fake", device="cpu", engine_process=True)
+    factory = functools.partial(fake_engine, step_s=0.01)
+    engine = EngineProcess(config, "r0", 0.0, factory, deliver)
+    try:
+        params = SamplingParams(max_tokens=1000, ignore_eos=True)
+        engine.add("c0", "q0", [1, 2], params).result(timeout=30)
+        assert engine._proc.wait(timeout=30) != 0  # killed
+        deadline_s = time.monotonic() + 10
+        while engine.is_alive and time.monotonic() < deadline_s:
+            time.sleep(0.01)
+        assert "bug in the replica's delivery" in engine.failure
+        assert [d.finish_reason for d in delivered[-1].deltas()] == [ERROR_FINISH]
+        with pytest.raises(EngineUnavailableError):
+            engine.add("c0", "q1", [1], params).result(timeout=5)
+    finally:
+        engine.shutdown()
+
+
+def test_unpicklable_engine_factory_is_named() -> None:
+    with pytest.raises(ValueError, match="engine_factory must be picklable"):
+        child_server(lambda *_: FakeEngine("r0"))
 
 
 def test_child_exits_when_the_replica_is_gone() -> None:
