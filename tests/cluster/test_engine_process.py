@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 import time
 from typing import Any
 
@@ -183,7 +184,13 @@ def test_unpicklable_engine_factory_is_named() -> None:
 
 def test_child_exits_when_the_replica_is_gone() -> None:
     server = child_server(functools.partial(fake_engine, step_s=0.002))
-    server._engine_loop._conn.close()  # what the replica process dying does to the pipe
+    # What the replica process dying does to the pipe (a close() would wait for the
+    # reader thread's blocked recv to let go of the socket).
+    sock = socket.socket(fileno=server._engine_loop._conn.fileno())
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    finally:
+        sock.detach()
     assert server._engine_loop._proc.wait(timeout=30) == 0
 
 
