@@ -83,8 +83,18 @@ class RealRouter:
         self.needs_hashes = config.policy == "prefix"
         self.workload = workload
         self.admission = Admission(config)
+        # A request reaches its replica when it is routed (no network here), and the
+        # replica's ack tells the router so (cluster.live_stats.note_admitted).
+        # Kept for the reservation TTL (no reservation outlives it), oldest first.
+        self.admitted_s: dict[str, tuple[str, float]] = {}
+        self.ttl_s = config.reservation_ttl_s
+        self.admission.reservations.admitted_at = self._admitted_at
         self.index_of = {f"replica-{i}": i for i in range(num_replicas)}
         self.rng = random.Random(config.seed)
+
+    def _admitted_at(self, request_id: str, replica_id: str) -> float | None:
+        known = self.admitted_s.get(request_id)
+        return known[1] if known is not None and known[0] == replica_id else None
 
     def route_request(self, rid: int) -> RouteRequest:
         wl = self.workload
@@ -115,6 +125,11 @@ class RealRouter:
         tier = decision.tiers[0]
         replica_id = tier[0] if len(tier) == 1 else self.rng.choice(tier)
         self.admission.reserve(request, replica_id, now_s)
+        admitted_s = self.admitted_s
+        admitted_s.pop(request.request_id, None)  # a retry: keep insertion order by time
+        admitted_s[request.request_id] = (replica_id, now_s)
+        while now_s - next(iter(admitted_s.values()))[1] > self.ttl_s:
+            del admitted_s[next(iter(admitted_s))]
         return self.index_of[replica_id], 0.0
 
     def on_first_token(self, rid: int, replica: int) -> None:

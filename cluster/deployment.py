@@ -133,14 +133,16 @@ class EngineLoop:
     def add(
         self, caller_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> concurrent.futures.Future:
-        """Admit a request; the future raises the engine's ValueError for bad input."""
+        """Admit a request; the future gives when (time.time(), the clock of stats
+        timestamps: every later snapshot counts it) or raises the engine's ValueError."""
 
-        def command() -> None:
+        def command() -> float:
             if request_id in self._tombstones:
                 del self._tombstones[request_id]
                 raise AbortedBeforeAdmissionError(f"request {request_id!r} was aborted")
             self._engine.add_request(request_id, prompt_token_ids, params)
             self._tracked[request_id] = _Tracked(caller_id, time.monotonic())
+            return time.time()
 
         return self._post(command)
 
@@ -428,7 +430,7 @@ class LLMServer:
             carrier = self._carriers[caller_id] = _Carrier()
         carrier.in_flight.add(rid)
         try:
-            error, error_kind = await self._admit(caller_id, request)
+            error, error_kind, admitted_s = await self._admit(caller_id, request)
         except BaseException:  # cancelled by the caller, or an engine bug: never leak blocks
             self._drop(caller_id, carrier, rid)
             self._engine_loop.abort(rid)
@@ -438,7 +440,9 @@ class LLMServer:
         if error is not None:
             self._drop(caller_id, carrier, rid)
         carrier_id = carrier.carrier_id if error is None or is_carrier else ""
-        ack = SubmitAck(self.replica_id, is_carrier, carrier_id, error, error_kind).encode()
+        ack = SubmitAck(
+            self.replica_id, is_carrier, carrier_id, error, error_kind, admitted_s
+        ).encode()
         if not is_carrier:
             yield ack
             return
@@ -449,23 +453,26 @@ class LLMServer:
         finally:  # done, or the caller went away (cancelled / closed at any yield)
             self._close_carrier(caller_id, carrier)
 
-    async def _admit(self, caller_id: str, request: SubmitRequest) -> tuple[str | None, str | None]:
-        """Add the request to the engine; (error, error_kind) when it is refused."""
+    async def _admit(
+        self, caller_id: str, request: SubmitRequest
+    ) -> tuple[str | None, str | None, float | None]:
+        """Add the request to the engine: (None, None, admitted at), or (error,
+        error_kind, None) when it is refused."""
         try:
             params = SamplingParams.from_dict(request.params)
             check_engine_ranges(params)
-            await asyncio.wrap_future(
+            admitted_s = await asyncio.wrap_future(
                 self._engine_loop.add(
                     caller_id, request.request_id, request.prompt_token_ids, params
                 )
             )
         except (ValueError, TypeError) as exc:  # TypeError: from_dict on a wrong-typed field
-            return str(exc), INVALID
+            return str(exc), INVALID, None
         except EngineUnavailableError as exc:
-            return str(exc), UNAVAILABLE
+            return str(exc), UNAVAILABLE, None
         except AbortedBeforeAdmissionError as exc:
-            return str(exc), ABORTED
-        return None, None
+            return str(exc), ABORTED, None
+        return None, None, admitted_s
 
     def _drop(self, caller_id: str, carrier: _Carrier, rid: str) -> None:
         carrier.in_flight.discard(rid)

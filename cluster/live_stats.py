@@ -10,6 +10,8 @@ sends (CarrierBatch.stats, without the prefix hashes; refreshed on the engine th
 most every cluster.deployment.LOAD_STATS_PERIOD_S and on every step that ends a
 request), so a process that has requests on a replica holds a snapshot of it a few ms
 plus one message old; KVFleetRequestRouter takes whichever of the two is newer.
+Acks also say when the engine admitted each request (note_admitted), so a router
+releases its reservation for the request at the first snapshot that counts it.
 
 Process-wide on purpose: the transports that receive the messages and the routers that
 read them are different objects (one per handle) in the same caller process. Written on
@@ -18,11 +20,18 @@ the transports' loop, read on the routers' (a dict lookup and a dict store, each
 
 from __future__ import annotations
 
+import collections
+
 from replica.stats import ReplicaStats
 
 MAX_REPLICAS = 4096  # replicas remembered per process; the oldest seen go first
+# Admissions remembered per process, the oldest first out: far more than the requests
+# of one reservation TTL (2 s) at any rate one process sends.
+MAX_ADMISSIONS = 1 << 16
 
 _latest: dict[str, tuple[bytes, ReplicaStats]] = {}
+# request id -> (replica id, when its engine admitted it, on the replica's clock)
+_admitted: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
 
 
 def note(replica_id: str, data: bytes) -> None:
@@ -52,6 +61,22 @@ def latest(replica_id: str) -> ReplicaStats | None:
     return None if known is None else known[1]
 
 
+def note_admitted(request_id: str, replica_id: str, admitted_s: float) -> None:
+    """A replica's ack: its engine admitted request_id at admitted_s (SubmitAck)."""
+    _admitted[request_id] = (replica_id, admitted_s)
+    _admitted.move_to_end(request_id)
+    while len(_admitted) > MAX_ADMISSIONS:
+        _admitted.popitem(last=False)
+
+
+def admitted_at(request_id: str, replica_id: str) -> float | None:
+    """When replica_id's engine admitted request_id, if its ack reached this process
+    (router.ReservationBook: the first snapshot stamped later counts the request)."""
+    known = _admitted.get(request_id)
+    return known[1] if known is not None and known[0] == replica_id else None
+
+
 def forget_all() -> None:
     """Tests: start from nothing."""
     _latest.clear()
+    _admitted.clear()

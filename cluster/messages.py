@@ -71,10 +71,21 @@ class SubmitAck:
     carrier_id: str = ""  # the carrier this request's tokens ride on ("" when rejected)
     error: str | None = None
     error_kind: str | None = None  # INVALID | UNAVAILABLE | ABORTED when error is set
+    # When the engine admitted the request (the replica's time.time()): any load
+    # snapshot of the replica stamped later counts it (router.ReservationBook).
+    admitted_s: float | None = None
 
     def encode(self) -> bytes:
         return msgpack.packb(
-            [_ACK, self.replica_id, self.carrier, self.carrier_id, self.error, self.error_kind]
+            [
+                _ACK,
+                self.replica_id,
+                self.carrier,
+                self.carrier_id,
+                self.error,
+                self.error_kind,
+                self.admitted_s,
+            ]
         )
 
 
@@ -167,7 +178,7 @@ class CarrierBatch:
 def decode_message(data: bytes) -> SubmitAck | CarrierBatch | Heartbeat:
     raw = msgpack.unpackb(data)
     if raw[0] == _ACK:
-        return SubmitAck(*raw[1:6])
+        return SubmitAck(*raw[1:7])
     if raw[0] == _BATCH:
         return CarrierBatch(raw[1], [StepBatch(*row) for row in raw[2]], raw[3])
     if raw[0] == _BEAT:

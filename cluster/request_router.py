@@ -101,11 +101,15 @@ def route_request_from_call(
 
 
 def _route_request(pending_request: PendingRequest | None) -> RouteRequest:
+    """Keyed by kvfleet's request id when the call carries one (a SubmitRequest's wire
+    dict: the id the replica's ack names), else by Serve's internal request id."""
     if pending_request is None:
         return RouteRequest("")
-    return route_request_from_call(
-        pending_request.metadata.internal_request_id, pending_request.args, pending_request.kwargs
-    )
+    args = pending_request.args
+    request_id = args[0].get("request_id") if args and isinstance(args[0], dict) else None
+    if not isinstance(request_id, str) or not request_id:
+        request_id = pending_request.metadata.internal_request_id
+    return route_request_from_call(request_id, args, pending_request.kwargs)
 
 
 class KVFleetRequestRouter(RequestRouter):
@@ -133,9 +137,12 @@ class KVFleetRequestRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self.router_config = RouterConfig(**kwargs)
         self.admission = Admission(self.router_config)
+        # Reservations end at the first snapshot stamped after the engine admitted the
+        # request, which the replica's ack tells this process (cluster.live_stats).
+        self.admission.reservations.admitted_at = live_stats.admitted_at
         self.clock: Callable[[], float] = time.time
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # tests inject both
-        # internal request id -> (first held at, attempts so far)
+        # request id (route_request_from_call's) -> (first held at, attempts so far)
         self.holds: dict[str, tuple[float, int]] = {}
         # replica unique id -> (routing stats bytes, decoded stats)
         self.decoded: dict[str, tuple[bytes, ReplicaStats]] = {}

@@ -277,6 +277,8 @@ class CallerTransport:
                 raise
             raise ReplicaError(f"submit failed: {exc!r}", request_id) from exc
         assert isinstance(ack, SubmitAck), ack
+        if ack.admitted_s is not None:
+            live_stats.note_admitted(request_id, ack.replica_id, ack.admitted_s)
         if ack.carrier:
             self._start_carrier(ack.carrier_id, ack.replica_id, request.caller_id, gen)
         else:

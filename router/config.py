@@ -43,11 +43,12 @@ class RouterConfig:
     # max_load > balance_rel_threshold * min_load (SGLang cache-aware router).
     balance_abs_threshold: float = 0.1
     balance_rel_threshold: float = 1.5
-    # A reservation lives until a snapshot of its replica stamped more than
-    # reservation_arrival_s after it arrives, or reservation_ttl_s. The request reaches
-    # the replica's engine up to one call and one engine step after the router chose
-    # it; a snapshot stamped in between does not count it yet. (Snapshots that ride on
-    # carrier messages reach routers a few ms old, so this gap is what they would miss.)
+    # A reservation lives until a snapshot of its replica counts the request, or
+    # reservation_ttl_s. Once the replica's ack says when its engine admitted the
+    # request, that is the first snapshot stamped after then (router.ReservationBook);
+    # until then, the first stamped more than reservation_arrival_s after the decision:
+    # the request reaches the engine up to one call and one engine step after the
+    # router chose it, and a snapshot stamped in between does not count it yet.
     reservation_ttl_s: float = 2.0
     reservation_arrival_s: float = 0.05
     seed: int = 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from replica.stats import ReplicaStats
@@ -21,10 +21,12 @@ class ReservationBook:
 
     Algorithm: reserve() on each routing decision (keyed by request id, so
     re-routing the same request moves its reservation); a reservation is
-    released by the first snapshot of its replica stamped more than arrival_s
-    after it was made (the snapshot then counts the request itself: arrival_s
-    covers the request's way to the replica's engine), or after ttl_s,
-    whichever comes first. charge() shows a snapshot with the reserved blocks
+    released by the first snapshot of its replica that counts the request itself,
+    or after ttl_s, whichever comes first. When the replica's engine reported
+    when it admitted the request (admitted_at: the replica's clock, from its
+    ack), that is the first snapshot stamped after then; otherwise the first
+    stamped more than arrival_s after the reservation (arrival_s covers the
+    request's way to the engine). charge() shows a snapshot with the reserved blocks
     taken from free (then cached) blocks and counted as used, and the reserved
     requests as waiting sequences (their prompt blocks are the used ones),
     leaving out the reservation of the request being admitted (Serve re-asks
@@ -41,9 +43,17 @@ class ReservationBook:
     early or late, the TTL bounds the late side.
     """
 
-    def __init__(self, ttl_s: float, arrival_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        ttl_s: float,
+        arrival_s: float = 0.0,
+        admitted_at: Callable[[str, str], float | None] | None = None,
+    ) -> None:
         self.ttl_s = ttl_s
         self.arrival_s = arrival_s  # RouterConfig.reservation_arrival_s
+        # (request id, replica id) -> when that replica's engine admitted the request,
+        # on the replica's clock, or None while unknown (cluster.live_stats).
+        self.admitted_at = admitted_at or (lambda request_id, replica_id: None)
         self.by_request: dict[str, Reservation] = {}
         self.num_blocks_by_replica: dict[str, int] = {}
         self.num_reservations_by_replica: dict[str, int] = {}
@@ -90,15 +100,23 @@ class ReservationBook:
         return self.by_request.get(entry[2]) is entry[3]
 
     def expire_replica(self, replica_id: str, snapshot_s: float, now_s: float) -> None:
-        """Drop replica_id's reservations covered by its snapshot at snapshot_s, or past the TTL."""
+        """Drop replica_id's reservations covered by its snapshot at snapshot_s, or past the TTL.
+
+        Oldest first, stopping at the first one not covered: a younger reservation
+        the engine has admitted already waits behind an older one still on its way
+        (counted a little longer, never released early)."""
         heap = self.heap_by_replica.get(replica_id)
         ttl_s, arrival_s = self.ttl_s, self.arrival_s
         while heap:
             entry = heap[0]
             reserved_at_s = entry[0]
             if self.is_live(entry):
-                if now_s - reserved_at_s < ttl_s and snapshot_s <= reserved_at_s + arrival_s:
-                    return
+                if now_s - reserved_at_s < ttl_s:
+                    admitted_s = self.admitted_at(entry[2], replica_id)
+                    if admitted_s is None:
+                        admitted_s = reserved_at_s + arrival_s
+                    if snapshot_s <= admitted_s:
+                        return
                 self.release(entry[2])
                 if replica_id not in self.heap_by_replica:  # that was its last one
                     return

@@ -13,10 +13,15 @@ from bench.cluster import FakeEngine
 from cluster import live_stats
 from cluster.messages import CarrierBatch, StepBatch, decode_message
 from cluster.transport import CallerTransport
-from router import RouterConfig
+from router import RouterConfig, RouteRequest
 from tests.cluster.inprocess import in_process
 from tests.router.router_fakes import NOW_S, make_stats
 from tests.router.test_request_router import fake_replica, make_router, pending
+
+
+def pending_route(request_id: str) -> RouteRequest:
+    return RouteRequest(request_id, num_prompt_tokens=16)
+
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,6 +73,33 @@ def test_a_caller_learns_its_replicas_load_from_their_carriers() -> None:
     assert stats is not None and stats.replica_id == "r0"
     assert stats.num_blocks_total > 0 and stats.cached_prefix_hashes == ()
     assert stats.num_running == 0  # the message that ended the request says it is gone
+    # The ack said when the engine took the request, on the replica's clock.
+    assert stats.timestamp_s > live_stats.admitted_at("a", "r0") > stats.timestamp_s - 60
+    assert live_stats.admitted_at("a", "elsewhere") is None
+
+
+def test_the_router_releases_a_reservation_at_the_first_snapshot_after_admission() -> None:
+    # The request id the router keys reservations by is kvfleet's (the wire dict's), the
+    # one the replica's ack names; Serve's internal id is different.
+    async def scenario() -> None:
+        router = make_router(RouterConfig(policy="kv"))
+        replicas = [fake_replica("a", num_blocks_total=1000, timestamp_s=NOW_S - 0.01)]
+        request = pending("serve-internal-id", {"request_id": "q", "prompt_token_ids": [1] * 64})
+        await router.choose_replicas(replicas, request)
+        book = router.admission.reservations
+        assert book.num_reserved_blocks("a") == 4 and "q" in book.by_request
+        counted = make_stats("a", num_blocks_total=1000, num_blocks_used=4, num_running=1,
+                             timestamp_s=NOW_S + 0.003)  # fmt: skip
+        live_stats.note("a", counted.to_msgpack())
+        # stamped after the engine took q, well within reservation_arrival_s (0.05 s)
+        router.admission.admit(router.collect_stats(replicas)[0], pending_route("x"), NOW_S)
+        assert book.num_reserved_blocks("a") == 4  # no ack yet: the margin holds it
+        live_stats.note_admitted("q", "a", NOW_S + 0.002)  # its ack; then the next message:
+        live_stats.note("a", dataclasses.replace(counted, timestamp_s=NOW_S + 0.004).to_msgpack())
+        router.admission.admit(router.collect_stats(replicas)[0], pending_route("y"), NOW_S)
+        assert book.num_reserved_blocks("a") == 0
+
+    asyncio.run(scenario())
 
 
 def test_the_router_takes_the_newer_snapshot_with_serves_prefix_hashes() -> None:

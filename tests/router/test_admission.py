@@ -73,6 +73,27 @@ def test_newer_snapshot_releases_reservations(now_s: float) -> None:
     assert adm.reservations.num_reserved_blocks("a") == 0
 
 
+def test_a_known_admission_releases_at_the_first_snapshot_after_it(now_s: float) -> None:
+    # The replica's ack said when its engine took each request: a snapshot stamped
+    # after that counts the request, however soon after the decision.
+    admitted = {("r1", "a"): now_s + 0.004}
+    book = ReservationBook(ttl_s=2.0, arrival_s=0.05, admitted_at=lambda r, x: admitted.get((r, x)))
+    book.reserve("r1", "a", 4, now_s)
+    book.reserve("r2", "a", 2, now_s + 0.001)  # no ack yet
+    book.expire([make_stats("a", timestamp_s=now_s + 0.003)], now_s + 0.01)
+    assert book.num_reserved_blocks("a") == 6  # stamped before the engine took r1
+    book.expire([make_stats("a", timestamp_s=now_s + 0.005)], now_s + 0.01)
+    assert book.num_reserved_blocks("a") == 2  # r1 released, r2 waits for the margin
+    book.expire([make_stats("a", timestamp_s=now_s + 0.052)], now_s + 0.06)
+    assert book.num_reserved_blocks("a") == 0
+    # An ack from another replica (the request moved) says nothing about this one.
+    book.reserve("r3", "b", 4, now_s)
+    admitted[("r3", "a")] = now_s + 0.001
+    book.expire([make_stats("b", timestamp_s=now_s + 0.01)], now_s + 0.02)
+    assert book.num_reserved_blocks("b") == 4
+    book.check_invariants()
+
+
 def test_reservations_expire_after_ttl(now_s: float) -> None:
     book = ReservationBook(ttl_s=0.5)
     book.reserve("r", "a", 4, now_s)
