@@ -394,6 +394,7 @@ def run_overhead(args: argparse.Namespace) -> list[dict]:
         device=args.device,
         num_blocks=args.num_blocks,
         max_num_seqs=64,
+        engine_process=args.engine_process,
         app_name="bench-overhead",
     )
     rng = random.Random(0)
@@ -578,6 +579,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--step-ms", type=float, default=1.0, help="FakeEngine step time")
     parser.add_argument("--num-cpus", type=int, default=None, help="Ray logical CPUs")
+    parser.add_argument(
+        "--engine-process", action="store_true",
+        help="overhead: replicas run their engine in a child process (ClusterConfig)",
+    )  # fmt: skip
     parser.add_argument(
         "--sections", nargs="+", default=["overhead", "router", "transport"],
         choices=("overhead", "router", "transport"),
