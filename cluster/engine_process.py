@@ -96,6 +96,7 @@ class EngineProcess:
             ) from exc
         if not conn.poll(READY_TIMEOUT_S):
             self._proc.kill()
+            self._proc.wait()
             raise RuntimeError(f"engine process of {replica_id} not ready in {READY_TIMEOUT_S}s")
         try:
             message = conn.recv()
@@ -124,7 +125,8 @@ class EngineProcess:
     def add(
         self, caller_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> concurrent.futures.Future:
-        """Admit a request; the future raises the engine's ValueError for bad input."""
+        """Admit a request: as EngineLoop.add (the future gives when the child's engine
+        took it, or raises its ValueError for bad input)."""
         return self._command("add", caller_id, request_id, prompt_token_ids, params)
 
     def abort(self, request_id: str) -> concurrent.futures.Future:
