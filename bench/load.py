@@ -202,7 +202,7 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
         for router, config in configs.items():
             if config is not None:
                 t_deploy = time.monotonic()
-                deploy(config, args.fake_step_ms)
+                deploy(config, args.fake_step_ms, args.fake_host_ms)
                 print(
                     f"deployed {args.replicas} x {args.model} with router {router!r} "
                     f"in {time.monotonic() - t_deploy:.1f} s"
@@ -278,7 +278,7 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
 
 _TARGET_KEYS = (
     "app_name model replicas routers router num_blocks max_num_seqs block_size device "
-    "on_overload queue_fraction num_procs fake_step_ms carrier_messages_per_step "
+    "on_overload queue_fraction num_procs fake_step_ms fake_host_ms carrier_messages_per_step "
     "access_log engine_process route_on_caller_loop"
 ).split()
 
@@ -322,6 +322,10 @@ def _parser() -> argparse.ArgumentParser:
         "--fake-step-ms", type=float, default=None,
         help="replicas run a model-free FakeEngine stepping every MS (one token per request"
         " per step): measures the generators, not the replicas; --model is then only a name",
+    )  # fmt: skip
+    t.add_argument(
+        "--fake-host-ms", type=float, default=0.0,
+        help="of each FakeEngine step, MS that hold the GIL (an engine's host work)",
     )  # fmt: skip
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", type=int, default=200)
