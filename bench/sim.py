@@ -281,7 +281,9 @@ def sim_config(args: argparse.Namespace, num_replicas: int, **overrides: object)
         slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3, seed=args.seed,
         progress_every=args.progress_every, num_routers=args.num_routers,
         concurrency=args.concurrency,
-        router=RouterConfig(seed=args.seed, queue_fraction=args.queue_fraction),
+        router=RouterConfig(
+            seed=args.seed, queue_fraction=args.queue_fraction, balance_band=args.balance_band
+        ),
     )  # fmt: skip
     fields |= {k: v for k, v in overrides.items() if k not in replica_fields}
     return SimConfig(**fields)
@@ -320,6 +322,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--queue-fraction", type=float, default=0.0,
         help="kvfleet policies: RouterConfig.queue_fraction",
+    )  # fmt: skip
+    p.add_argument(
+        "--balance-band", type=float, default=RouterConfig.balance_band,
+        help="kv and prefix: RouterConfig.balance_band (0: strict load order)",
     )  # fmt: skip
     p.add_argument("--slo-ttft-ms", type=float, default=250.0)
     p.add_argument("--slo-tpot-ms", type=float, default=10.0)

@@ -43,6 +43,12 @@ class RouterConfig:
     # max_load > balance_rel_threshold * min_load (SGLang cache-aware router).
     balance_abs_threshold: float = 0.1
     balance_rel_threshold: float = 1.5
+    # kv and prefix rank replicas whose load is within balance_band of the least loaded
+    # as equals (seeded tiebreak per request), not strictly by load: one request moves a
+    # replica's load by little against the gaps between replicas, so strict order sends
+    # runs of requests to the least loaded one until it catches up, and their prefills
+    # queue there (simulator, BENCHMARKS.md "the kv balance band"). 0: strict order.
+    balance_band: float = 0.1
     # A reservation lives until a snapshot of its replica counts the request, or
     # reservation_ttl_s. Once the replica's ack says when its engine admitted the
     # request, that is the first snapshot stamped after then (router.ReservationBook);
@@ -85,6 +91,8 @@ class RouterConfig:
             )
         if self.backoff_multiplier < 1.0:
             raise ValueError(f"backoff_multiplier must be >= 1, got {self.backoff_multiplier}")
+        if not 0.0 <= self.balance_band <= 1.0:
+            raise ValueError(f"balance_band must be in [0, 1], got {self.balance_band}")
         if self.balance_abs_threshold < 0:
             raise ValueError(
                 f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}"

@@ -11,10 +11,13 @@ from router.prefix import PrefixPolicy
 
 def make_policy(config: RouterConfig) -> RoutingPolicy:
     if config.policy == "kv":
-        return KVPolicy(seed=config.seed)
+        return KVPolicy(seed=config.seed, balance_band=config.balance_band)
     if config.policy == "prefix":
         return PrefixPolicy(
-            config.balance_abs_threshold, config.balance_rel_threshold, seed=config.seed
+            config.balance_abs_threshold,
+            config.balance_rel_threshold,
+            seed=config.seed,
+            balance_band=config.balance_band,
         )
     if config.policy == "pow2":
         return Pow2Policy(seed=config.seed)

@@ -7,6 +7,8 @@ what tests hold the column forms to.
 
 from __future__ import annotations
 
+import numpy as np
+
 from replica.stats import ReplicaStats
 from router.request import RouteRequest
 
@@ -69,3 +71,12 @@ def load_fraction(stats: ReplicaStats, request: RouteRequest | None = None) -> f
     if request is not None:
         num_blocks += request.num_prompt_blocks(stats.block_size)
     return max(num_blocks / stats.num_blocks_total, seq_fraction(stats, request))
+
+
+def banded(loads: np.ndarray, band: float) -> np.ndarray:
+    """loads with every value within band of the least one set to that least one, so
+    the replicas it holds tie (RouterConfig.balance_band); the others keep their load."""
+    if band <= 0 or len(loads) < 2:
+        return loads
+    least = loads.min()
+    return np.where(loads <= least + band, least, loads)

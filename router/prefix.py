@@ -6,6 +6,7 @@ import numpy as np
 
 from router.base import RoutingPolicy
 from router.candidates import Candidates
+from router.load import banded
 from router.request import RouteRequest
 
 
@@ -29,7 +30,8 @@ class PrefixPolicy(RoutingPolicy):
     imbalanced (max - min > balance_abs_threshold and max > balance_rel_threshold
     * min), rank by load alone, as the kv policy does. Otherwise rank by the
     number of leading prompt blocks found in the replica's cached_prefix_hashes,
-    longest first, then by load, then by the seeded tiebreak.
+    longest first, then by load, then by the seeded tiebreak. Loads within
+    balance_band of the least count as equal, as in the kv policy.
     Cost: O(prompt blocks) in the fleet's PrefixIndex (updated per snapshot, not
     per request) plus numpy over the candidates; not O(replicas x hashes).
     Invariant: one replica per tier; with no match anywhere (or no prompt ids)
@@ -42,11 +44,16 @@ class PrefixPolicy(RoutingPolicy):
     needs_prefix_index = True
 
     def __init__(
-        self, balance_abs_threshold: float, balance_rel_threshold: float, seed: int = 0
+        self,
+        balance_abs_threshold: float,
+        balance_rel_threshold: float,
+        seed: int = 0,
+        balance_band: float = 0.0,
     ) -> None:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.seed = seed
+        self.balance_band = balance_band
 
     def rank(self, candidates: Candidates, request: RouteRequest) -> list[list[str]]:
         loads = candidates.loads
@@ -54,6 +61,6 @@ class PrefixPolicy(RoutingPolicy):
         if not request.knows_prompt or is_imbalanced(
             loads, self.balance_abs_threshold, self.balance_rel_threshold
         ):
-            return candidates.tiers(np.lexsort((ties, loads)))
+            return candidates.tiers(np.lexsort((ties, banded(loads, self.balance_band))))
         matched = candidates.matched_blocks(request)
-        return candidates.tiers(np.lexsort((ties, loads, -matched)))
+        return candidates.tiers(np.lexsort((ties, banded(loads, self.balance_band), -matched)))

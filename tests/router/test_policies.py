@@ -61,6 +61,21 @@ def test_kv_normalises_by_capacity(now_s: float) -> None:
     assert KVPolicy().choose_replicas(stats, RouteRequest("r"), now_s)[0] == ["big"]
 
 
+def test_kv_spreads_over_replicas_within_the_balance_band(now_s: float) -> None:
+    # a, b and c are within 0.1 of the least loaded (a): equals, spread over requests;
+    # d is not, and comes last for every request. Without a band, a is always first.
+    stats = [make_stats(n, num_blocks_used=u) for n, u in zip("abcd", [20, 25, 29, 31])]
+    banded = KVPolicy(seed=1, balance_band=0.1)
+    firsts = Counter(banded.choose_replicas(stats, RouteRequest(f"q{n}"), now_s)[0][0]
+                     for n in range(300))  # fmt: skip
+    assert set(firsts) == {"a", "b", "c"} and min(firsts.values()) > 60
+    assert all(banded.choose_replicas(stats, RouteRequest(f"q{n}"), now_s)[-1] == ["d"]
+               for n in range(50))  # fmt: skip
+    strict = KVPolicy(seed=1)
+    assert {strict.choose_replicas(stats, RouteRequest(f"q{n}"), now_s)[0][0]
+            for n in range(50)} == {"a"}  # fmt: skip
+
+
 def test_kv_ties_are_seeded_and_spread_over_requests(now_s: float) -> None:
     stats = [make_stats(f"r{i}") for i in range(4)]
     firsts = [
@@ -118,10 +133,14 @@ def test_prefix_falls_back_to_load_when_imbalanced(now_s: float) -> None:
 def test_prefix_without_match_orders_like_kv(now_s: float) -> None:
     stats = [make_stats(f"r{i}", num_blocks_used=u) for i, u in enumerate([30, 10, 20, 10])]
     request = RouteRequest.from_tokens("q", list(range(50)))
-    prefix = PrefixPolicy(balance_abs_threshold=1.0, balance_rel_threshold=10.0, seed=3)
-    assert prefix.choose_replicas(stats, request, now_s) == KVPolicy(seed=3).choose_replicas(
-        stats, request, now_s
-    )
+    for band in (0.0, 0.1):
+        prefix = PrefixPolicy(
+            balance_abs_threshold=1.0, balance_rel_threshold=10.0, seed=3, balance_band=band
+        )
+        kv = KVPolicy(seed=3, balance_band=band)
+        assert prefix.choose_replicas(stats, request, now_s) == kv.choose_replicas(
+            stats, request, now_s
+        )
 
 
 def test_pow2_is_seeded(now_s: float) -> None:
