@@ -151,6 +151,7 @@ def _cluster_config(args: argparse.Namespace, router: str) -> ClusterConfig:
             "on_overload": args.on_overload,
             "max_hold_s": args.max_hold_s,
             "queue_fraction": args.queue_fraction,
+            "balance_band": args.balance_band,
         }
     )
     return ClusterConfig(
@@ -278,8 +279,8 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
 
 _TARGET_KEYS = (
     "app_name model replicas routers router num_blocks max_num_seqs block_size device "
-    "on_overload queue_fraction num_procs fake_step_ms fake_host_ms carrier_messages_per_step "
-    "access_log engine_process route_on_caller_loop"
+    "on_overload queue_fraction balance_band num_procs fake_step_ms fake_host_ms "
+    "carrier_messages_per_step access_log engine_process route_on_caller_loop"
 ).split()
 
 
@@ -310,6 +311,10 @@ def _parser() -> argparse.ArgumentParser:
         help="replica message budget per engine step (ClusterConfig)",
     )  # fmt: skip
     t.add_argument("--access-log", action="store_true", help="Serve's per-request log lines")
+    t.add_argument(
+        "--balance-band", type=float, default=ClusterConfig.balance_band,
+        help="kvfleet routers: RouterConfig.balance_band (0: strict load order)",
+    )  # fmt: skip
     t.add_argument(
         "--engine-process", action="store_true",
         help="each replica's engine in a child process (ClusterConfig.engine_process)",

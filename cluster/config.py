@@ -11,8 +11,15 @@ from router.config import POLICIES, RouterConfig
 # Ray Serve's own request routers, run as peers of the kvfleet policies (no admission).
 SERVE_ROUTERS = ("serve-pow2", "serve-round-robin", "serve-consistent-hash")
 ROUTERS = (*POLICIES, *SERVE_ROUTERS)
-# ClusterConfig fields that only kvfleet's admission control reads.
-ADMISSION_FIELDS = ("high_watermark", "queue_fraction", "on_overload", "max_hold_s")
+# ClusterConfig fields that only kvfleet's routers (their admission control, their
+# ranking) read.
+ADMISSION_FIELDS = (
+    "high_watermark",
+    "queue_fraction",
+    "on_overload",
+    "max_hold_s",
+    "balance_band",
+)
 ON_OVERLOAD = ("hold", "reject")
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -40,8 +47,8 @@ class ClusterConfig:
     """A kvfleet Serve application: which model, how many replicas, how requests route.
 
     Engine options (block_size .. device) are passed to every replica's EngineConfig;
-    router options (high_watermark, queue_fraction, on_overload, max_hold_s) to the KV
-    request router (router.RouterConfig documents them).
+    router options (high_watermark, queue_fraction, on_overload, max_hold_s,
+    balance_band) to the KV request router (router.RouterConfig documents them).
     router is a kvfleet policy ("kv", "prefix", "pow2": router/ behind admission
     control) or one of Ray Serve's own routers as a peer: "serve-pow2" (Serve's
     default, power of two choices over queue lengths), "serve-round-robin", or
@@ -82,6 +89,7 @@ class ClusterConfig:
     queue_fraction: float = 0.0
     on_overload: str = "hold"
     max_hold_s: float = 30.0
+    balance_band: float = RouterConfig.balance_band
     num_gpus_per_replica: float | None = None
     # Custom Ray resources each replica actor needs, e.g. {"kvfleet_slot": 1} with one
     # slot per node to place one replica per node.
@@ -124,13 +132,19 @@ class ClusterConfig:
         if self.on_overload not in ON_OVERLOAD:
             raise ValueError(f"on_overload must be one of {ON_OVERLOAD}, got {self.on_overload!r}")
         _positive_float("max_hold_s", self.max_hold_s)
+        if (
+            isinstance(self.balance_band, bool)
+            or not isinstance(self.balance_band, int | float)
+            or not 0.0 <= self.balance_band <= 1.0
+        ):
+            raise ValueError(f"balance_band must be in [0, 1], got {self.balance_band!r}")
         if self.is_serve_router:
             defaults = {f.name: f.default for f in fields(self)}
             for name in ADMISSION_FIELDS:
                 if getattr(self, name) != defaults[name]:
                     raise ValueError(
-                        f"{name} is admission control, which router {self.router!r} does not "
-                        f"have; use a kvfleet router {POLICIES} or leave {name} at its default"
+                        f"{name} is for kvfleet's routers and {self.router!r} is Ray Serve's; "
+                        f"use a kvfleet router {POLICIES} or leave {name} at its default"
                     )
         if self.num_gpus_per_replica is not None and (
             isinstance(self.num_gpus_per_replica, bool)
@@ -211,6 +225,7 @@ class ClusterConfig:
             queue_fraction=self.queue_fraction,
             on_overload=self.on_overload,
             max_hold_s=self.max_hold_s,
+            balance_band=self.balance_band,
             seed=self.seed,
         )
 

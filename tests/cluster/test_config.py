@@ -33,6 +33,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
         ("queue_fraction", -1.0),
         ("on_overload", "drop"),
         ("max_hold_s", -1.0),
+        ("balance_band", 1.5),
         ("num_gpus_per_replica", -1),
         ("http", "yes"),
         ("access_log", 1),
@@ -58,9 +59,12 @@ def test_num_gpus_auto() -> None:
 
 
 def test_router_and_engine_configs_follow_cluster_config() -> None:
-    config = ClusterConfig(router="prefix", high_watermark=0.8, on_overload="reject", num_blocks=64)
+    config = ClusterConfig(
+        router="prefix", high_watermark=0.8, on_overload="reject", num_blocks=64, balance_band=0.2
+    )
     router = config.router_config()
     assert (router.policy, router.high_watermark, router.on_overload) == ("prefix", 0.8, "reject")
+    assert router.balance_band == 0.2
     engine = config.engine_config("r1", num_gpus=0)
     assert (engine.device, engine.num_blocks, engine.replica_id) == ("cpu", 64, "r1")
     assert config.engine_config("r1", num_gpus=1).device == "cuda"
