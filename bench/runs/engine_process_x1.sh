@@ -29,6 +29,10 @@ run() {  # model, name, extra bench.load args
     | sed "s/^/$model $name /"
 }
 for model in $models; do
+  # The peer: the same engine offline, 256 sequences, prompt 128, 128 new tokens.
+  timeout 150 python -m bench.engine --model "$model" --batch 256 --prompt-len 128 \
+    --max-new 128 --out "$out/engine_${model}_offline.json" 2>&1 \
+    | grep -E "^\||Error" | tail -4 | sed "s/^/$model offline /"
   run "$model" thread
   run "$model" process --engine-process
   run "$model" thread_accesslog --access-log
