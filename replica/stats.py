@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import msgpack
 
@@ -37,12 +37,16 @@ class ReplicaStats:
         return self.num_blocks_total - self.num_blocks_free - self.num_blocks_cached
 
     def to_msgpack(self) -> bytes:
-        return msgpack.packb(asdict(self))
+        # Not dataclasses.asdict: it copies the hash tuple element by element (1.2 ms
+        # for 2048 hashes, on every routing-stats poll); the bytes are the same.
+        return msgpack.packb({name: getattr(self, name) for name in _FIELD_NAMES})
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> ReplicaStats:
         raw = msgpack.unpackb(data)
-        known = {f.name for f in fields(cls)}
-        raw = {k: v for k, v in raw.items() if k in known}
+        raw = {k: v for k, v in raw.items() if k in _FIELD_NAMES}
         raw["cached_prefix_hashes"] = tuple(raw.get("cached_prefix_hashes", ()))
         return cls(**raw)
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(ReplicaStats))
