@@ -42,6 +42,11 @@ def _positive_float(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
+def _number_in(name: str, value: object, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """A kvfleet Serve application: which model, how many replicas, how requests route.
@@ -123,21 +128,11 @@ class ClusterConfig:
         _positive_float("high_watermark", self.high_watermark)
         if self.high_watermark > 1.0:
             raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark!r}")
-        if (
-            isinstance(self.queue_fraction, bool)
-            or not isinstance(self.queue_fraction, int | float)
-            or not 0.0 <= self.queue_fraction <= 4.0
-        ):
-            raise ValueError(f"queue_fraction must be in [0, 4], got {self.queue_fraction!r}")
+        _number_in("queue_fraction", self.queue_fraction, 0.0, 4.0)
         if self.on_overload not in ON_OVERLOAD:
             raise ValueError(f"on_overload must be one of {ON_OVERLOAD}, got {self.on_overload!r}")
         _positive_float("max_hold_s", self.max_hold_s)
-        if (
-            isinstance(self.balance_band, bool)
-            or not isinstance(self.balance_band, int | float)
-            or not 0.0 <= self.balance_band <= 1.0
-        ):
-            raise ValueError(f"balance_band must be in [0, 1], got {self.balance_band!r}")
+        _number_in("balance_band", self.balance_band, 0.0, 1.0)
         if self.is_serve_router:
             defaults = {f.name: f.default for f in fields(self)}
             for name in ADMISSION_FIELDS:

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +67,15 @@ class EngineUnavailableError(RuntimeError):
 
 class AbortedBeforeAdmissionError(RuntimeError):
     """The caller aborted this request id before its add reached the engine."""
+
+
+def error_batches(requests: Iterable[tuple[str, str]]) -> dict[str, StepBatch]:
+    """(request id, caller id) pairs of requests an engine failure ends: one StepBatch
+    per caller, each request finished with ERROR_FINISH and no tokens."""
+    per_caller: dict[str, StepBatch] = {}
+    for request_id, caller_id in requests:
+        per_caller.setdefault(caller_id, StepBatch()).add(request_id, [], ERROR_FINISH)
+    return per_caller
 
 
 def _settle(future: concurrent.futures.Future, setter: Callable[[Any], None], value: Any) -> None:
@@ -216,12 +225,9 @@ class EngineLoop:
         deliveries here, one message per pass)."""
 
     def _fail_tracked(self) -> None:
-        per_caller: dict[str, StepBatch] = {}
-        for request_id, tracked in self._tracked.items():
-            batch = per_caller.setdefault(tracked.caller_id, StepBatch())
-            batch.add(request_id, [], ERROR_FINISH)
+        ended = error_batches((rid, t.caller_id) for rid, t in self._tracked.items())
         self._tracked.clear()
-        for caller_id, batch in per_caller.items():
+        for caller_id, batch in ended.items():
             self._deliver(caller_id, batch)
 
     def _refresh_stats(self) -> None:

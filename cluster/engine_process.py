@@ -45,8 +45,9 @@ from cluster.deployment import (
     EngineUnavailableError,
     _settle,
     engine_model_info,
+    error_batches,
 )
-from cluster.messages import ERROR_FINISH, StepBatch
+from cluster.messages import StepBatch
 from cluster.metrics import ReplicaMetrics
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
@@ -236,11 +237,9 @@ class EngineProcess:
 
     def _end_requests(self) -> None:
         """The child is gone: "error" for each request it had not ended."""
-        per_caller: dict[str, StepBatch] = {}
-        for request_id, caller_id in self._callers.items():
-            per_caller.setdefault(caller_id, StepBatch()).add(request_id, [], ERROR_FINISH)
+        ended = error_batches(self._callers.items())
         self._callers.clear()
-        for caller_id, batch in per_caller.items():
+        for caller_id, batch in ended.items():
             try:
                 self._deliver(caller_id, batch)
             except Exception:  # noqa: BLE001 - the other callers still get theirs
