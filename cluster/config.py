@@ -72,7 +72,8 @@ class ClusterConfig:
     access_log turns on Serve's access log (one INFO line per request in each replica's
     and the ingress's log). Off by default, as vLLM's --disable-log-requests: at ~330
     requests/s on one replica, Serve's logging held 16% of the replica loop's GIL time
-    with it and 6% without (py-spy, BENCHMARKS.md "Where a replica's time goes").
+    with it and 6% without (py-spy on the CPU box, BENCHMARKS.md "Where a replica's
+    time goes"; not measured on a GPU).
     engine_process runs each replica's engine in a child process of the replica
     (cluster.engine_process), so Serve's per-request work and the engine's host work
     stop sharing one GIL.

@@ -1,10 +1,11 @@
 """The replica's engine in a process of its own (ClusterConfig.engine_process).
 
-Why: a replica's Serve process handles every request (Serve's request path, about
-0.7 ms of GIL time per request, measured with py-spy on the CPU box) and sends every
-streamed message; the engine thread's host work (scheduling, fan-out) needs the same
-GIL, so at a few hundred requests/s the step waits for Serve. With the engine in its
-own process, as vLLM's engine core, the two no longer share a GIL: the child runs the
+Why: a replica's Serve process handles every request and sends every streamed message
+(~1.6 ms of GIL time per request in all, two thirds of it Serve's request path on the
+replica's loop: py-spy on the CPU box, BENCHMARKS.md); the engine thread's host work
+(scheduling, fan-out) needs the same GIL, so at a few hundred requests/s the step
+waits for Serve. With the engine in its own process, as vLLM's engine core, the two
+no longer share a GIL (not yet measured on a GPU): the child runs the
 unchanged EngineLoop; the replica process only forwards.
 
 Wire (multiprocessing Connection, pickled tuples; one pipe, both directions):
