@@ -316,7 +316,7 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs,
             tokens_per_s=tokens_per_s,
             block_size=bm.block_size,
-            num_waiting_tokens=sum(len(s) for s in waiting),
+            num_waiting_tokens=self.scheduler.num_waiting_tokens,  # kept, not summed per call
             cached_prefix_hashes=(
                 tuple(bm.recent_hashes(self.config.max_prefix_hashes_in_stats))
                 if with_hashes
@@ -326,5 +326,11 @@ class LLMEngine:
         )
 
     def check_invariants(self) -> None:
-        """Assert the block manager agrees with the live sequences (tests call this)."""
+        """Assert the block manager agrees with the live sequences, and the scheduler's
+        running count of waiting tokens with its queue (tests call this)."""
         self.block_manager.check_invariants(self.scheduler.running)
+        waiting = self.scheduler.waiting
+        assert self.scheduler.num_waiting_tokens == sum(len(s) for s in waiting), (
+            f"num_waiting_tokens {self.scheduler.num_waiting_tokens} != "
+            f"{sum(len(s) for s in waiting)} tokens in the waiting queue"
+        )

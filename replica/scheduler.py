@@ -61,9 +61,16 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.prefilling: list[Sequence] = []  # running, more than one token still to compute
         self.num_preempted_total = 0
+        # sum(len(s) for s in waiting), kept as sequences enter and leave the queue, not
+        # summed on each load snapshot (every few ms). A waiting sequence's length does not
+        # change: its in-flight token, if any, is its last and fills a placeholder in place;
+        # chunks and prefix hits move num_computed_tokens only once it is admitted.
+        # LLMEngine.check_invariants holds it to the sum.
+        self.num_waiting_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.num_waiting_tokens += len(seq)
 
     @property
     def num_unfinished(self) -> int:
@@ -127,6 +134,7 @@ class Scheduler:
             if not bm.can_allocate(seq):
                 break  # first come, first served: later arrivals do not overtake
             del self.waiting[i]
+            self.num_waiting_tokens -= len(seq)
             bm.allocate(seq)
             if bm.enable_prefix_caching:
                 in_progress.update(bm.uncommitted_hashes(seq))
@@ -153,6 +161,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
+        self.num_waiting_tokens += len(seq)
         self.num_preempted_total += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -164,6 +173,7 @@ class Scheduler:
             self.block_manager.free(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self.num_waiting_tokens -= len(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

@@ -1,0 +1,189 @@
+"""Scheduler bookkeeping: the running count of waiting tokens equals the queue's sum.
+
+ReplicaStats.num_waiting_tokens is read from Scheduler.num_waiting_tokens, which is
+kept as sequences enter and leave the waiting queue rather than summed per snapshot.
+Each test drives the queue through every way in and out and recomputes the sum.
+"""
+
+from __future__ import annotations
+
+import random
+
+from replica import EngineConfig, LLMEngine, SamplingParams
+from replica.block_manager import BlockManager
+from replica.config import CacheConfig, SchedulerConfig
+from replica.scheduler import ScheduledBatch, Scheduler
+from replica.sequence import PLACEHOLDER, Sequence, SequenceStatus
+
+BLOCK_SIZE = 4
+
+
+def make_scheduler(num_blocks: int, max_num_batched_tokens: int = 64) -> Scheduler:
+    cache = CacheConfig(BLOCK_SIZE, num_blocks, enable_prefix_caching=True, max_blocks_per_seq=16)
+    config = SchedulerConfig(
+        max_num_seqs=4, max_model_len=64, max_num_batched_tokens=max_num_batched_tokens
+    )
+    return Scheduler(config, BlockManager(cache, config.max_num_seqs))
+
+
+def make_seq(request_id: str, prompt: list[int], max_tokens: int = 8) -> Sequence:
+    return Sequence(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def run(scheduler: Scheduler, batch: ScheduledBatch, token: int = 7) -> None:
+    """The engine's launch and drain in one: compute the chunks, sample where a sequence
+    reaches its end."""
+    for seq, n in zip(batch.prefill_seqs, batch.prefill_lens, strict=True):
+        seq.num_computed_tokens += n
+        scheduler.block_manager.commit(seq)
+        if seq.num_computed_tokens == len(seq):
+            seq.token_ids.append(token)
+    for seq in batch.decode_seqs:
+        seq.num_computed_tokens += 1
+        seq.token_ids.append(token)
+
+
+def check(scheduler: Scheduler) -> None:
+    assert scheduler.num_waiting_tokens == sum(len(s) for s in scheduler.waiting)
+    scheduler.block_manager.check_invariants(scheduler.running)
+
+
+def step(scheduler: Scheduler) -> ScheduledBatch:
+    batch = scheduler.schedule()
+    check(scheduler)
+    run(scheduler, batch)
+    check(scheduler)
+    return batch
+
+
+def test_count_follows_add_admit_chunk_abort_preempt_and_finish() -> None:
+    scheduler = make_scheduler(num_blocks=24, max_num_batched_tokens=6)
+    prefix = list(range(10, 18))  # two full blocks
+    first = make_seq("first", prefix + [1, 2, 3])
+    scheduler.add(first)
+    check(scheduler)
+    assert scheduler.num_waiting_tokens == 11
+
+    # Chunked prefill: "first" leaves the queue whole on admission, then runs in chunks.
+    batch = step(scheduler)
+    assert batch.prefill_lens == [6] and scheduler.prefilling == [first]
+    sharer = make_seq("sharer", prefix + [4, 5])
+    other = make_seq("other", [40, 41, 42, 43, 44])
+    dropped = make_seq("dropped", [50, 51, 52])
+    for seq in (sharer, other, dropped):
+        scheduler.add(seq)
+        check(scheduler)
+    assert scheduler.num_waiting_tokens == 10 + 5 + 3
+
+    # Abort while waiting.
+    scheduler.finish(dropped, "abort")
+    check(scheduler)
+    assert scheduler.num_waiting_tokens == 15
+
+    # Prefix cache: "sharer" waits for the prefix "first" computes, then is admitted on
+    # the cached blocks; its whole length leaves the count, whatever it reuses.
+    while sharer.status is SequenceStatus.WAITING:
+        step(scheduler)
+    assert sharer.num_cached_tokens == 2 * BLOCK_SIZE
+    while scheduler.waiting:
+        step(scheduler)
+    assert scheduler.num_waiting_tokens == 0
+
+    # Preempt a sequence part-way through its chunked prefill: back at the head of the
+    # queue with its full length to recompute.
+    late = make_seq("late", list(range(60, 75)))
+    scheduler.add(late)
+    step(scheduler)
+    assert late in scheduler.prefilling
+    scheduler.preempt(late)
+    check(scheduler)
+    assert scheduler.waiting[0] is late and scheduler.num_waiting_tokens == len(late) == 15
+
+    # Abort a running sequence: the queue is untouched.
+    scheduler.finish(other, "abort")
+    check(scheduler)
+    assert scheduler.num_waiting_tokens == 15
+
+    # Preempted with a token in flight: the placeholder is filled in place, then the
+    # sequence stops while still waiting.
+    assert first.status is SequenceStatus.RUNNING
+    first.token_ids.append(PLACEHOLDER)  # launched in the step before the preemption
+    first.num_computed_tokens += 1
+    scheduler.preempt(first)
+    check(scheduler)
+    first.token_ids[-1] = 9
+    check(scheduler)
+    scheduler.finish(first, "stop")
+    check(scheduler)
+    assert scheduler.num_waiting_tokens == len(late)
+
+    # Run to the end: finishing running sequences leaves the count alone; it drains to 0.
+    while scheduler.running or scheduler.waiting:
+        step(scheduler)
+        for seq in list(scheduler.running):
+            if len(seq) >= seq.max_len and seq not in scheduler.prefilling:
+                scheduler.finish(seq, "length")
+                check(scheduler)
+    assert scheduler.num_waiting_tokens == 0
+
+
+def test_count_follows_preemption_for_blocks() -> None:
+    scheduler = make_scheduler(num_blocks=6)  # room for three 5-token prompts, not their decodes
+    for i in range(3):
+        scheduler.add(make_seq(f"s{i}", [20 + i] * 5, max_tokens=12))
+    check(scheduler)
+    for _ in range(5):  # the 5th step computes the 9th token: a rollover, no free block
+        step(scheduler)
+    assert scheduler.num_preempted_total > 0
+    assert [s.request_id for s in scheduler.waiting] == ["s2"]
+    assert scheduler.num_waiting_tokens == len(scheduler.waiting[0]) > 5
+
+
+def test_engine_snapshot_counts_the_queue_through_a_random_workload() -> None:
+    """The engine's own paths: placeholders in flight when a sequence is preempted,
+    stops and length ends while it waits, aborts anywhere, chunks and prefix hits."""
+    engine = LLMEngine(
+        EngineConfig(
+            model="gpt2-tiny", device="cpu", block_size=16, num_blocks=10, max_num_seqs=6,
+            max_num_batched_tokens=24, enable_cuda_graphs=False,
+        )
+    )  # fmt: skip
+    scheduler = engine.scheduler
+    ended_while: dict[tuple[SequenceStatus, str], int] = {}
+    finish = scheduler.finish
+
+    def recording_finish(seq: Sequence, reason: str) -> None:
+        key = (seq.status, "abort" if reason == "abort" else "end")
+        ended_while[key] = ended_while.get(key, 0) + 1
+        finish(seq, reason)
+
+    scheduler.finish = recording_finish
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(3, 500) for _ in range(33)] for _ in range(2)]
+    for i in range(120):
+        for _ in range(rng.choice([0, 1, 2])):
+            prompt = rng.choice(prefixes)[: rng.randrange(1, 34)] + [rng.randrange(3, 500)] * 3
+            params = SamplingParams(
+                max_tokens=rng.randrange(1, 60), temperature=1.0, seed=i,
+                stop_token_ids=rng.sample(range(500), 25),
+            )  # fmt: skip
+            engine.add_request(f"r{i}-{len(engine.requests)}-{rng.random()}", prompt, params)
+        if engine.requests and rng.random() < 0.15:
+            engine.abort(rng.choice(list(engine.requests)))
+        engine.step()
+        engine.check_invariants()
+        assert engine.stats(with_hashes=False).num_waiting_tokens == sum(
+            len(s) for s in scheduler.waiting
+        )
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_invariants()
+    assert scheduler.num_waiting_tokens == engine.stats().num_waiting_tokens == 0
+    # The workload reached every way out of the queue, and preemption put sequences back.
+    assert scheduler.num_preempted_total > 0
+    assert set(ended_while) >= {
+        (SequenceStatus.WAITING, "abort"),
+        (SequenceStatus.WAITING, "end"),
+        (SequenceStatus.RUNNING, "abort"),
+        (SequenceStatus.RUNNING, "end"),
+    }, ended_while
