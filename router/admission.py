@@ -117,6 +117,9 @@ class Admission:
         self.reservations = ReservationBook(config.reservation_ttl_s, config.reservation_arrival_s)
         self.fleet = Fleet(with_prefix_index=self.policy.needs_prefix_index)
         self.block_size_by_replica: dict[str, int] = {}
+        # The last decision's request, the fleet version it read and its matched blocks
+        # per slot: the reservation that follows it reuses them (num_blocks_to_reserve).
+        self._decided_match: tuple[RouteRequest, int, np.ndarray] | None = None
 
     def observe(self, stats: ReplicaStats) -> None:
         """A replica's newer snapshot (incremental callers; admit() does this itself)."""
@@ -161,6 +164,7 @@ class Admission:
         own = self.reservations.by_request.get(request.request_id)
         own_slot = fleet.slot_of.get(own.replica_id) if own is not None else None
         matched = self.matched_blocks(request, np.arange(len(fleet)))
+        self._decided_match = None if matched is None else (request, fleet.version, matched)
         own_blocks = own.num_blocks if own is not None else 0
         room = room_for(fleet, request, own_slot, own_blocks, matched, config.queue_fraction)
         refused = room.refused(config.high_watermark)
@@ -268,12 +272,19 @@ class Admission:
         return Candidates(self.fleet, slots, np.zeros(len(slots))).matched_blocks(request)
 
     def num_blocks_to_reserve(self, request: RouteRequest, replica_id: str) -> int:
-        """Blocks the request will take there: its prompt, less the prefix cached there."""
+        """Blocks the request will take there: its prompt, less the prefix cached there.
+
+        Right after decide() for the same request object, with no snapshot written or
+        replica forgotten since, the decision's match is reused instead of matched again.
+        """
         slot = self.fleet.slot_of.get(replica_id)
         if slot is None:  # left the fleet, or never had readable stats
             block_size = self.block_size_by_replica.get(replica_id, DEFAULT_BLOCK_SIZE)
             return max(1, request.num_prompt_blocks(block_size))
         num_blocks = request.num_prompt_blocks(self.fleet.stats[slot].block_size)
+        decided = self._decided_match
+        if decided is not None and decided[0] is request and decided[1] == self.fleet.version:
+            return max(1, num_blocks - int(decided[2][slot]))
         matched = self.matched_blocks(request, np.array([slot]))
         return max(1, num_blocks - (0 if matched is None else int(matched[0])))
 

@@ -50,6 +50,7 @@ class Fleet:
         self.slot_of: dict[str, int] = {}
         self.prefix = PrefixIndex() if with_prefix_index else None
         self.changed: set[str] = set()  # replicas observed since drain_changed()
+        self.version = 0  # bumped by every snapshot written and replica forgotten
         self._columns = {name: np.zeros(16, dtype=dtype) for name, dtype in _DTYPES.items()}
 
     def __len__(self) -> int:
@@ -83,6 +84,7 @@ class Fleet:
         if self.prefix is not None:
             self.prefix.update(slot, stats.cached_prefix_hashes)
         self.changed.add(replica_id)
+        self.version += 1
 
     def forget(self, replica_id: str) -> None:
         slot = self.slot_of.pop(replica_id, None)
@@ -101,6 +103,7 @@ class Fleet:
                 self.prefix.move(last, slot)
         self.ids.pop()
         self.stats.pop()
+        self.version += 1
 
     def sync(self, stats: Sequence[ReplicaStats]) -> None:
         """Make the fleet exactly the valid snapshots in `stats` (replica ids unique).

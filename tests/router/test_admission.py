@@ -220,6 +220,31 @@ def test_a_cached_prefix_counts_toward_room_and_reservations(now_s: float) -> No
         )
 
 
+def test_a_reservation_reuses_its_decisions_match_only_while_the_fleet_is_unchanged(
+    now_s: float,
+) -> None:
+    """The blocks reserved after a decision are the prompt less the prefix cached there
+    now: the decision's match while no snapshot came in since, a fresh match after a new
+    snapshot or a replica leaving (which moves slots)."""
+    from replica.hashing import prefix_block_hashes
+
+    tokens = list(range(64))  # 4 blocks of 16
+    warm = make_stats("warm", cached_prefix_hashes=tuple(prefix_block_hashes(tokens, 16))[:3])
+    stats = [make_stats("cold"), warm]
+
+    def reserved_after(update) -> int:
+        adm = admission(policy="prefix")
+        request = RouteRequest.from_tokens("r", tokens)
+        assert adm.admit(stats, request, now_s).tiers[0] == ["warm"]
+        update(adm)
+        adm.reserve(request, "warm", now_s)
+        return adm.reservations.num_blocks_by_replica["warm"]
+
+    assert reserved_after(lambda adm: None) == 1
+    assert reserved_after(lambda adm: adm.observe(make_stats("warm"))) == 4  # evicted
+    assert reserved_after(lambda adm: adm.forget("cold")) == 1  # warm moves to slot 0
+
+
 def test_queue_fraction_lets_a_replica_queue_past_its_free_blocks(now_s: float) -> None:
     stats = [make_stats("tight", num_blocks_used=50, num_blocks_total=52)]  # 2 blocks left
     request = RouteRequest("r", num_prompt_tokens=3 * 16)
