@@ -42,6 +42,7 @@ from bench.load_target import (
     attach_ray,
     deploy,
     leak_check,
+    serving_rows,
     shutdown,
     start_local_ray,
     stats_rows,
@@ -99,15 +100,20 @@ def run_trace(
     bar = Progress(len(trace), router)
     next_poll_s = 0.0
 
+    counters: list[dict] = []  # each replica's serving counters as the round starts
+
     def on_tick(state: Round) -> None:
-        nonlocal next_poll_s
+        nonlocal next_poll_s, counters
         t_s = time.time() - state.start_wall_s
+        if t_s >= 0 and not counters:
+            counters = client.serving_counters()
         if time.monotonic() >= next_poll_s and t_s >= 0:
             samples.extend(stats_rows(client.stats(), t_s))
             next_poll_s = time.monotonic() + STATS_PERIOD_S
         bar.update_to(sum(state.done_by_proc.values()))
 
     state = pool.run_round(args.app_name, trace, args.concurrency, args.timeout_s, on_tick)
+    replicas = serving_rows(counters, client.serving_counters())
     bar.update_to(sum(state.done_by_proc.values()))
     bar.close()
     records = [r for res in state.results.values() for r in res.records]
@@ -121,6 +127,7 @@ def run_trace(
             for p in range(pool.num_procs)
         ],
         "kv_samples": samples,
+        "replicas": replicas,
     }
 
 
@@ -246,6 +253,21 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
             status = 1
         else:
             print(f"{router}: leak check ok ({len(leaks['replicas'])} replicas drained)")
+        for rep in run["replicas"]:
+            engine = rep["engine_cpu_fraction"]
+            print(
+                f"{router}: replica {rep['replica_id']}: {rep['submits_per_s']:.0f} submits/s,"
+                f" {rep['messages_per_s']:.0f} carrier messages/s, process CPU"
+                f" {rep['cpu_fraction']:.0%}"
+                + ("" if engine is None else f", engine process CPU {engine:.0%}")
+                + f", engine TTFT mean {rep['engine_ttft_mean_ms']} ms"
+            )
+        admit = m["admit_ms"]
+        if not math.isnan(admit["p50"]):
+            print(
+                f"{router}: sent -> engine admission p50 {admit['p50']:.1f} ms, p90"
+                f" {admit['p90']:.1f} ms (TTFT p50 {m['ttft_ms']['p50']:.1f} ms)"
+            )
         for gen in run["generator"]:
             if gen["failed"]:
                 print(f"{router}: generator {gen['proc']} FAILED: {gen['failed']}")
@@ -280,7 +302,8 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
 _TARGET_KEYS = (
     "app_name model replicas routers router num_blocks max_num_seqs block_size device "
     "on_overload queue_fraction balance_band num_procs fake_step_ms fake_host_ms "
-    "carrier_messages_per_step access_log engine_process route_on_caller_loop"
+    "carrier_messages_per_step access_log engine_process "
+    "route_on_caller_loop"
 ).split()
 
 

@@ -48,6 +48,9 @@ class RequestRecord:
     replica_id: str = ""
     chunk_times_s: list[float] = field(default_factory=list)
     chunk_num_tokens: list[int] = field(default_factory=list)
+    # From sent to the engine's admission (the ack's admitted_s, a wall clock on the
+    # replica's host: meaningful when generators and replicas share a host).
+    admit_s: float = math.nan
 
     @property
     def num_output_tokens(self) -> int:
@@ -192,6 +195,7 @@ def compute_metrics(
         "itl_ms": ms([gap for r in done for gap in r.itls_s]),
         "e2e_ms": ms([r.e2e_s for r in done]),
         "send_lag_ms": ms([r.send_lag_s for r in records if not math.isnan(r.sent_s)]),
+        "admit_ms": ms([r.admit_s for r in done if not math.isnan(r.admit_s)]),
         "requests_per_replica": dict(sorted(Counter(r.replica_id for r in done).items())),
     }
     if slo is not None and slo.is_set:

@@ -121,13 +121,19 @@ def _classify(exc: BaseException) -> str:
 
 async def send_one(client: Any, spec: RequestSpec, record: RequestRecord, t0: float) -> None:
     """Stream one request, filling its record; leaves it "lost" if it neither ends nor fails."""
+    from cluster import live_stats
     from replica.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
     sent = time.perf_counter()
+    sent_wall = time.time()
     record.sent_s = sent - t0
     try:
         async for chunk in client.stream(spec.prompt_token_ids, params):
+            if math.isnan(record.admit_s):
+                admitted = live_stats.admitted_at(chunk.request_id, chunk.replica_id)
+                if admitted is not None:
+                    record.admit_s = admitted - sent_wall
             if chunk.token_ids:
                 record.chunk_times_s.append(time.perf_counter() - sent)
                 record.chunk_num_tokens.append(len(chunk.token_ids))

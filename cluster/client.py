@@ -214,6 +214,15 @@ class Client:
         )
         return [ReplicaStats.from_msgpack(r) for r in results if isinstance(r, bytes)]
 
+    async def serving_counters_async(self) -> list[dict[str, Any]]:
+        """Per live replica, totals since it started (LLMServer.serving_counters): what
+        load tests difference over a run to tell a replica's own CPU saturation."""
+        response = self._transport().handle.broadcast("serving_counters")
+        results = await response.results_async(
+            timeout_s=self.stats_timeout_s, return_exceptions=True
+        )
+        return [r for r in results if isinstance(r, dict)]
+
     async def model_info_async(self) -> ModelInfo:
         if self._info is None:
             # One fetch per event loop however many requests start at once.
@@ -248,6 +257,9 @@ class Client:
 
     def model_info(self) -> ModelInfo:
         return self._run_sync(self.model_info_async())
+
+    def serving_counters(self) -> list[dict[str, Any]]:
+        return self._run_sync(self.serving_counters_async())
 
     # --- internals -------------------------------------------------------------------
 

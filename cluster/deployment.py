@@ -139,6 +139,10 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.failure is None
 
+    def child_cpu_s(self) -> float | None:
+        """The engine runs in this process (its CPU is the process's): None."""
+        return None
+
     def add(
         self, caller_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> concurrent.futures.Future:
@@ -280,7 +284,7 @@ class EngineLoop:
             return
         if tracked.first_token_s is None and num_new:
             tracked.first_token_s = now_s
-            self._metrics.ttft_s.observe(now_s - tracked.admitted_s)
+            self._metrics.observe_ttft(now_s - tracked.admitted_s)
         num_tokens = tracked.num_tokens + num_new
         if finished and num_tokens > 1 and tracked.first_token_s is not None:
             self._metrics.tpot_s.observe((now_s - tracked.first_token_s) / (num_tokens - 1))
@@ -389,6 +393,11 @@ class LLMServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: collections.deque[tuple[str, StepBatch]] = collections.deque()
         self._drain_scheduled = False
+        # What the replica's process has done since it started (serving_counters).
+        self._num_submits = 0
+        self._num_messages = 0
+        self._num_heartbeats = 0
+        self._metrics = ReplicaMetrics(self.replica_id)
         self._engine_loop: EngineLoop | EngineProcess
         if config.engine_process:
             from cluster.engine_process import EngineProcess
@@ -399,7 +408,7 @@ class LLMServer:
                 num_gpus,
                 engine_factory,
                 self._deliver_threadsafe,
-                ReplicaMetrics(self.replica_id),
+                self._metrics,
             )
             self._model_info = self._engine_loop.model_info
         else:
@@ -409,7 +418,7 @@ class LLMServer:
                 self.replica_id,
                 config.stats_period_s,
                 self._deliver_threadsafe,
-                ReplicaMetrics(self.replica_id),
+                self._metrics,
             )
             self._model_info = engine_model_info(config, engine)
 
@@ -424,6 +433,7 @@ class LLMServer:
         unregisters its carrier and aborts what rode on it (see _close_carrier).
         """
         self._loop = asyncio.get_running_loop()
+        self._num_submits += 1
         try:
             request = SubmitRequest.from_wire(wire)
         except ValueError as exc:
@@ -516,9 +526,11 @@ class LLMServer:
                     continue  # woken: pending is due, or a request was dropped
                 if not carrier.pending:
                     if carrier.in_flight:
+                        self._num_heartbeats += 1
                         yield self._heartbeat
                     continue
             steps, carrier.pending, carrier.due = carrier.pending, [], False
+            self._num_messages += 1
             yield CarrierBatch(self.replica_id, steps, self._engine_loop.load_stats).encode()
 
     async def abort(self, request_id: str) -> bool:
@@ -542,6 +554,23 @@ class LLMServer:
 
     async def model_info(self) -> dict[str, Any]:
         return self._model_info
+
+    async def serving_counters(self) -> dict[str, Any]:
+        """Totals since the replica started, for load tests to difference over a run:
+        submits, carrier messages and heartbeats sent, this process's CPU seconds (all
+        its threads) and, with engine_process, the engine child's (else None), and the
+        engine-side TTFT (admission to first token) summed over requests."""
+        return {
+            "replica_id": self.replica_id,
+            "time_s": time.monotonic(),
+            "submits": self._num_submits,
+            "messages": self._num_messages,
+            "heartbeats": self._num_heartbeats,
+            "cpu_s": time.process_time(),
+            "engine_cpu_s": self._engine_loop.child_cpu_s(),
+            "ttft_total_s": self._metrics.ttft_total_s,
+            "num_ttft": self._metrics.num_ttft,
+        }
 
     def shutdown(self) -> None:
         """Stop the engine loop (Serve: at replica teardown, through __del__)."""

@@ -124,6 +124,17 @@ class EngineProcess:
     def is_alive(self) -> bool:
         return self.failure is None and self._reader.is_alive()
 
+    def child_cpu_s(self) -> float | None:
+        """CPU seconds (user + system, all threads) the child has used; None where
+        /proc cannot tell (not Linux, or the child is gone)."""
+        try:
+            with open(f"/proc/{self._proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        # Fields 14 and 15 of proc(5) (utime, stime), counted after the ")" of comm.
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def add(
         self, caller_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> concurrent.futures.Future:
@@ -223,7 +234,7 @@ class EngineProcess:
                 callers.pop(batch.request_ids[i], None)
         if self._metrics is not None:
             for value in ttfts:
-                self._metrics.ttft_s.observe(value)
+                self._metrics.observe_ttft(value)
             for value in tpots:
                 self._metrics.tpot_s.observe(value)
 
@@ -258,6 +269,9 @@ class _Observations:
 
     def __init__(self) -> None:
         self.ttft_s, self.tpot_s = self._Values(), self._Values()
+
+    def observe_ttft(self, value_s: float) -> None:
+        self.ttft_s.append(value_s)
 
     def record_stats(self, stats: ReplicaStats) -> None:
         pass  # the parent records the stats it receives

@@ -36,6 +36,14 @@ class ReplicaMetrics:
         )
         for metric in (self.kv_usage, self.num_running, self.num_waiting, self.ttft_s, self.tpot_s):
             metric.set_default_tags(self._tags)
+        # Running totals of the TTFT histogram (LLMServer.serving_counters reports them).
+        self.ttft_total_s = 0.0
+        self.num_ttft = 0
+
+    def observe_ttft(self, value_s: float) -> None:
+        self.ttft_s.observe(value_s)
+        self.ttft_total_s += value_s
+        self.num_ttft += 1
 
     def record_stats(self, stats: ReplicaStats) -> None:
         self.kv_usage.set(stats.kv_usage)

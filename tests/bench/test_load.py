@@ -6,12 +6,14 @@ import asyncio
 import json
 import math
 import statistics
+import time
 
 import numpy as np
 import pytest
 
 from bench.load_metrics import SLO, RequestRecord, account, compute_metrics
 from bench.load_report import plot_kv_usage, plot_latency_cdfs, ratios_against
+from bench.load_target import serving_rows
 from bench.load_worker import send_one
 from bench.load_workload import (
     RequestSpec,
@@ -22,6 +24,7 @@ from bench.load_workload import (
     split_concurrency,
     split_round_robin,
 )
+from cluster import live_stats
 from router.errors import OverloadedError
 
 # --- arrivals ---------------------------------------------------------------------------
@@ -201,6 +204,7 @@ def test_accounting_loses_missing_and_unfinished_requests_and_refuses_duplicates
 class _Chunk:
     def __init__(self, token_ids, finish_reason=None) -> None:
         self.token_ids, self.finish_reason, self.replica_id = token_ids, finish_reason, "r1"
+        self.request_id = "q0"
 
 
 class _FakeClient:
@@ -234,6 +238,23 @@ def test_send_one_records_every_ending(script, outcome, error_type, num_tokens) 
     assert (record.outcome, record.error_type) == (outcome, error_type)
     assert record.num_output_tokens == num_tokens
     assert math.isnan(record.end_s) == (outcome == "lost")
+
+
+def test_send_one_records_when_the_engine_admitted_the_request() -> None:
+    """admit_s: the ack's admission time (live_stats, the replica host's wall clock) less
+    the time the request was sent; NaN when no ack said (another replica id here)."""
+    spec = RequestSpec(0, [1, 2, 3], 3, 0.0)
+    live_stats.forget_all()
+    live_stats.note_admitted("q0", "r1", time.time() + 0.25)
+    record = RequestRecord(0, 3, 3, 0.0)
+    asyncio.run(send_one(_FakeClient("ok"), spec, record, t0=0.0))
+    assert 0.2 < record.admit_s <= 0.25
+    live_stats.forget_all()
+    live_stats.note_admitted("q0", "elsewhere", time.time())
+    record = RequestRecord(0, 3, 3, 0.0)
+    asyncio.run(send_one(_FakeClient("ok"), spec, record, t0=0.0))
+    assert math.isnan(record.admit_s)
+    live_stats.forget_all()
 
 
 def test_a_request_cancelled_at_the_timeout_stays_lost() -> None:
@@ -299,3 +320,27 @@ def test_end_to_end_two_routers_lose_nothing_and_leak_nothing(tmp_path) -> None:
         assert run["kv_samples"]
     assert (tmp_path / "load_latency_cdf.png").exists()
     assert (tmp_path / "load_kv_usage.png").exists()
+
+
+def test_serving_rows_difference_each_replicas_counters() -> None:
+    def counters(rid, t, submits, messages, cpu, engine, ttft_total, num_ttft):
+        return {
+            "replica_id": rid, "time_s": t, "submits": submits, "messages": messages,
+            "heartbeats": 0, "cpu_s": cpu, "engine_cpu_s": engine,
+            "ttft_total_s": ttft_total, "num_ttft": num_ttft,
+        }  # fmt: skip
+
+    before = [
+        counters("a", 10.0, 5, 7, 1.0, 2.0, 0.5, 5),
+        counters("b", 10.0, 0, 0, 1.0, None, 0, 0),
+    ]
+    after = [
+        counters("a", 12.0, 405, 207, 2.5, 4.0, 1.7, 405),
+        counters("b", 12.0, 0, 0, 1.2, None, 0, 0),
+        counters("new", 12.0, 9, 9, 9.0, None, 0, 0),  # not polled before: left out
+    ]
+    a, b = serving_rows(before, after)
+    assert (a["submits_per_s"], a["messages_per_s"], a["cpu_fraction"]) == (200.0, 100.0, 0.75)
+    assert a["engine_cpu_fraction"] == 1.0 and a["engine_ttft_mean_ms"] == 3.0
+    assert b["engine_cpu_fraction"] is None and b["engine_ttft_mean_ms"] is None
+    assert b["cpu_fraction"] == 0.1

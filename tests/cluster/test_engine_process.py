@@ -97,6 +97,9 @@ def test_streams_every_request_and_refuses_bad_input() -> None:
         results = asyncio.run(outcomes(server, requests))
         for i in range(6):  # FakeEngine's token k is k
             assert results[f"q{i}"] == (list(range(1, 6 + i)), "length")
+        counters = asyncio.run(server.serving_counters())
+        assert counters["submits"] == len(requests) and counters["messages"] >= 1
+        assert counters["cpu_s"] > 0 and counters["engine_cpu_s"] > 0  # the child's, from /proc
         for name, field in (("empty", "prompt_token_ids"), ("negative", "max_tokens")):
             tokens, ack = results[name]
             assert tokens is None and ack.error_kind == INVALID and field in ack.error

@@ -253,6 +253,24 @@ def test_a_held_step_goes_out_after_the_hold_limit() -> None:
         assert [len(steps) for steps in messages] == [1] * 8
 
 
+def test_serving_counters_count_submits_and_messages() -> None:
+    engine = FakeEngine("r0", step_s=0.002)
+    with in_process(engine) as handle:
+
+        async def scenario() -> None:
+            transport = CallerTransport(handle)
+            for i in range(3):
+                _, stream = await transport.submit(f"req-{i}", [1, 2, 3], params(5))
+                await deltas_of(stream)
+
+        asyncio.run(scenario())
+        counters = asyncio.run(handle.server.serving_counters())
+        sent = [i for r in handle.streams["submit"].responses for i in r.items]
+    assert counters["submits"] == 3 and counters["engine_cpu_s"] is None  # engine thread
+    # every item but the acks is a carrier message (no heartbeat: 1 s apart)
+    assert counters["messages"] == len(sent) - 3 and counters["heartbeats"] == 0
+
+
 def test_given_up_carriers_are_remembered_up_to_a_bound() -> None:
     class NoCalls:
         def options(self, **_: Any) -> None:
