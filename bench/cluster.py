@@ -596,8 +596,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--step-ms", type=float, default=1.0, help="FakeEngine step time")
     parser.add_argument("--num-cpus", type=int, default=None, help="Ray logical CPUs")
     parser.add_argument(
-        "--engine-process", action="store_true",
-        help="overhead: replicas run their engine in a child process (ClusterConfig)",
+        "--engine-process", dest="engine_process", action="store_const", const=True,
+        default=None, help="replicas run their engine in a child process (ClusterConfig."
+        "engine_process; default: a child process when the replica has a GPU)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--engine-thread", dest="engine_process", action="store_const", const=False,
+        help="replicas run their engine on a thread of the replica process",
     )  # fmt: skip
     parser.add_argument(
         "--sections", nargs="+", default=["overhead", "router", "transport"],

@@ -339,8 +339,13 @@ def _parser() -> argparse.ArgumentParser:
         help="kvfleet routers: RouterConfig.balance_band (0: strict load order)",
     )  # fmt: skip
     t.add_argument(
-        "--engine-process", action="store_true",
-        help="each replica's engine in a child process (ClusterConfig.engine_process)",
+        "--engine-process", dest="engine_process", action="store_const", const=True,
+        default=None, help="replicas run their engine in a child process (ClusterConfig."
+        "engine_process; default: a child process when the replica has a GPU)",
+    )  # fmt: skip
+    t.add_argument(
+        "--engine-thread", dest="engine_process", action="store_const", const=False,
+        help="replicas run their engine on a thread of the replica process",
     )  # fmt: skip
     t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     t.add_argument("--on-overload", default="hold", choices=("hold", "reject"))

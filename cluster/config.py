@@ -76,7 +76,12 @@ class ClusterConfig:
     time goes"; not measured on a GPU).
     engine_process runs each replica's engine in a child process of the replica
     (cluster.engine_process), so Serve's per-request work and the engine's host work
-    stop sharing one GIL.
+    stop sharing one GIL; False keeps it on a thread of the replica process; None (the
+    default) means a child process when the replica has a GPU, a thread otherwise. On
+    H200s a gpt2 replica served 1.56x the tokens/s with the child process (55.3K ->
+    86.1K, and 176K -> 243K on 4 replicas) at the same TTFT at concurrency 1; on a
+    2-core CPU box the child competes with the replica for the cores and served less
+    (BENCHMARKS.md, "Engine in a child process").
     """
 
     model: str = "gpt2-tiny"
@@ -103,7 +108,7 @@ class ClusterConfig:
     max_ongoing_requests: int = 4096
     http: bool = False
     access_log: bool = False
-    engine_process: bool = False
+    engine_process: bool | None = None
     app_name: str = "kvfleet"
 
     def __post_init__(self) -> None:
@@ -171,9 +176,11 @@ class ClusterConfig:
                 "replica_resources is for custom resources; GPUs are num_gpus_per_replica"
             )
         _positive_int("max_ongoing_requests", self.max_ongoing_requests)
-        for name in ("http", "access_log", "engine_process"):
+        for name in ("http", "access_log"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.engine_process is not None and not isinstance(self.engine_process, bool):
+            raise ValueError(f"engine_process must be a bool or None, got {self.engine_process!r}")
         if not isinstance(self.app_name, str) or not self.app_name:
             raise ValueError(f"app_name must be a non-empty string, got {self.app_name!r}")
 

@@ -399,7 +399,8 @@ class LLMServer:
         self._num_heartbeats = 0
         self._metrics = ReplicaMetrics(self.replica_id)
         self._engine_loop: EngineLoop | EngineProcess
-        if config.engine_process:
+        in_child = config.engine_process if config.engine_process is not None else num_gpus > 0
+        if in_child:
             from cluster.engine_process import EngineProcess
 
             self._engine_loop = EngineProcess(

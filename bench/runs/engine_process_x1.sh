@@ -13,7 +13,7 @@ mkdir -p "$out"
 # Serve's TTFT overhead at concurrency 1 (one model; ~1.5 min each) with OVERHEAD=1.
 if [ "${OVERHEAD:-0}" = 1 ]; then
   for mode in thread process; do
-    flag=""; [ $mode = process ] && flag="--engine-process"
+    flag="--engine-thread"; [ $mode = process ] && flag="--engine-process"
     timeout 200 python -m bench.cluster --model "${models%% *}" --device cuda \
       --sections overhead $flag --out "$out/overhead_$mode.json" 2>&1 \
       | grep -E "^\||Error" | grep -v raylet | tail -6 | sed "s/^/$mode /"
@@ -33,7 +33,7 @@ for model in $models; do
   timeout 150 python -m bench.engine --model "$model" --batch 256 --prompt-len 128 \
     --max-new 128 --out "$out/engine_${model}_offline.json" 2>&1 \
     | grep -E "^\||Error" | tail -4 | sed "s/^/$model offline /"
-  run "$model" thread
+  run "$model" thread --engine-thread
   run "$model" process --engine-process
-  run "$model" thread_accesslog --access-log
+  run "$model" thread_accesslog --engine-thread --access-log
 done

@@ -8,7 +8,7 @@ mkdir -p "$out"
 if [[ $what == scaling || $what == all ]]; then
   # Throughput scaling, one replica per GPU, closed loop of 256 users per replica; the 1- and
   # 4-replica runs first, then 2 replicas (RUNS="model:n ..." picks; ROUTERS="kv,..." adds
-  # routers, each run over the same trace; EXTRA="--engine-process ..." adds bench.load flags).
+  # routers, each run over the same trace; EXTRA="--engine-thread ..." adds bench.load flags).
   for run in ${RUNS:-gpt2:1 gpt2:4 qwen3-0.6b:1 qwen3-0.6b:4 gpt2:2 qwen3-0.6b:2}; do
     model=${run%:*}
     n=${run#*:}

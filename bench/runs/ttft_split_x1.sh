@@ -19,4 +19,4 @@ run() {  # name, generator processes, users, extra bench.load args
 run process_p4 4 256 --engine-process
 run process_p16 16 256 --engine-process
 run process_p4_u512 4 512 --engine-process
-run thread_p4 4 256
+run thread_p4 4 256 --engine-thread

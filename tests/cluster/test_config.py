@@ -37,6 +37,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
         ("num_gpus_per_replica", -1),
         ("http", "yes"),
         ("access_log", 1),
+        ("engine_process", "yes"),
     ],
 )
 def test_invalid_field_is_named(field: str, value: object) -> None:

@@ -113,6 +113,22 @@ def test_streams_every_request_and_refuses_bad_input() -> None:
     assert server._engine_loop._proc.poll() == 0
 
 
+@pytest.mark.parametrize("num_gpus,in_child", [(0.0, False), (1.0, True)])
+def test_engine_process_default_follows_the_replicas_gpu(num_gpus: float, in_child: bool) -> None:
+    """engine_process=None: a child process for a replica with a GPU, a thread otherwise
+    (the factory here ignores the GPU count)."""
+    config = ClusterConfig(model="fake", device="cpu", stats_period_s=0.05)
+    assert config.engine_process is None
+    factory = functools.partial(fake_engine, step_s=0.002)
+    server = LLMServer(config, num_gpus, factory, replica_id="r0", gil_switch_interval_s=None)
+    try:
+        assert isinstance(server._engine_loop, EngineProcess) == in_child
+        results = asyncio.run(outcomes(server, [wire("q", [1, 2], max_tokens=3, ignore_eos=True)]))
+        assert results["q"] == ([1, 2, 3], "length")
+    finally:
+        server.shutdown()
+
+
 def test_killed_child_ends_every_request_with_error_and_fails_health() -> None:
     server = child_server(functools.partial(fake_engine, step_s=0.02))
 
