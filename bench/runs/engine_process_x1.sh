@@ -25,7 +25,7 @@ run() {  # model, name, extra bench.load args
   timeout 150 python -m bench.load --model "$model" --replicas 1 --device cuda --routers kv \
     --dataset random --input-len 128 --output-len 128 --concurrency 256 --num-requests 2048 \
     --num-procs 8 --out "$out/engine_${model}_${name}.json" "$@" \
-    2>&1 | grep -E "^\| kv|SATURATED|LOST|LEAK|Error" | grep -v raylet | tail -4 \
+    2>&1 | grep -E "^\| kv|kv: replica|admission|SATURATED|LOST|LEAK|Error" | grep -v raylet | tail -6 \
     | sed "s/^/$model $name /"
 }
 for model in $models; do

@@ -17,7 +17,7 @@ if [[ $what == scaling || $what == all ]]; then
       --routers "${ROUTERS:-kv}" ${EXTRA:-} \
       --dataset random --input-len 128 --output-len 128 --concurrency $((256 * n)) \
       --num-requests $((2048 * n)) --num-procs $((4 * n)) --out "$out/scale_${model}_${n}.json" \
-      2>&1 | grep -E "^\||SATURATED|LOST|LEAK|deployed|Error" | grep -v raylet | tail -14
+      2>&1 | grep -E "^\||: replica|admission|SATURATED|LOST|LEAK|deployed|Error" | grep -v raylet | tail -20
   done
 fi
 if [[ $what == prefix || $what == all ]]; then
