@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     serve_p.add_argument(
         "--access-log", action="store_true", help="Serve's per-request log lines (off: faster)"
     )
+    serve_p.add_argument(
+        "--engine", choices=("auto", "process", "thread"), default="auto",
+        help="each replica's engine in a child process or on a thread (auto: a child "
+        "process when the replica has a GPU; ClusterConfig.engine_process)",
+    )  # fmt: skip
     serve_p.add_argument("--blocking", action="store_true", help="stay in the foreground")
     demo = sub.add_parser("demo", help="2 local replicas, a burst of streams, a table")
     demo.add_argument("--model", default="gpt2-tiny")
@@ -46,11 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve_main(args: argparse.Namespace) -> None:
-    import ray
-    from ray import serve
-
-    config = ClusterConfig(
+def serve_config(args: argparse.Namespace) -> ClusterConfig:
+    return ClusterConfig(
         model=args.model,
         num_replicas=args.replicas,
         router=args.router,
@@ -60,8 +62,16 @@ def serve_main(args: argparse.Namespace) -> None:
         device=args.device,
         http=not args.no_http,
         access_log=args.access_log,
+        engine_process={"auto": None, "process": True, "thread": False}[args.engine],
         app_name=args.app_name,
     )
+
+
+def serve_main(args: argparse.Namespace) -> None:
+    import ray
+    from ray import serve
+
+    config = serve_config(args)
     ray.init(ignore_reinit_error=True)
     serve.start(http_options={"host": "0.0.0.0", "port": args.port})
     serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=args.blocking)

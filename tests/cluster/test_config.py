@@ -98,3 +98,12 @@ def test_kuberay_rayservice_builds() -> None:
     config = ClusterConfig.from_dict(args)
     assert config.resolve_num_gpus(cluster_gpus=4) == 1
     assert isinstance(build_app(config, num_gpus_in_cluster=4), Application)
+
+
+@pytest.mark.parametrize(("flag", "expected"), [([], None), (["--engine", "process"], True),
+                                                (["--engine", "thread"], False)])  # fmt: skip
+def test_cli_serve_engine_flag(flag: list[str], expected: bool | None) -> None:
+    from cluster.__main__ import _parser, serve_config
+
+    config = serve_config(_parser().parse_args(["serve", "--model", "gpt2-tiny", *flag]))
+    assert config.engine_process is expected and config.model == "gpt2-tiny"
