@@ -48,7 +48,7 @@ from bench.sim_report import markdown, plot, summarize
 from bench.sim_workload import ARRIVALS, DATASETS, Workload, WorkloadConfig
 from router import RouterConfig
 
-_STEP, _PUBLISH, _RETRY = 0, 1, 2
+_STEP, _PUBLISH, _RETRY, _ADMIT = 0, 1, 2, 3
 DEFAULT_NUM_BLOCKS = 8192
 
 
@@ -70,6 +70,12 @@ class SimConfig:
     # by router i % num_routers, each with its own reservations (or in-flight counts),
     # all seeing the same snapshots. Many routers on stale snapshots herd.
     num_routers: int = 1
+    # Each replica's request path (its Serve process: the submit call, the ack, the
+    # pipe to the engine): one request at a time, this long each, before the engine
+    # sees it. 0: requests reach the engine when routed (GPU-bound replicas). Measured
+    # capacity of a gpt2 replica on an H200: 627-809 submits/s, ~1.2-1.6 ms each
+    # (BENCHMARKS.md, "Engine in a child process").
+    serve_request_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_replicas <= 0:
@@ -80,6 +86,8 @@ class SimConfig:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
+        if not self.serve_request_s >= 0:
+            raise ValueError(f"serve_request_s must be >= 0, got {self.serve_request_s}")
 
 
 class Arrivals:
@@ -172,6 +180,8 @@ def _simulate(
             counter += 1
         heapq.heapify(heap)
     arrivals = Arrivals(workload, config.concurrency)
+    serve_request_s = config.serve_request_s
+    path_free_s = [0.0] * config.num_replicas  # when each replica's request path is free
     num_done, num_rejected, num_held = 0, 0, 0
     route_s, num_decisions = 0.0, 0
     stats_delay_s, stats_period_s = config.stats_delay_s, config.stats_period_s
@@ -196,6 +206,16 @@ def _simulate(
                     heapq.heappush(heap, (end_s, counter, _STEP, arg))
                     counter += 1
                 continue
+            if kind == _ADMIT:
+                replica, rid = arg
+                r = replicas[replica]
+                r.add(rid)
+                if not r.busy:
+                    end_s = r.schedule(now)
+                    if end_s is not None:
+                        heapq.heappush(heap, (end_s, counter, _STEP, replica))
+                        counter += 1
+                continue
             if kind == _PUBLISH:
                 visible.append(
                     (now + stats_delay_s, arg, replicas[arg].stats(now, router.needs_hashes))
@@ -218,7 +238,13 @@ def _simulate(
         replica, retry_after_s = routers[rid % num_routers].route(rid, now, attempt, held_since_s)
         route_s += time.perf_counter() - t0
         num_decisions += 1
-        if replica >= 0:
+        if replica >= 0 and serve_request_s:
+            admit_s = max(now, path_free_s[replica]) + serve_request_s
+            path_free_s[replica] = admit_s
+            routers[rid % num_routers].on_admitted(rid, replica, admit_s)
+            heapq.heappush(heap, (admit_s, counter, _ADMIT, (replica, rid)))
+            counter += 1
+        elif replica >= 0:
             r = replicas[replica]
             r.add(rid)
             if not r.busy:
@@ -280,7 +306,7 @@ def sim_config(args: argparse.Namespace, num_replicas: int, **overrides: object)
         stats_period_s=args.stats_period_ms / 1e3, stats_delay_s=args.stats_delay_ms / 1e3,
         slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3, seed=args.seed,
         progress_every=args.progress_every, num_routers=args.num_routers,
-        concurrency=args.concurrency,
+        concurrency=args.concurrency, serve_request_s=args.serve_request_ms / 1e3,
         router=RouterConfig(
             seed=args.seed, queue_fraction=args.queue_fraction, balance_band=args.balance_band
         ),
@@ -316,6 +342,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--concurrency", type=int, default=None,
         help="closed loop: this many users, each sending its next request when one ends",
+    )  # fmt: skip
+    p.add_argument(
+        "--serve-request-ms", type=float, default=0.0,
+        help="each replica's request path: ms per request, one at a time, before the engine "
+        "(0: not modeled; SimConfig.serve_request_s)",
     )  # fmt: skip
     p.add_argument("--stats-period-ms", type=float, default=50.0)
     p.add_argument("--stats-delay-ms", type=float, default=100.0)

@@ -65,6 +65,8 @@ class SimRouter(Protocol):
 
     def on_finish(self, rid: int, replica: int) -> None: ...
 
+    def on_admitted(self, rid: int, replica: int, admit_s: float) -> None: ...
+
 
 class RealRouter:
     """router.Admission + make_policy, as cluster.request_router calls them.
@@ -138,6 +140,14 @@ class RealRouter:
     def on_finish(self, rid: int, replica: int) -> None:
         pass
 
+    def on_admitted(self, rid: int, replica: int, admit_s: float) -> None:
+        """The engine takes the request at admit_s, after the replica's request path
+        (SimConfig.serve_request_s): its ack says so, as cluster.live_stats does."""
+        request_id = str(rid)
+        known = self.admitted_s.get(request_id)
+        if known is not None:
+            self.admitted_s[request_id] = (known[0], admit_s)
+
 
 class RandomRouter:
     name = "random"
@@ -157,6 +167,9 @@ class RandomRouter:
         pass
 
     def on_finish(self, rid: int, replica: int) -> None:
+        pass
+
+    def on_admitted(self, rid: int, replica: int, admit_s: float) -> None:
         pass
 
 
@@ -283,6 +296,9 @@ class SGLangRouter:
     def on_finish(self, rid: int, replica: int) -> None:
         self.loads[replica] -= 1
 
+    def on_admitted(self, rid: int, replica: int, admit_s: float) -> None:
+        pass
+
 
 class DynamoRouter:
     name = "dynamo"
@@ -330,6 +346,9 @@ class DynamoRouter:
 
     def on_finish(self, rid: int, replica: int) -> None:
         self.active_blocks[replica] -= self.inflight.pop(rid)[1]
+
+    def on_admitted(self, rid: int, replica: int, admit_s: float) -> None:
+        pass
 
 
 def make_sim_router(

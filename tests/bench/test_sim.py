@@ -306,3 +306,22 @@ def test_many_routers_on_stale_snapshots_herd_and_fresh_ones_do_not():
 def test_num_routers_must_be_positive():
     with pytest.raises(ValueError, match="num_routers"):
         SimConfig(num_routers=0)
+
+
+@pytest.mark.parametrize("policy", ["kv", "round_robin"])
+def test_a_replicas_request_path_caps_its_request_rate(policy):
+    """serve_request_s: each replica takes one request per serve_request_s before its
+    engine sees it, so a saturated closed loop completes at most 1/serve_request_s
+    requests/s per replica, and TTFT includes the wait."""
+    wl = WorkloadConfig(num_requests=600, rate=1e6, output_min=16, output_max=16, seed=3)
+    free = run(policy, wl, num_replicas=2, concurrency=256)
+    capped = run(policy, wl, num_replicas=2, concurrency=256, serve_request_s=0.005)
+    assert capped["num_completed"] == free["num_completed"] == 600
+    assert capped["throughput_req_s"] <= 2 / 0.005 * 1.01 < free["throughput_req_s"]
+    assert capped["throughput_req_s"] > 0.9 * 2 / 0.005  # the path is the bottleneck
+    assert capped["ttft_ms"]["p50"] > 5 * free["ttft_ms"]["p50"]
+
+
+def test_serve_request_s_must_not_be_negative():
+    with pytest.raises(ValueError, match="serve_request_s"):
+        SimConfig(serve_request_s=-1.0)
