@@ -344,3 +344,18 @@ def test_serving_rows_difference_each_replicas_counters() -> None:
     assert a["engine_cpu_fraction"] == 1.0 and a["engine_ttft_mean_ms"] == 3.0
     assert b["engine_cpu_fraction"] is None and b["engine_ttft_mean_ms"] is None
     assert b["cpu_fraction"] == 0.1
+
+
+def test_replica_cost_reports_cpu_per_request(capsys) -> None:
+    import sys
+
+    from bench.replica_cost import main
+
+    interval = sys.getswitchinterval()
+    try:
+        main(["--requests", "40", "--users", "4", "--engine-thread"])
+    finally:
+        sys.setswitchinterval(interval)  # LLMServer sets the replica's (process-wide)
+    out = capsys.readouterr().out
+    assert "req/s; this process" in out and "ms CPU per request" in out
+    assert "engine child" not in out  # the engine ran on a thread
