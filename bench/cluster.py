@@ -37,7 +37,13 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from bench.common import machine_description, markdown_table, percentile, write_json
+from bench.common import (
+    add_engine_mode_args,
+    machine_description,
+    markdown_table,
+    percentile,
+    write_json,
+)
 from cluster.config import ClusterConfig
 from replica.outputs import RequestOutput
 from replica.sampling_params import SamplingParams
@@ -595,15 +601,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--step-ms", type=float, default=1.0, help="FakeEngine step time")
     parser.add_argument("--num-cpus", type=int, default=None, help="Ray logical CPUs")
-    parser.add_argument(
-        "--engine-process", dest="engine_process", action="store_const", const=True,
-        default=None, help="replicas run their engine in a child process (ClusterConfig."
-        "engine_process; default: a child process when the replica has a GPU)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--engine-thread", dest="engine_process", action="store_const", const=False,
-        help="replicas run their engine on a thread of the replica process",
-    )  # fmt: skip
+    add_engine_mode_args(parser)
     parser.add_argument(
         "--sections", nargs="+", default=["overhead", "router", "transport"],
         choices=("overhead", "router", "transport"),

@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -45,6 +46,20 @@ def machine_description() -> str:
         return f"{gpu} x{torch.cuda.device_count()}, torch {torch.__version__}"
     cpu = platform.processor() or platform.machine()
     return f"{cpu} CPU x{os.cpu_count()}, torch {torch.__version__}"
+
+
+def add_engine_mode_args(parser: Any) -> None:
+    """--engine-process / --engine-thread into args.engine_process (None: the default,
+    ClusterConfig's: a child process when the replica has a GPU)."""
+    parser.add_argument(
+        "--engine-process", dest="engine_process", action="store_const", const=True,
+        default=None, help="replicas run their engine in a child process (ClusterConfig."
+        "engine_process; default: a child process when the replica has a GPU)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--engine-thread", dest="engine_process", action="store_const", const=False,
+        help="replicas run their engine on a thread of the replica process",
+    )  # fmt: skip
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from bench.common import write_json
+from bench.common import add_engine_mode_args, write_json
 from bench.load_metrics import SLO, RequestRecord, compute_metrics
 from bench.load_pool import GeneratorPool, Round
 from bench.load_report import (
@@ -338,15 +338,7 @@ def _parser() -> argparse.ArgumentParser:
         "--balance-band", type=float, default=ClusterConfig.balance_band,
         help="kvfleet routers: RouterConfig.balance_band (0: strict load order)",
     )  # fmt: skip
-    t.add_argument(
-        "--engine-process", dest="engine_process", action="store_const", const=True,
-        default=None, help="replicas run their engine in a child process (ClusterConfig."
-        "engine_process; default: a child process when the replica has a GPU)",
-    )  # fmt: skip
-    t.add_argument(
-        "--engine-thread", dest="engine_process", action="store_const", const=False,
-        help="replicas run their engine on a thread of the replica process",
-    )  # fmt: skip
+    add_engine_mode_args(t)
     t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     t.add_argument("--on-overload", default="hold", choices=("hold", "reject"))
     t.add_argument("--max-hold-s", type=float, default=30.0)

@@ -182,6 +182,18 @@ def _simulate(
     arrivals = Arrivals(workload, config.concurrency)
     serve_request_s = config.serve_request_s
     path_free_s = [0.0] * config.num_replicas  # when each replica's request path is free
+
+    def admit(replica: int, rid: int, now: float) -> None:
+        """The replica's engine takes the request; an idle replica starts a step."""
+        nonlocal counter
+        r = replicas[replica]
+        r.add(rid)
+        if not r.busy:
+            end_s = r.schedule(now)
+            if end_s is not None:
+                heapq.heappush(heap, (end_s, counter, _STEP, replica))
+                counter += 1
+
     num_done, num_rejected, num_held = 0, 0, 0
     route_s, num_decisions = 0.0, 0
     stats_delay_s, stats_period_s = config.stats_delay_s, config.stats_period_s
@@ -207,14 +219,7 @@ def _simulate(
                     counter += 1
                 continue
             if kind == _ADMIT:
-                replica, rid = arg
-                r = replicas[replica]
-                r.add(rid)
-                if not r.busy:
-                    end_s = r.schedule(now)
-                    if end_s is not None:
-                        heapq.heappush(heap, (end_s, counter, _STEP, replica))
-                        counter += 1
+                admit(*arg, now)
                 continue
             if kind == _PUBLISH:
                 visible.append(
@@ -245,13 +250,7 @@ def _simulate(
             heapq.heappush(heap, (admit_s, counter, _ADMIT, (replica, rid)))
             counter += 1
         elif replica >= 0:
-            r = replicas[replica]
-            r.add(rid)
-            if not r.busy:
-                end_s = r.schedule(now)
-                if end_s is not None:
-                    heapq.heappush(heap, (end_s, counter, _STEP, replica))
-                    counter += 1
+            admit(replica, rid, now)
         elif replica == HELD:
             num_held += attempt == 0
             heapq.heappush(
