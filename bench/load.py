@@ -302,8 +302,7 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
 _TARGET_KEYS = (
     "app_name model replicas routers router num_blocks max_num_seqs block_size device "
     "on_overload queue_fraction balance_band num_procs fake_step_ms fake_host_ms "
-    "carrier_messages_per_step access_log engine_process "
-    "route_on_caller_loop"
+    "carrier_messages_per_step access_log engine_process route_on_caller_loop"
 ).split()
 
 

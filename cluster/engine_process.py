@@ -61,7 +61,7 @@ READY_TIMEOUT_S = 600.0  # model load and CUDA graph capture happen before "read
 
 class EngineProcess:
     """EngineLoop's interface (add, abort, stats, load_stats, is_alive, failure,
-    shutdown) over an engine that runs in a child process."""
+    child_cpu_s, shutdown) over an engine that runs in a child process."""
 
     def __init__(
         self,
@@ -92,14 +92,12 @@ class EngineProcess:
         try:
             conn.send(("init", config, replica_id, num_gpus, engine_factory))
         except Exception as exc:  # e.g. a lambda: the child imports the factory by name
-            self._proc.kill()
-            self._proc.wait()
+            self._kill_child()
             raise ValueError(
                 f"engine_factory must be picklable with engine_process=True: {exc!r}"
             ) from exc
         if not conn.poll(READY_TIMEOUT_S):
-            self._proc.kill()
-            self._proc.wait()
+            self._kill_child()
             raise RuntimeError(f"engine process of {replica_id} not ready in {READY_TIMEOUT_S}s")
         try:
             message = conn.recv()
@@ -108,14 +106,17 @@ class EngineProcess:
         except EOFError:
             message = ("failed", f"exited with code {self._proc.wait()}")
         if message[0] != "ready":
-            self._proc.kill()
-            self._proc.wait()
+            self._kill_child()
             raise RuntimeError(f"engine process of {replica_id} failed to start: {message[1]}")
         _, self.model_info, self._stats, self.load_stats = message
         self._reader = threading.Thread(
             target=self._read, name="kvfleet-engine-reader", daemon=True
         )
         self._reader.start()
+
+    def _kill_child(self) -> None:
+        self._proc.kill()
+        self._proc.wait()
 
     @property
     def stats(self) -> ReplicaStats:
@@ -158,8 +159,7 @@ class EngineProcess:
         try:
             self._proc.wait(timeout=10.0)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+            self._kill_child()
 
     def _command(self, kind: str, caller_id: str, request_id: str, *args: Any) -> Any:
         future: concurrent.futures.Future = concurrent.futures.Future()
