@@ -424,13 +424,20 @@ def run_overhead(args: argparse.Namespace) -> list[dict]:
     warm = prompts[:5]
     direct = engine_ttft_s(config, warm + prompts, max_tokens=4)[len(warm) :]
     serve.run(build_app(config), name=config.app_name, route_prefix=None)
-    # The peer: Serve's default handle, whose router runs on a thread of its own.
+    # The peer: Serve's default handle, whose router runs on a thread of its own and
+    # which reaches replicas through Ray actor calls.
     threaded = serve.get_deployment_handle(LLM_DEPLOYMENT, config.app_name)
     clients = {
-        "Serve (Client.stream), router on caller loop": Client(
+        "Serve (Client.stream), router on caller loop, gRPC (default)": Client(
             config.app_name, route_on_caller_loop=True
         ),
-        "Serve (Client.stream), router thread (default)": Client(handle=threaded),
+        "Serve (Client.stream), router thread, gRPC": Client(handle=threaded),
+        "Serve (Client.stream), router on caller loop, actor calls": Client(
+            config.app_name, route_on_caller_loop=True, serve_grpc=False
+        ),
+        "Serve (Client.stream), router thread, actor calls (Serve's default)": Client(
+            handle=threaded, serve_grpc=False
+        ),
     }
 
     async def measure(client: Any) -> list[float]:

@@ -206,7 +206,11 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
     pool: GeneratorPool | None = None
     try:
         # Starts while the first app deploys.
-        pool = GeneratorPool(num_procs, ray_address, args.route_on_caller_loop)
+        client_options = {
+            "route_on_caller_loop": args.route_on_caller_loop,
+            "serve_grpc": not args.serve_actor_calls,
+        }
+        pool = GeneratorPool(num_procs, ray_address, client_options)
         for router, config in configs.items():
             if config is not None:
                 t_deploy = time.monotonic()
@@ -302,7 +306,8 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
 _TARGET_KEYS = (
     "app_name model replicas routers router num_blocks max_num_seqs block_size device "
     "on_overload queue_fraction balance_band num_procs fake_step_ms fake_host_ms "
-    "carrier_messages_per_step access_log engine_process route_on_caller_loop"
+    "carrier_messages_per_step access_log engine_process route_on_caller_loop "
+    "serve_actor_calls"
 ).split()
 
 
@@ -327,6 +332,11 @@ def _parser() -> argparse.ArgumentParser:
         "--route-on-caller-loop", action="store_true",
         help="generators route on their own loop (Client option) instead of Serve's router "
         "thread; a round after a redeploy has been seen to hang in this mode",
+    )  # fmt: skip
+    t.add_argument(
+        "--serve-actor-calls", action="store_true",
+        help="generators reach replicas through Ray actor calls (Serve's by-reference "
+        "handle path) instead of the replicas' gRPC servers (Client serve_grpc=False)",
     )  # fmt: skip
     t.add_argument(
         "--carrier-messages-per-step", type=int, default=4,

@@ -44,11 +44,11 @@ class GeneratorPool:
     """num_procs generator processes, each a Ray driver connected to ray_address."""
 
     def __init__(
-        self, num_procs: int, ray_address: str, route_on_caller_loop: bool = False
+        self, num_procs: int, ray_address: str, client_options: dict | None = None
     ) -> None:
-        """route_on_caller_loop: the generators' Clients route on their own event loop
-        (Client option) instead of Serve's router thread."""
-        self.route_on_caller_loop = route_on_caller_loop
+        """client_options: keyword arguments of the generators' Clients (e.g.
+        route_on_caller_loop, serve_grpc)."""
+        self.client_options = client_options or {}
         ctx = mp.get_context("spawn")
         self.events = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(num_procs)]
@@ -87,7 +87,7 @@ class GeneratorPool:
             if p not in self.dead:
                 plan = WorkerPlan(
                     p, app_name, shares[p], users[p] if users else None, timeout_s,
-                    route_on_caller_loop=self.route_on_caller_loop,
+                    client_options=self.client_options,
                 )  # fmt: skip
                 commands.put(("prepare", plan))
         t_prepare = time.monotonic()

@@ -46,7 +46,7 @@ class WorkerPlan:
     concurrency: int | None  # closed-loop users in this process; None: open loop
     timeout_s: float
     warmup: bool = True
-    route_on_caller_loop: bool = False  # Client option
+    client_options: dict = field(default_factory=dict)  # Client keyword arguments
 
 
 @dataclass
@@ -203,7 +203,7 @@ async def _run(plan: WorkerPlan, events: Any, commands: Any) -> WorkerResult:
     from cluster.client import Client
 
     # A new one per round (the app was redeployed), on this round's loop.
-    client = Client(plan.app_name, route_on_caller_loop=plan.route_on_caller_loop)
+    client = Client(plan.app_name, **plan.client_options)
     await client.model_info_async()
     if plan.warmup:
         await _warmup(client)

@@ -66,6 +66,14 @@ async def measure(handle: Any, n: int, concurrency: int) -> list[dict]:
     return rows
 
 
+KINDS = (
+    "router thread (default)",
+    "router on caller loop",
+    "router thread, gRPC",
+    "router on caller loop, gRPC",
+)
+
+
 def main() -> None:
     import ray
     from ray import serve
@@ -85,13 +93,15 @@ def main() -> None:
         )
         serve.run(deployment.bind(), name="echo", route_prefix=None)
         rows = []
-        for kind in ("router thread (default)", "router on caller loop"):
+        for kind in KINDS:
 
             async def run(kind: str = kind) -> list[dict]:
-                if kind == "router on caller loop":
+                if kind.startswith("router on caller loop"):
                     handle = current_loop_handle("echo", "Echo")
                 else:
                     handle = DeploymentHandle("Echo", "echo")
+                if kind.endswith("gRPC"):
+                    handle = handle.options(_by_reference=False)
                 result = await measure(handle, args.calls, args.concurrency)
                 await handle.shutdown_async()
                 return result

@@ -204,7 +204,11 @@ class CallerTransport:
     MAX_GIVEN_UP = 1024
 
     def __init__(
-        self, handle: Any, carrier_timeout_s: float = 10.0, abort_timeout_s: float = 5.0
+        self,
+        handle: Any,
+        carrier_timeout_s: float = 10.0,
+        abort_timeout_s: float = 5.0,
+        serve_grpc: bool = True,
     ) -> None:
         if carrier_timeout_s <= 0 or abort_timeout_s <= 0:
             raise ValueError("carrier_timeout_s and abort_timeout_s must be > 0")
@@ -214,7 +218,11 @@ class CallerTransport:
         self.carrier_timeout_s = carrier_timeout_s
         self.abort_timeout_s = abort_timeout_s
         self._handle = handle
-        self._submit = handle.options(method_name="submit", stream=True)
+        # serve_grpc: submits (and the carriers they elect) go over the replica's gRPC
+        # server (Serve's by-value handle path) instead of Ray actor calls; see Client.
+        self._submit = handle.options(
+            method_name="submit", stream=True, _by_reference=not serve_grpc
+        )
         self._attempts: dict[str, _Attempt] = {}
         self._links: dict[str, _Link] = {}  # by carrier id
         # Carrier ids given up on, newest last; only acks of submits sent before the

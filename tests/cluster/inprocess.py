@@ -166,7 +166,10 @@ class InProcessHandle:
         self.server = server
         self.streams: dict[str, _StreamingMethod] = {}
 
-    def options(self, method_name: str, stream: bool) -> _StreamingMethod:
+    def options(
+        self, method_name: str, stream: bool, _by_reference: bool = True
+    ) -> _StreamingMethod:
+        # _by_reference (Ray actor call or Serve's gRPC path) has no meaning in-process.
         assert stream, "the transport only makes streaming calls through options()"
         if method_name not in self.streams:
             self.streams[method_name] = _StreamingMethod(self.server, method_name)

@@ -179,7 +179,7 @@ class _GhostCarrierHandle:
     def __init__(self) -> None:
         self.caller_ids: list[str] = []
 
-    def options(self, method_name: str, stream: bool) -> _GhostCarrierHandle:
+    def options(self, method_name: str, stream: bool, _by_reference: bool) -> _GhostCarrierHandle:
         return self
 
     def remote(self, wire: dict[str, Any]) -> Any:

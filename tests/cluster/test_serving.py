@@ -42,11 +42,15 @@ def test_generate_equals_offline(running_app: RunningApp, offline: list[list[int
         assert done.prompt_token_ids == prompt
 
 
+@pytest.mark.parametrize("serve_grpc", [True, False], ids=["grpc", "actor-calls"])
 def test_concurrent_streams_in_order_and_complete(
-    running_app: RunningApp, offline: list[list[int]]
+    running_app: RunningApp, offline: list[list[int]], serve_grpc: bool
 ) -> None:
+    """Both of Serve's paths to a replica: its gRPC server (the default), Ray actor calls."""
+    client = Client(running_app.client.app_name, serve_grpc=serve_grpc)
+
     async def burst() -> list[list]:
-        jobs = [_collect(running_app.client, p, GREEDY) for p in PROMPTS * 4]
+        jobs = [_collect(client, p, GREEDY) for p in PROMPTS * 4]
         return await asyncio.gather(*jobs)
 
     results = asyncio.run(burst())

@@ -284,3 +284,12 @@ def test_given_up_carriers_are_remembered_up_to_a_bound() -> None:
     assert len(transport._given_up) == CallerTransport.MAX_GIVEN_UP
     assert "carrier-9" not in transport._given_up  # the oldest went first
     assert f"carrier-{CallerTransport.MAX_GIVEN_UP + 9}" in transport._given_up
+
+
+def test_submits_take_serves_grpc_path_unless_told_otherwise() -> None:
+    class Recorder:
+        def options(self, **options: Any) -> dict[str, Any]:
+            return options
+
+    assert CallerTransport(Recorder())._submit["_by_reference"] is False
+    assert CallerTransport(Recorder(), serve_grpc=False)._submit["_by_reference"] is True
