@@ -8,7 +8,8 @@ mkdir -p "$out"
 if [[ $what == scaling || $what == all ]]; then
   # Throughput scaling, one replica per GPU, closed loop of 256 users per replica; the 1- and
   # 4-replica runs first, then 2 replicas (RUNS="model:n ..." picks; ROUTERS="kv,..." adds
-  # routers, each run over the same trace; EXTRA="--engine-thread ..." adds bench.load flags).
+  # routers, each run over the same trace; EXTRA="--engine-thread ..." adds bench.load flags;
+  # PROCS generator processes per replica, default 4).
   for run in ${RUNS:-gpt2:1 gpt2:4 qwen3-0.6b:1 qwen3-0.6b:4 gpt2:2 qwen3-0.6b:2}; do
     model=${run%:*}
     n=${run#*:}
@@ -16,7 +17,7 @@ if [[ $what == scaling || $what == all ]]; then
     timeout 240 python -m bench.load --model "$model" --replicas "$n" --device cuda \
       --routers "${ROUTERS:-kv}" ${EXTRA:-} \
       --dataset random --input-len 128 --output-len 128 --concurrency $((256 * n)) \
-      --num-requests $((2048 * n)) --num-procs $((4 * n)) --out "$out/scale_${model}_${n}.json" \
+      --num-requests $((2048 * n)) --num-procs $((${PROCS:-4} * n)) --out "$out/scale_${model}_${n}.json" \
       2>&1 | grep -E "^\||: replica|admission|SATURATED|LOST|LEAK|deployed|Error" | grep -v raylet | tail -20
   done
 fi
