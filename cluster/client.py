@@ -77,8 +77,9 @@ class Client:
     current_loop_handle); for callers whose loops live as long as they use the client.
     serve_grpc: requests and their token streams go over each replica's gRPC server
     (Serve's by-value handle path, `_by_reference=False`) instead of Ray actor calls:
-    a streaming call's first item in 1.2-1.3 ms instead of 3.1-3.4 ms on the CPU box
-    (bench/serve_handle.py); False keeps Ray's actor-call path.
+    the TTFT Serve adds on an H200 host falls from 3.4-3.9 to 2.3-2.9 ms, and a gpt2
+    replica's process spends a third less CPU per request (BENCHMARKS.md, "Serve's
+    gRPC path"); False keeps Ray's actor-call path.
 
     Cost per streamed token in the calling process is a few microseconds, a good part of
     it garbage collection walking the start-up heap (Ray, torch) when the per-chunk
