@@ -1,7 +1,7 @@
 """What kvfleet's own replica code costs per request, without Serve or Ray.
 
     python -m bench.replica_cost [--requests 3000] [--users 32] [--max-tokens 4]
-                                 [--engine-thread] [--step-ms 1]
+                                 [--engine-thread] [--step-ms 1] [--callers 1]
 
 Drives LLMServer in this process (no Serve: its submit generator is called directly,
 as Serve would call it) with a FakeEngine, a closed loop of --users concurrent
@@ -25,7 +25,9 @@ from cluster.deployment import LLMServer
 from cluster.messages import CarrierBatch, SubmitRequest, decode_message
 
 
-async def _drive(server: LLMServer, num_requests: int, num_users: int, max_tokens: int) -> float:
+async def _drive(
+    server: LLMServer, num_requests: int, num_users: int, max_tokens: int, num_callers: int = 1
+) -> float:
     loop = asyncio.get_running_loop()
     ids = iter(range(num_requests))
     ends: dict[str, asyncio.Future] = {}
@@ -40,18 +42,18 @@ async def _drive(server: LLMServer, num_requests: int, num_users: int, max_token
                         if delta.finish_reason is not None:
                             ends.pop(delta.request_id).set_result(None)
 
-    async def user() -> None:
+    async def user(caller_id: str) -> None:
         for i in ids:
             rid = f"q{i}"
             end = ends[rid] = loop.create_future()
             params = {"max_tokens": max_tokens, "ignore_eos": True}
-            stream = server.submit(SubmitRequest(rid, "c0", [1, 2, 3], params).to_wire())
+            stream = server.submit(SubmitRequest(rid, caller_id, [1, 2, 3], params).to_wire())
             await stream.__anext__()  # the ack; a carrier goes on streaming
             carriers.append(asyncio.ensure_future(carry(stream)))
             await end
 
     start = time.perf_counter()
-    await asyncio.gather(*(user() for _ in range(num_users)))
+    await asyncio.gather(*(user(f"c{u % num_callers}") for u in range(num_users)))
     elapsed = time.perf_counter() - start
     for task in carriers:
         task.cancel()
@@ -63,6 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--users", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument(
+        "--callers", type=int, default=1, help="caller ids the users are spread over "
+        "(each has its own carrier, as each client process does)",
+    )  # fmt: skip
     p.add_argument("--step-ms", type=float, default=1.0, help="FakeEngine step time")
     p.add_argument("--engine-thread", action="store_true", help="engine on a thread")
     args = p.parse_args(argv)
@@ -75,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
 
         async def run() -> tuple[float, dict, dict]:
             before = await server.serving_counters()
-            elapsed = await _drive(server, args.requests, args.users, args.max_tokens)
+            elapsed = await _drive(server, args.requests, args.users, args.max_tokens, args.callers)
             return elapsed, before, await server.serving_counters()
 
         elapsed, before, after = asyncio.run(run())
