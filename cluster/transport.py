@@ -27,6 +27,12 @@ path is at most one message per (caller, step) whatever the number of requests, 
 DESIGN.md asks. Per request the cost is one short streaming call (ack + end). Aborts are rare and
 go through `handle.broadcast("abort", request_id)`; only the owning replica acts on it.
 
+Submits and the carriers they elect go over each replica's gRPC server (Serve's by-value
+handle path) unless the transport is made with serve_grpc=False (Ray actor calls): the
+same streams, with less time and CPU per call and per streamed item on both sides
+(BENCHMARKS.md, "Serve's gRPC path"). A replica lost mid-stream surfaces the same way on
+either path (Serve maps gRPC's UNAVAILABLE to ActorUnavailableError).
+
 Cost per token, both sides: a step batch is columns (request ids, token counts, flat
 token ids), one msgpack per message; the caller appends each request's tokens to its
 DeltaStream and wakes its reader at most once per message, and a reader that falls

@@ -346,14 +346,15 @@ def test_serving_rows_difference_each_replicas_counters() -> None:
     assert b["cpu_fraction"] == 0.1
 
 
-def test_replica_cost_reports_cpu_per_request(capsys) -> None:
+@pytest.mark.parametrize("callers", ["1", "3"])
+def test_replica_cost_reports_cpu_per_request(capsys, callers: str) -> None:
     import sys
 
     from bench.replica_cost import main
 
     interval = sys.getswitchinterval()
-    try:
-        main(["--requests", "40", "--users", "4", "--engine-thread"])
+    try:  # every request must end on its caller's carrier, or this never returns
+        main(["--requests", "40", "--users", "4", "--engine-thread", "--callers", callers])
     finally:
         sys.setswitchinterval(interval)  # LLMServer sets the replica's (process-wide)
     out = capsys.readouterr().out
