@@ -1,13 +1,15 @@
-"""What one Serve handle call costs the caller: Serve's router thread vs the caller's loop.
+"""What one Serve handle call costs the caller: where the router runs, how calls travel.
 
     python -m bench.serve_handle            # CPU is enough: no model, an echo deployment
 
-A bare echo deployment (no kvfleet code on the replica), called through two handles
-in the same run: Serve's default (its router on a loop thread of its own) and one
-initialized to route on the calling loop (what Client(route_on_caller_loop=True)
-uses). Per kind: latency p50/p90 at concurrency 1 of a unary call, of a streaming
-call's first item and of a whole one-item stream; then calls/s and the caller
-process's CPU per call at concurrency 200.
+A bare echo deployment (no kvfleet code on the replica), called through four handles
+in the same run: the router on a loop thread of its own (Serve's default) or on the
+calling loop (what Client(route_on_caller_loop=True) uses), each reaching the replica
+by Ray actor calls (Serve's default) or through the replica's gRPC server
+(`_by_reference=False`, what Client uses unless serve_grpc=False). Per kind: latency
+p50/p90 at concurrency 1 of a unary call, of a streaming call's first item and of a
+whole one-item stream; then calls/s and the caller process's CPU per call at
+concurrency 200.
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ async def measure(handle: Any, n: int, concurrency: int) -> list[dict]:
 
 
 KINDS = (
-    "router thread (default)",
-    "router on caller loop",
+    "router thread, actor calls (Serve's default)",
+    "router on caller loop, actor calls",
     "router thread, gRPC",
     "router on caller loop, gRPC",
 )

@@ -110,6 +110,12 @@ class Client:
         ):
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        for name, flag in (
+            ("route_on_caller_loop", route_on_caller_loop),
+            ("serve_grpc", serve_grpc),
+        ):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self.carrier_timeout_s = carrier_timeout_s

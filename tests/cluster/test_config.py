@@ -107,3 +107,20 @@ def test_cli_serve_engine_flag(flag: list[str], expected: bool | None) -> None:
 
     config = serve_config(_parser().parse_args(["serve", "--model", "gpt2-tiny", *flag]))
     assert config.engine_process is expected and config.model == "gpt2-tiny"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_retries", -1),
+        ("retry_backoff_s", 0),
+        ("carrier_timeout_s", "10"),
+        ("route_on_caller_loop", 1),
+        ("serve_grpc", "yes"),
+    ],
+)
+def test_client_rejects_bad_options_naming_the_field(field: str, value: object) -> None:
+    from cluster import Client
+
+    with pytest.raises(ValueError, match=field):
+        Client("kvfleet", **{field: value})
