@@ -221,20 +221,15 @@ class Client:
 
     async def stats_async(self) -> list[ReplicaStats]:
         """One ReplicaStats per live replica, fresh to within the stats period."""
-        response = self._transport().handle.broadcast("stats")
-        results = await response.results_async(
-            timeout_s=self.stats_timeout_s, return_exceptions=True
-        )
+        results = await self._from_every_replica("stats")
         return [ReplicaStats.from_msgpack(r) for r in results if isinstance(r, bytes)]
 
     async def serving_counters_async(self) -> list[dict[str, Any]]:
         """Per live replica, totals since it started (LLMServer.serving_counters): what
         load tests difference over a run to tell a replica's own CPU saturation."""
-        response = self._transport().handle.broadcast("serving_counters")
-        results = await response.results_async(
-            timeout_s=self.stats_timeout_s, return_exceptions=True
-        )
-        return [r for r in results if isinstance(r, dict)]
+        return [
+            r for r in await self._from_every_replica("serving_counters") if isinstance(r, dict)
+        ]
 
     async def model_info_async(self) -> ModelInfo:
         if self._info is None:
@@ -275,6 +270,12 @@ class Client:
         return self._run_sync(self.serving_counters_async())
 
     # --- internals -------------------------------------------------------------------
+
+    async def _from_every_replica(self, method_name: str) -> list[Any]:
+        """Each live replica's answer to method_name (within stats_timeout_s); a replica
+        whose call failed gives its exception instead, which callers skip."""
+        response = self._transport().handle.broadcast(method_name)
+        return await response.results_async(timeout_s=self.stats_timeout_s, return_exceptions=True)
 
     def _transport(self) -> CallerTransport:
         loop = asyncio.get_running_loop()
