@@ -5,12 +5,9 @@
 # Run on a 64-core host so that the generators do not compete for cores.
 # Usage: bash bench/runs/callers_x4.sh OUT_DIR
 set -u
+. "$(dirname "$0")/one_replica.sh"
 out=${1:-results}
 mkdir -p "$out"
 for procs in 8 32; do
-  timeout 200 python -m bench.load --model gpt2 --replicas 1 --device cuda --routers kv \
-    --dataset random --input-len 128 --output-len 128 --concurrency 256 \
-    --num-requests 4096 --num-procs "$procs" --out "$out/callers_$procs.json" 2>&1 \
-    | grep -E "^\| kv|kv: replica|admission|SATURATED|LOST|LEAK|Error" | grep -v raylet \
-    | sed "s/^/callers=$procs /"
+  one_replica "callers=$procs" "$out/callers_$procs.json" --num-requests 4096 --num-procs "$procs"
 done

@@ -6,6 +6,8 @@
 # Each model: one replica, 256 closed-loop users in 8 generator processes, prompt 128,
 # 128 new tokens, 2048 requests, router kv; the rows differ only in the flag named.
 set -u
+. "$(dirname "$0")/one_replica.sh"
+ONE_REPLICA_TIMEOUT_S=${ONE_REPLICA_TIMEOUT_S:-150}  # per bench.load run
 out=${1:-results}
 shift || true
 models=${*:-gpt2 qwen3-0.6b}
@@ -22,11 +24,7 @@ fi
 run() {  # model, name, extra bench.load args
   local model=$1 name=$2
   shift 2
-  timeout 150 python -m bench.load --model "$model" --replicas 1 --device cuda --routers kv \
-    --dataset random --input-len 128 --output-len 128 --concurrency 256 --num-requests 2048 \
-    --num-procs 8 --out "$out/engine_${model}_${name}.json" "$@" \
-    2>&1 | grep -E "^\| kv|kv: replica|admission|SATURATED|LOST|LEAK|Error" | grep -v raylet | tail -6 \
-    | sed "s/^/$model $name /"
+  one_replica "$model $name" "$out/engine_${model}_${name}.json" --model "$model" "$@"
 }
 for model in $models; do
   # The peer: the same engine offline, 256 sequences, prompt 128, 128 new tokens.

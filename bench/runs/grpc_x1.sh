@@ -5,6 +5,8 @@
 # deployment settings (bench.load, as ttft_split_x1.sh).
 # Usage: bash bench/runs/grpc_x1.sh OUT_DIR [echo|overhead|load ...]   (~6 min for all)
 set -u
+. "$(dirname "$0")/one_replica.sh"
+ONE_REPLICA_TIMEOUT_S=${ONE_REPLICA_TIMEOUT_S:-150}  # per bench.load run
 out=${1:-results}
 shift
 parts=${*:-echo overhead load}
@@ -17,14 +19,8 @@ for part in $parts; do
     overhead) timeout 240 python -m bench.cluster --model gpt2 --device cuda \
       --sections overhead --out "$out/overhead.json" 2>&1 | grep -E "^\|" ;;
     load)
-      for path in grpc actor; do
-        flag=""
-        [[ $path == actor ]] && flag=--serve-actor-calls
-        timeout 150 python -m bench.load --model gpt2 --replicas 1 --device cuda --routers kv \
-          --dataset random --input-len 128 --output-len 128 --concurrency 256 \
-          --num-requests 4096 --num-procs 4 --out "$out/load_$path.json" $flag 2>&1 \
-          | grep -E "^\| kv|kv: replica|admission|LOST|LEAK|Error" | grep -v raylet | tail -4 \
-          | sed "s/^/$path /"
-      done ;;
+      one_replica grpc "$out/load_grpc.json" --num-requests 4096 --num-procs 4
+      one_replica actor "$out/load_actor.json" --num-requests 4096 --num-procs 4 \
+        --serve-actor-calls ;;
   esac
 done

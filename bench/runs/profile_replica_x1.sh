@@ -4,14 +4,13 @@
 # gpt2 replica (engine_process) with 256 closed-loop users; results under $1.
 # Usage: PYSPY=path/to/py-spy bash bench/runs/profile_replica_x1.sh OUT_DIR [SECONDS]
 set -u
+. "$(dirname "$0")/one_replica.sh"
 out=${1:-results}
 secs=${2:-10}
 spy=${PYSPY:-py-spy}
 mkdir -p "$out"
-timeout 200 python -m bench.load --model gpt2 --replicas 1 --device cuda --routers kv \
-  --engine-process --dataset random --input-len 128 --output-len 128 --concurrency 256 \
-  --num-requests 20000 --num-procs 4 --out "$out/profile_load.json" \
-  2>&1 | grep -E "^\| kv|kv: replica|SATURATED|LOST|LEAK|Error" | grep -v raylet &
+one_replica profile "$out/profile_load.json" --engine-process --num-requests 20000 \
+  --num-procs 4 &
 load=$!
 until child=$(pgrep -f "cluster.engine_process" | head -1) && [ -n "$child" ]; do sleep 1; done
 replica=$(ps -o ppid= -p "$child" | tr -d ' ')

@@ -8,6 +8,8 @@
 #    (every step to every caller, Serve's router thread), caller-loop routing alone,
 #    then message budgets 4 (each caller every 2 steps) and 2 (every 4 steps).
 set -u
+. "$(dirname "$0")/one_replica.sh"
+ONE_REPLICA_TIMEOUT_S=${ONE_REPLICA_TIMEOUT_S:-110}  # per bench.load run
 out=${1:-results}
 model=${2:-gpt2}
 mkdir -p "$out"
@@ -16,10 +18,7 @@ timeout 200 python -m bench.cluster --model "$model" --device cuda --sections ov
 run() {  # name, extra bench.load args
   local name=$1
   shift
-  timeout 110 python -m bench.load --model "$model" --replicas 1 --device cuda --routers kv \
-    --dataset random --input-len 128 --output-len 128 --concurrency 256 --num-requests 2048 \
-    --num-procs 8 --out "$out/serving_${name}.json" "$@" \
-    2>&1 | grep -E "^\| kv|SATURATED|LOST|LEAK|Error" | grep -v raylet | tail -4 | sed "s/^/$name /"
+  one_replica "$name" "$out/serving_${name}.json" --model "$model" "$@"
 }
 # On 2026-11-22 (BENCHMARKS.md) the replicas ran their methods on a thread of their own in
 # the first four runs (then the default; budget4_mainloop set the main loop, now the

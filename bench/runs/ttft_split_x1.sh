@@ -5,16 +5,15 @@
 # engine in a child process or a thread, 4 or 16 caller processes, 256 or 512 users.
 # Usage: bash bench/runs/ttft_split_x1.sh OUT_DIR   (~1 min per row)
 set -u
+. "$(dirname "$0")/one_replica.sh"
+ONE_REPLICA_TIMEOUT_S=${ONE_REPLICA_TIMEOUT_S:-150}  # per bench.load run
 out=${1:-results}
 mkdir -p "$out"
 run() {  # name, generator processes, users, extra bench.load args
   local name=$1 procs=$2 users=$3
   shift 3
-  timeout 150 python -m bench.load --model gpt2 --replicas 1 --device cuda --routers kv \
-    --dataset random --input-len 128 --output-len 128 --concurrency "$users" \
-    --num-requests 4096 --num-procs "$procs" --out "$out/split_$name.json" "$@" \
-    2>&1 | grep -E "^\| kv|kv: replica|admission|LOST|LEAK|Error" | grep -v raylet | tail -4 \
-    | sed "s/^/$name /"
+  one_replica "$name" "$out/split_$name.json" --concurrency "$users" --num-requests 4096 \
+    --num-procs "$procs" "$@"
 }
 run process_p4 4 256 --engine-process
 run process_p16 16 256 --engine-process
