@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kernels.pdl
 from bench.common import copy_bandwidth_gbps, markdown_table, percentile, write_json
 from replica import EngineConfig, LLMEngine, SamplingParams
 from replica.models.presets import PRESETS
@@ -128,11 +129,16 @@ def main() -> None:
     parser.add_argument("--itl-batch", type=int, default=0, help="ITL run: batch size")
     parser.add_argument("--itl-steps", type=int, default=1000)
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument(
+        "--no-triton-linear", action="store_true", help="cuBLAS for every projection"
+    )
+    parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
     parser.add_argument("--max-batched-tokens", type=int, default=None, help="prefill chunk")
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
 
     on_gpu = torch.cuda.is_available()
+    kernels.pdl.ENABLE_PDL = not args.no_pdl
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)
     max_new = args.max_new or (128 if on_gpu else 32)
@@ -147,6 +153,7 @@ def main() -> None:
             EngineConfig(
                 model=model, dtype=args.dtype, block_size=args.block_size,
                 max_num_seqs=max_num_seqs, enable_cuda_graphs=not args.no_cuda_graphs,
+                enable_triton_linear=not args.no_triton_linear,
                 max_model_len=min(2048, _max_positions(model)),
                 **({"max_num_batched_tokens": args.max_batched_tokens}
                    if args.max_batched_tokens else {}),
@@ -181,8 +188,12 @@ def main() -> None:
     columns = ["batch", "tok/s", "HF tok/s", "x HF", "decode tok/s", "roofline tok/s",
                "% roofline", "TPOT ms", "sched+drain ms", "sched+drain p99",
                "launch ms"]  # fmt: skip
+    modules = engine.runner.model.modules()
+    triton_linear = any(getattr(m, "triton_linear", False) for m in modules)
     print(f"\nmodel={args.model or model} dtype={engine.dtype} prompt={prompt_len} new={max_new}"
           f" block_size={args.block_size} cuda_graphs={engine.runner.use_cuda_graphs}"
+          f" triton_linear={triton_linear}"
+          f" pdl={kernels.pdl.use_pdl(engine.device)}"
           + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else ""))  # fmt: skip
     print(markdown_table(rows, [c for c in columns if any(c in r for r in rows)]))
     if itl:

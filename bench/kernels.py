@@ -396,13 +396,13 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--no-pdl", action="store_true",
-        help="launch the split-KV merge without programmatic dependent launch (to compare)",
+        help="launch every kernel without programmatic dependent launch (to compare)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.no_pdl:
-        import kernels.decode_attention
+        import kernels.pdl
 
-        kernels.decode_attention.ENABLE_PDL = False
+        kernels.pdl.ENABLE_PDL = False
     try:
         args.tune_cases = [tuple(map(int, c.split("x"))) for c in args.tune_cases.split(",")]
     except ValueError:

@@ -17,6 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import kernels.pdl
 from bench.common import percentile
 from bench.engine import random_prompts
 from replica import EngineConfig, LLMEngine, SamplingParams
@@ -31,11 +32,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--cprofile", action="store_true", help="profile the host side too")
+    parser.add_argument("--no-triton-linear", action="store_true", help="cuBLAS projections")
+    parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
     args = parser.parse_args()
 
+    kernels.pdl.ENABLE_PDL = not args.no_pdl
     engine = LLMEngine(
         EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.batch,
-                     max_model_len=min(2048, 1024 if args.model.startswith("gpt2") else 2048))
+                     max_model_len=min(2048, 1024 if args.model.startswith("gpt2") else 2048),
+                     enable_triton_linear=not args.no_triton_linear)
     )  # fmt: skip
     vocab = engine.model_config.vocab_size
     num_steps = args.steps * (2 if args.cprofile else 1)

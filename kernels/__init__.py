@@ -20,6 +20,7 @@ _ENTRY_POINTS = {
     "append_kv_slots": "kernels.kv_append",
     "choose_num_splits": "kernels.decode_attention",
     "copy_blocks": "kernels.copy_blocks",
+    "linear": "kernels.linear",
     "paged_decode_attention": "kernels.decode_attention",
     "paged_prefill_attention": "kernels.prefill_attention",
 }

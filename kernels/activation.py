@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_args, pdl_prologue, use_pdl
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_BLOCK = 1024
 
@@ -21,8 +23,9 @@ _MAX_BLOCK = 1024
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x_tok, stride_out_tok,
-    INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr,
+    INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < INTERMEDIATE
@@ -54,9 +57,10 @@ def silu_and_mul(
         return out
     vec = 16 // x.element_size()
     num_warps = max(1, min(4, block // (vec * 32)))
+    pdl = use_pdl(x.device)
     _silu_and_mul_kernel[grid](
         x, out, x.stride(0), out.stride(0),
-        INTERMEDIATE=intermediate, BLOCK=block, num_warps=num_warps,
+        INTERMEDIATE=intermediate, BLOCK=block, PDL=pdl, num_warps=num_warps, **launch_args(pdl),
     )  # fmt: skip
     return out
 

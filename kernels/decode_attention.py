@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kernels.pdl import launch_args, pdl_prologue, use_pdl
 
 _LOG2E = 1.4426950408889634
 _MIN_QUERY_ROWS = 16  # tl.dot needs M >= 16
@@ -37,7 +38,6 @@ ONE_PASS_PROGRAMS_PER_SM = 2  # no split once batch * kv heads reaches this many
 MIN_TOKENS_PER_SPLIT = 128  # two 64-token tiles: a split shorter than this is all latency
 MAX_SPLITS = 128
 MERGE_DIM_BLOCK = 32  # head_dim slice per merge program
-ENABLE_PDL = True  # see use_pdl
 
 
 @dataclass(frozen=True)
@@ -116,18 +116,6 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @functools.cache
-def use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch of the merge kernel (Hopper and later, not interpreted).
-
-    The merge grid launches while the split kernel's last programs run and waits
-    on-device (griddepcontrol.wait) for it to finish, hiding one launch latency.
-    """
-    if not ENABLE_PDL or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-@functools.cache
 def num_sms(device: torch.device) -> int:
     """SMs of a CUDA device (cached); a small stand-in on CPU for the interpreter."""
     if device.type == "cuda":
@@ -149,8 +137,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # the merge kernel may start launching now; it waits for this grid to finish
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # kernels.pdl: the merge (or next) kernel launches while this one runs
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -216,8 +203,7 @@ def _merge_kernel(
     stride_out_row, stride_out_head,
     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # launched early (programmatic dependent launch): wait for the split kernel
-        gdc_wait()
+    pdl_prologue(PDL)  # launched early (kernels.pdl): waits here for the split kernel
     row = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -278,6 +264,7 @@ def paged_decode_attention(
     num_splits, tiles = launch.num_splits, launch.tiles
     group = num_heads // num_kv_heads
     split = num_splits > 1
+    pdl = use_pdl(q.device)
     if split:
         part_out, part_lse = workspace or _workspace(num_rows, num_heads, num_splits, head_dim, q)
     else:
@@ -292,8 +279,9 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(_MIN_QUERY_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n or tiles.block_n, SPLIT=split,
-        DOT_PRECISION=dot_precision(q.dtype), PDL=split and use_pdl(q.device),
+        DOT_PRECISION=dot_precision(q.dtype), PDL=pdl,
         num_warps=num_warps or tiles.num_warps, num_stages=num_stages or tiles.num_stages,
+        **launch_args(pdl),
     )  # fmt: skip
     if split:
         merge_splits(part_out, part_lse, out, num_splits)
@@ -320,7 +308,7 @@ def merge_splits(
         part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, DIM_BLOCK=dim_block, PDL=pdl,
         num_warps=max(1, min(8, splits_pad * dim_block // (32 * 64))),
-        **({"launch_pdl": True} if pdl else {}),
+        **launch_args(pdl),
     )  # fmt: skip
 
 

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_args, pdl_prologue, use_pdl
+
 # How the destination of write i is found (constexpr MODE).
 _MODE_BLOCKS = 0  # block_ids[i], offsets[i]
 _MODE_SLOT_POSITIONS = 1  # block_table[slot_mapping[i], positions[i] // bs], positions[i] % bs
@@ -38,7 +40,9 @@ def _append_kv_kernel(
     stride_cache_block, stride_cache_slot, stride_cache_head,
     HEAD_DIM: tl.constexpr, ROW_WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr, HD_BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_SRC_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     pid_row = tl.program_id(0)
     pid_hd = tl.program_id(1)
     r = tl.arange(0, ROWS)
@@ -119,6 +123,7 @@ def _launch(
     grid = (num_row_programs, triton.cdiv(row_width, hd_block), num_seq_programs)
     vec = 16 // k.element_size()
     num_warps = max(1, min(8, rows * hd_block // (vec * 32)))
+    pdl = use_pdl(k.device)
     _append_kv_kernel[grid](
         k, v, k_cache, v_cache,
         idx_a, idx_b if idx_b is not None else idx_a,
@@ -131,7 +136,7 @@ def _launch(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, ROW_WIDTH=row_width, BLOCK_SIZE=k_cache.shape[1],
         ROWS=rows, HD_BLOCK=hd_block, MODE=mode, HAS_SRC_ROWS=src_rows is not None,
-        num_warps=num_warps,
+        PDL=pdl, num_warps=num_warps, **launch_args(pdl),
     )  # fmt: skip
 
 

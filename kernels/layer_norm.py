@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_args, pdl_prologue, use_pdl
 from kernels.rms_norm import row_tiling
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -31,8 +32,9 @@ def _layer_norm_kernel(
     num_rows, eps,
     stride_x, stride_res, stride_out,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     col = tl.arange(0, BLOCK)
     col_mask = col < HIDDEN
@@ -83,13 +85,14 @@ def _launch(
     if num_rows == 0:
         return out
     res = residual if residual is not None else x
+    pdl = use_pdl(x.device)
     _layer_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, res, weight, bias, out,
         num_rows, eps,
         x.stride(0), res.stride(0), out.stride(0),
         HIDDEN=hidden, BLOCK=block, ROWS=rows,
-        ADD_RESIDUAL=residual is not None,
-        num_warps=num_warps,
+        ADD_RESIDUAL=residual is not None, PDL=pdl,
+        num_warps=num_warps, **launch_args(pdl),
     )  # fmt: skip
     return out
 

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_args, pdl_prologue, use_pdl
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_BLOCK = 32768  # one row lives in registers: hidden sizes up to 32k
 
@@ -32,8 +34,9 @@ def _rms_norm_kernel(
     stride_res_tok, stride_res_head,
     stride_out_tok, stride_out_head,
     NUM_HEADS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS] flat (token, head) index
     col = tl.arange(0, BLOCK)
     col_mask = col < HIDDEN
@@ -102,13 +105,14 @@ def _launch(
     if num_rows == 0:
         return out
     res = residual if residual is not None else x
+    pdl = use_pdl(x.device)
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, res, weight, out,
         num_rows, eps,
         *_strides(x), *_strides(res), *_strides(out),
         NUM_HEADS=num_heads, HIDDEN=hidden, BLOCK=block, ROWS=rows,
-        ADD_RESIDUAL=residual is not None,
-        num_warps=num_warps,
+        ADD_RESIDUAL=residual is not None, PDL=pdl,
+        num_warps=num_warps, **launch_args(pdl),
     )  # fmt: skip
     return out
 

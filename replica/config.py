@@ -51,6 +51,8 @@ class EngineConfig:
     num_blocks None sizes the KV pool from free device memory
     (gpu_memory_utilization on CUDA; cpu_kv_cache_gb on CPU).
     max_model_len None takes the model's own limit.
+    enable_triton_linear: on CUDA in fp16 / bf16, small-batch projections run
+    kernels.linear (fused bias and activation) where it beats cuBLAS.
     """
 
     model: str = "gpt2-tiny"
@@ -66,6 +68,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     cpu_kv_cache_gb: float = 1.0
     enable_cuda_graphs: bool = True
+    enable_triton_linear: bool = True
     replica_id: str = "replica-0"
     max_prefix_hashes_in_stats: int = 2048
 
@@ -91,3 +94,6 @@ class EngineConfig:
         if not self.cpu_kv_cache_gb > 0:
             raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb!r}")
         _positive_int("max_prefix_hashes_in_stats", self.max_prefix_hashes_in_stats)
+        for name in ("enable_prefix_caching", "enable_cuda_graphs", "enable_triton_linear"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -70,7 +70,12 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.backend = make_attention_backend(device)
         self.model, self.model_config = load_model(
-            config.model, dtype=dtype, device=device, seed=config.seed, backend=self.backend
+            config.model,
+            dtype=dtype,
+            device=device,
+            seed=config.seed,
+            backend=self.backend,
+            triton_linear=config.enable_triton_linear,
         )
         self.vocab_size = self.model_config.vocab_size
         self.use_cuda_graphs = device.type == "cuda" and config.enable_cuda_graphs

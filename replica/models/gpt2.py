@@ -9,7 +9,7 @@ from torch import nn
 
 from replica.attention import AttentionBackend, AttentionMetadata
 from replica.models.config import ModelConfig
-from replica.models.layers import Conv1D, LayerNorm, LMHead, gelu_new, gelu_tanh_fused
+from replica.models.layers import Conv1D, LayerNorm, LMHead, gelu_new
 
 # Legacy checkpoints carry the causal-mask buffers `h.N.attn.bias` / `h.N.attn.masked_bias`.
 _MASK_BUFFER = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$")
@@ -43,16 +43,24 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    """c_fc, tanh GELU, c_proj; the GELU is HF's exact formula, or one kernel when fused."""
+    """c_fc, tanh GELU, c_proj; the GELU is HF's exact formula, or fused into c_fc."""
 
     def __init__(self, config: ModelConfig, fused: bool) -> None:
         super().__init__()
         self.c_fc = Conv1D(config.hidden_size, config.intermediate_size)
         self.c_proj = Conv1D(config.intermediate_size, config.hidden_size)
-        self._act = gelu_tanh_fused if fused else gelu_new
+        self._fc_act = _fc_gelu_fused if fused else _fc_gelu_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden_size]
-        return self.c_proj(self._act(self.c_fc(x)))
+        return self.c_proj(self._fc_act(self.c_fc, x))
+
+
+def _fc_gelu_torch(c_fc: Conv1D, x: torch.Tensor) -> torch.Tensor:
+    return gelu_new(c_fc(x))
+
+
+def _fc_gelu_fused(c_fc: Conv1D, x: torch.Tensor) -> torch.Tensor:
+    return c_fc(x, activation="gelu_tanh")
 
 
 class GPT2Block(nn.Module):

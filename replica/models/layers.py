@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.layer_norm import fused_add_layer_norm, layer_norm
+from kernels.linear import choose_tile, linear
 from kernels.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_ref
 
 
@@ -99,15 +100,40 @@ class LayerNorm(nn.LayerNorm):
 
 
 class Conv1D(nn.Module):
-    """GPT-2's linear layer: weight stored [in_features, out_features], y = b + x @ W."""
+    """GPT-2's linear layer: weight stored [in_features, out_features], y = b + x @ W.
+
+    forward(x, activation) applies "gelu_tanh" (torch's tanh GELU) after the
+    product when asked. With `triton_linear` set (use_triton_linear: the fused
+    path in fp16 / bf16) a batch that kernels.linear's tile table covers runs that
+    kernel, activation fused; other batches, and the torch path, run addmm.
+    """
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features))
+        self.triton_linear = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in_features] -> [T, out_features]
-        return torch.addmm(self.bias, x, self.weight)
+    def forward(
+        self, x: torch.Tensor, activation: str = "none"
+    ) -> torch.Tensor:  # [T, in_features] -> [T, out_features]
+        if self.triton_linear:
+            tile = choose_tile(x.shape[0], self.out_features, self.in_features)
+            if tile is not None:
+                return linear(
+                    x, self.weight, self.bias, weight_is_kn=True, activation=activation, tile=tile
+                )
+        y = torch.addmm(self.bias, x, self.weight)
+        return gelu_tanh_fused(y) if activation == "gelu_tanh" else y
+
+
+def use_triton_linear(module: nn.Module) -> None:
+    """Every Conv1D in module runs kernels.linear for the batches its tile table covers."""
+    for layer in module.modules():
+        if isinstance(layer, Conv1D):
+            layer.triton_linear = True
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:

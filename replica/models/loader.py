@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from replica.attention import AttentionBackend
 from replica.models.config import ModelConfig, is_preset, load_model_config
 from replica.models.gpt2 import GPT2LMHeadModel
-from replica.models.layers import RMSNorm
+from replica.models.layers import RMSNorm, use_triton_linear
 from replica.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -38,11 +38,14 @@ def load_model(
     seed: int,
     backend: AttentionBackend,
     fused: bool | None = None,
+    triton_linear: bool = True,
 ) -> tuple[nn.Module, ModelConfig]:
     """Preset -> seeded random weights; directory -> its safetensors weights.
 
     fused (default: on CUDA) runs norms, RoPE and activations as fused Triton
     kernels over concatenated projections; otherwise HF's exact torch ops.
+    triton_linear (fused path, fp16 / bf16 only) runs GPT-2's small-batch
+    projections as kernels.linear where its tile table beats cuBLAS.
 
     Raises ValueError for an unknown name, an unsupported architecture, a
     directory without safetensors, and missing, unexpected or misshapen weights.
@@ -51,6 +54,8 @@ def load_model(
     device = torch.device(device)
     fused = device.type == "cuda" if fused is None else fused
     module = build_model(config, backend, dtype, device, fused)
+    if fused and triton_linear and dtype in (torch.float16, torch.bfloat16):
+        use_triton_linear(module)
     if is_preset(model):
         init_random_weights(module, seed)
     else:

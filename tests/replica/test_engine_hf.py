@@ -226,3 +226,23 @@ def test_cuda_graphs_on_and_off_give_identical_tokens(checkpoint, dtype):
         results.append([o.token_ids for o in engine.generate(prompts, params)])
         assert_no_leak(engine)
     assert results[0] == results[1]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_pdl_on_and_off_give_identical_tokens(checkpoint, dtype, monkeypatch):
+    """Programmatic dependent launch changes when kernels start, never what they compute:
+    a kernel that touched memory before its predecessor finished would change tokens."""
+    import kernels.pdl
+
+    path, _ = checkpoint
+    prompts = random_prompts(6, [3, 9, 17, 33, 40, 12, 5, 16, 70, 2, 21])
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setattr(kernels.pdl, "ENABLE_PDL", enabled)
+        engine = make_engine(path, 16, device="cuda", dtype=dtype, max_num_seqs=24)
+        results.append([o.token_ids for o in engine.generate(prompts, params)])
+    assert kernels.pdl.use_pdl(torch.device("cuda")) is False  # the last engine ran without
+    assert results[0] == results[1]

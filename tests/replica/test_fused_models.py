@@ -63,7 +63,8 @@ def run_prefill_and_decode(
     block_table = torch.arange(len(lengths) * blocks_per_seq, device=DEVICE).view(len(lengths), -1)
     shape = (config.num_layers, 2, block_table.numel(), BLOCK_SIZE,
              config.num_kv_heads, config.head_dim)  # fmt: skip
-    kv_cache = torch.full(shape, float("nan"), device=DEVICE)
+    dtype = next(model.parameters()).dtype
+    kv_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (sum(lengths),), generator=gen).to(DEVICE)
     with torch.inference_mode():
@@ -112,3 +113,36 @@ def test_gpt2_norms_run_the_chosen_path(fused, monkeypatch):
 
     norms = 2 * (2 * config.num_layers + 1)  # ln_1, ln_2 per block and ln_f; two passes
     assert calls == ({"kernel": norms} if fused else {"torch": norms})
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpt2_triton_linear_matches_cublas_path(dtype, monkeypatch):
+    """Half precision: GPT-2's projections through kernels.linear (bias and GELU fused) give
+    the logits that addmm + GELU give, to half-precision rounding. c_attn, attn.c_proj and
+    c_fc run the kernel; mlp.c_proj (K = 4N) stays on cuBLAS by the tile table."""
+    calls = Counter()
+    kernel = layers.linear
+
+    def counted(*args, **kwargs):
+        calls[kwargs["activation"]] += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "linear", counted)
+    logits = []
+    for triton_linear in (False, True):
+        model, config = load_model(
+            "gpt2-tiny", dtype, DEVICE, 3, TorchAttention(), True, triton_linear=triton_linear
+        )
+        perturb_norms(model)
+        logits.append(run_prefill_and_decode(model, config, [5, 17, 9]))
+    (p0, d0), (p1, d1) = logits
+    tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.float16 else dict(atol=0.15, rtol=0.1)
+    torch.testing.assert_close(p1.float(), p0.float(), **tol)
+    torch.testing.assert_close(d1.float(), d0.float(), **tol)
+    passes = 2 * config.num_layers  # prefill and decode
+    assert calls == {"none": 2 * passes, "gelu_tanh": passes}
+
+
+def test_triton_linear_is_off_in_float32():
+    model, _ = load_model("gpt2-tiny", torch.float32, DEVICE, 3, TorchAttention(), True)
+    assert not any(getattr(m, "triton_linear", False) for m in model.modules())

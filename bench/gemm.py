@@ -1,0 +1,168 @@
+"""Decode-step GEMMs: kernels.linear's tiles against cuBLAS (torch), on one CUDA GPU.
+
+    python -m bench.gemm [--models gpt2,qwen3-0.6b] [--rows 1 8 64 256] [--out gemm.json]
+
+For each linear layer of a model (its weight layout and dtype: GPT-2's Conv1D
+[K, N] in fp16, a Llama-family nn.Linear [N, K] in bf16) and each batch of rows,
+it times torch (addmm / F.linear, plus the separate GELU where the model has one)
+and kernels.linear: the tile choose_tile picks, and the best of a sweep (tiles
+first at 4 warps / 4 stages, then warps x stages around the two best tiles).
+Times are CUDA-graph-timed over rotating copies of x and W that together exceed
+the L2 four times (bench.kernels.graph_time_us): in a decode step every weight
+comes from HBM. Every tile is checked against the float32 reference before it is
+timed. The last table is choose_tile's: where it is slower than torch, the
+model keeps torch for that shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import machine_description, markdown_table, write_json
+from bench.kernels import graph_time_us, num_copies, print_now
+from kernels.linear import Tile, choose_tile, linear, linear_ref
+
+
+@dataclass(frozen=True)
+class Gemm:
+    model: str
+    name: str
+    k: int
+    n: int
+    dtype: torch.dtype
+    weight_is_kn: bool
+    activation: str = "none"
+
+
+GEMMS = {
+    "gpt2": [
+        Gemm("gpt2", "c_attn", 768, 2304, torch.float16, True),
+        Gemm("gpt2", "attn.c_proj", 768, 768, torch.float16, True),
+        Gemm("gpt2", "c_fc+gelu", 768, 3072, torch.float16, True, "gelu_tanh"),
+        Gemm("gpt2", "mlp.c_proj", 3072, 768, torch.float16, True),
+        Gemm("gpt2", "lm_head", 768, 50304, torch.float16, False),
+    ],
+    "qwen3-0.6b": [
+        Gemm("qwen3-0.6b", "qkv_proj", 1024, 4096, torch.bfloat16, False),
+        Gemm("qwen3-0.6b", "o_proj", 2048, 1024, torch.bfloat16, False),
+        Gemm("qwen3-0.6b", "gate_up_proj", 1024, 6144, torch.bfloat16, False),
+        Gemm("qwen3-0.6b", "down_proj", 3072, 1024, torch.bfloat16, False),
+    ],
+}
+
+
+def _inputs(gemm: Gemm, rows: int, gen: torch.Generator) -> list[tuple]:
+    shape_w = (gemm.k, gemm.n) if gemm.weight_is_kn else (gemm.n, gemm.k)
+    nbytes = (rows * gemm.k + gemm.k * gemm.n + rows * gemm.n) * 2
+    copies = []
+    for _ in range(num_copies(nbytes)):
+        x = (torch.randn(rows, gemm.k, generator=gen) * 0.5).to(gemm.dtype).cuda()
+        w = (torch.randn(*shape_w, generator=gen) / gemm.k**0.5).to(gemm.dtype).cuda()
+        bias = (torch.randn(gemm.n, generator=gen) * 0.1).to(gemm.dtype).cuda()
+        out = torch.empty(rows, gemm.n, dtype=gemm.dtype, device="cuda")
+        copies.append((x, w, bias, out))
+    return copies
+
+
+def _torch_fn(gemm: Gemm, x, w, bias, out):
+    def call():
+        y = torch.addmm(bias, x, w) if gemm.weight_is_kn else F.linear(x, w, bias)
+        return F.gelu(y, approximate="tanh") if gemm.activation == "gelu_tanh" else y
+
+    return call
+
+
+def _triton_fn(gemm: Gemm, tile: Tile, x, w, bias, out):
+    def call():
+        return linear(
+            x, w, bias, weight_is_kn=gemm.weight_is_kn, activation=gemm.activation,
+            out=out, tile=tile,
+        )  # fmt: skip
+
+    return call
+
+
+def _tiles(rows: int, warps_stages: tuple[int, int] = (4, 4)) -> list[Tile]:
+    max_m = max(16, 1 << (rows - 1).bit_length())
+    return [
+        Tile(bm, bn, bk, *warps_stages)
+        for bm, bn, bk in itertools.product((16, 32, 64, 128), (32, 64, 128), (64, 128))
+        if bm <= max_m
+    ]
+
+
+def _time_tile(gemm: Gemm, tile: Tile, copies: list[tuple]) -> float | None:
+    x, w, bias, out = copies[0]
+    try:
+        got = _triton_fn(gemm, tile, x, w, bias, out)()
+    except Exception as exc:  # out of shared memory for this tile: not a candidate
+        print_now(f"    {tile}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+        return None
+    want = linear_ref(x, w, bias, weight_is_kn=gemm.weight_is_kn, activation=gemm.activation)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    return graph_time_us([_triton_fn(gemm, tile, *c) for c in copies])
+
+
+def bench_gemm(gemm: Gemm, rows: int, gen: torch.Generator) -> dict:
+    copies = _inputs(gemm, rows, gen)
+    torch_us = graph_time_us([_torch_fn(gemm, *c) for c in copies])
+    times: dict[Tile, float] = {}
+    for tile in _tiles(rows):
+        if (us := _time_tile(gemm, tile, copies)) is not None:
+            times[tile] = us
+    for base in sorted(times, key=times.get)[:2]:
+        for warps, stages in itertools.product((2, 4, 8), (2, 3, 4, 5)):
+            tile = Tile(base.block_m, base.block_n, base.block_k, warps, stages)
+            if tile not in times and (us := _time_tile(gemm, tile, copies)) is not None:
+                times[tile] = us
+    best = min(times, key=times.get)
+    chosen = choose_tile(rows, gemm.n, gemm.k)
+    if chosen not in times:
+        times[chosen] = _time_tile(gemm, chosen, copies) or float("nan")
+    weight_bytes = gemm.k * gemm.n * 2
+    row = {
+        "model": gemm.model, "gemm": gemm.name, "M": rows, "N": gemm.n, "K": gemm.k,
+        "torch us": torch_us, "best us": times[best], "best tile": str(best),
+        "x torch": torch_us / times[best], "chosen tile": str(chosen),
+        "chosen us": times[chosen], "chosen x torch": torch_us / times[chosen],
+        "weight GB/s (best)": weight_bytes / times[best] / 1e3,
+        "sweep": {str(t): us for t, us in sorted(times.items(), key=lambda kv: kv[1])[:10]},
+    }  # fmt: skip
+    print_now(
+        f"  {gemm.model} {gemm.name} M={rows}: torch {torch_us:.2f} us, best {times[best]:.2f} "
+        f"({best}), chosen {times[chosen]:.2f} ({chosen}), {len(times)} tiles timed"
+    )
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="gpt2,qwen3-0.6b")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 128, 256, 512])
+    parser.add_argument("--budget-s", type=float, default=300.0, help="stop sweeping after this")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    print_now(machine_description())
+    gen = torch.Generator().manual_seed(0)
+    start = time.monotonic()
+    rows_out = []
+    for model in args.models.split(","):
+        for rows, gemm in itertools.product(args.rows, GEMMS[model]):
+            if time.monotonic() - start > args.budget_s:
+                print_now(f"budget of {args.budget_s:.0f} s spent: stopping the sweep")
+                break
+            rows_out.append(bench_gemm(gemm, rows, gen))
+    columns = ["model", "gemm", "M", "N", "K", "torch us", "best us", "best tile", "x torch",
+               "chosen us", "chosen tile", "chosen x torch"]  # fmt: skip
+    print(markdown_table(rows_out, columns))
+    write_json(args.out, {"machine": machine_description(), "rows": rows_out})
+
+
+if __name__ == "__main__":
+    main()

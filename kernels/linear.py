@@ -1,0 +1,171 @@
+"""Triton linear layer for small batches: out = act(x @ W + bias), in fp16 / bf16.
+
+A decode step of a GPT-2-sized model multiplies a few hundred rows by weights of
+768 x 768 to 768 x 3072. cuBLAS picks tiles made for large M there, so a GEMM
+runs on a few dozen of the GPU's SMs and takes ~6 us for ~1 us of weight bytes.
+This kernel tiles small: one program per (BLOCK_M rows, BLOCK_N columns), the
+whole K loop in registers with an fp32 accumulator, and the bias and activation
+applied before the one rounding to the output dtype (GELU-tanh fused here saves
+a launch and a round trip of the [M, 4 * hidden] activation).
+
+W is addressed through strides, so both layouts work: GPT-2's Conv1D stores
+[K, N] (stride_wk = N, stride_wn = 1) and nn.Linear stores [N, K]
+(stride_wk = 1, stride_wn = K). The grid depends on shapes only and nothing is
+read on the host: every launch is CUDA-graph capturable.
+
+`choose_tile(M, N, K)` is the tile table, measured on an H200 by bench.gemm;
+`linear` uses it unless a tile is given (the benchmark's sweep gives one). On
+Hopper the kernel takes part in the decode step's launch overlap (kernels.pdl).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.pdl import launch_args, pdl_prologue, use_pdl
+
+_DTYPES = (torch.float16, torch.bfloat16)
+ACTIVATIONS = ("none", "gelu_tanh")
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}/{self.num_warps}w/{self.num_stages}s"
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1); |x| > 15 is +-1 in float32 already.
+    x = tl.minimum(tl.maximum(x, -15.0), 15.0)
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr,
+    num_rows, N, K, stride_xm, stride_wk, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, GELU_TANH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_prologue(PDL)
+    # Programs along N are adjacent in launch order, so the x rows of one program
+    # row stay in L2 while every column tile of W streams through once per row tile.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_mask = rows < num_rows
+    col_mask = cols < N
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
+    w_ptrs = w_ptr + ks[:, None] * stride_wk + cols.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + ks) < K
+        a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if GELU_TANH:
+        inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+        acc = 0.5 * acc * (1.0 + _tanh(inner))
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+MAX_ROWS = 256  # above this cuBLAS's large tiles have enough of them to fill the GPU
+
+
+def choose_tile(num_rows: int, n: int, k: int) -> Tile | None:
+    """The tile for an [num_rows, k] x [k, n] product, or None where cuBLAS is faster.
+
+    From bench.gemm on an H200 (2026-11-22), GPT-2's projections at M = 1..512:
+    the best tile was within ~5% of this table's, and beat or matched cuBLAS up to
+    M = 256 (fc + GELU by 1.1-1.4x counting cuBLAS's separate GELU), except for
+    a long K over a narrow N (GPT-2's mlp.c_proj, K = 4N: 2-2.7 us slower at
+    every M, cuBLAS splits K) and above 256 rows.
+    """
+    if num_rows > MAX_ROWS or k > 2 * n:
+        return None
+    if num_rows <= 16:
+        return Tile(16, 32, 128, 4, 5)
+    if num_rows <= 64 or n < 2048:
+        return Tile(64, 32, 128, 4, 4)
+    if num_rows <= 128:
+        return Tile(64, 64, 128, 4, 4)
+    return Tile(64, 64, 64, 4, 5)
+
+
+def linear(
+    x: torch.Tensor,  # [M, K], fp16 or bf16; row stride arbitrary, last dim contiguous
+    weight: torch.Tensor,  # [K, N] when weight_is_kn, else [N, K] (nn.Linear); x.dtype
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    weight_is_kn: bool,
+    activation: str = "none",
+    out: torch.Tensor | None = None,  # [M, N], x.dtype; last dim contiguous
+    tile: Tile | None = None,
+) -> torch.Tensor:
+    """act(x @ W + bias) in one launch, accumulated in fp32 and rounded once; returns out."""
+    assert x.dim() == 2 and weight.dim() == 2, "x and weight must be 2-D"
+    assert x.dtype in _DTYPES and weight.dtype == x.dtype, "fp16 or bf16 only, one dtype"
+    assert x.stride(1) == 1, "the last dim of x must be contiguous"
+    assert activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}"
+    num_rows, k = x.shape
+    if weight_is_kn:
+        assert weight.shape[0] == k, "weight must be [K, N]"
+        n, stride_wk, stride_wn = weight.shape[1], weight.stride(0), weight.stride(1)
+    else:
+        assert weight.shape[1] == k, "weight must be [N, K]"
+        n, stride_wk, stride_wn = weight.shape[0], weight.stride(1), weight.stride(0)
+    if bias is not None:
+        assert bias.shape == (n,) and bias.is_contiguous(), "bias must be [N], contiguous"
+    if out is None:
+        out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    assert out.shape == (num_rows, n) and out.dtype == x.dtype, "out: [M, N], x.dtype"
+    assert out.stride(1) == 1, "the last dim of out must be contiguous"
+    if num_rows == 0:
+        return out
+    tile = tile or choose_tile(num_rows, n, k) or Tile(64, 64, 64, 4, 4)
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(num_rows, tile.block_m))
+    pdl = use_pdl(x.device)
+    _linear_kernel[grid](
+        x, weight, bias if bias is not None else x, out,
+        num_rows, n, k, x.stride(0), stride_wk, stride_wn, out.stride(0),
+        HAS_BIAS=bias is not None, GELU_TANH=activation == "gelu_tanh",
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_args(pdl),
+    )  # fmt: skip
+    return out
+
+
+def linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    weight_is_kn: bool,
+    activation: str = "none",
+) -> torch.Tensor:
+    """The same product in float32, rounded once to x.dtype."""
+    w = weight.float() if weight_is_kn else weight.float().t()
+    y = x.float() @ w
+    if bias is not None:
+        y = y + bias.float()
+    if activation == "gelu_tanh":
+        y = torch.nn.functional.gelu(y, approximate="tanh")
+    return y.to(x.dtype)

@@ -1,0 +1,51 @@
+"""Programmatic dependent launch (PDL): the decode step's kernels overlap their launches.
+
+A decode step of a small model is a chain of ~100 short kernels, and each one
+pays a launch and a ramp (its programs start only after the previous grid has
+drained) that is a large share of its few microseconds. On Hopper and later a
+kernel launched with PDL may start while its predecessor still runs: every
+kernel in the chain allows its dependents to launch as soon as all of its own
+programs have started (griddepcontrol.launch_dependents), and waits on the
+device (griddepcontrol.wait) for its predecessor to finish, with its writes
+visible, before it touches memory. Since every kernel waits before its first
+load or store, ordering is the plain stream order: a grid runs its memory work
+after its predecessor completed, which completed after its own predecessor.
+Kernels not launched this way (cuBLAS, torch) end the overlap and nothing else.
+
+Every Triton kernel of the decode step takes a PDL constexpr and starts with
+`pdl_prologue(PDL)`; its launcher passes `PDL=use_pdl(device)` and
+`**launch_args(pdl)`. ENABLE_PDL is the switch for A/B runs (bench --no-pdl).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ENABLE_PDL = True
+
+
+@functools.cache
+def _capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """PDL on this device: Hopper or later, not under the interpreter, ENABLE_PDL set."""
+    return ENABLE_PDL and _capable(device)
+
+
+def launch_args(pdl: bool) -> dict:
+    """Extra keyword arguments of a Triton launch with or without PDL."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()  # the next kernel may launch once all our programs started
+        gdc_wait()  # our predecessor has finished and its writes are visible

@@ -1,0 +1,104 @@
+"""kernels.linear against its float32 reference: layouts, bias, GELU, tiles, strides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.linear import MAX_ROWS, Tile, choose_tile, linear, linear_ref
+
+DTYPES = [torch.float16, torch.bfloat16]
+# One rounding of an fp32 result whose magnitude stays below ~8.
+TOL = {torch.float16: dict(atol=8e-3, rtol=4e-3), torch.bfloat16: dict(atol=6e-2, rtol=1.6e-2)}
+
+
+def _operands(rows: int, k: int, n: int, weight_is_kn: bool, dtype, device, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x_base = torch.full((rows, k + 24), float("nan"), dtype=dtype)
+    x = x_base[:, 8 : 8 + k]  # row stride k + 24: the kernel must take x's stride
+    x.copy_(torch.randn(rows, k, generator=gen).to(dtype))
+    shape = (k, n) if weight_is_kn else (n, k)
+    weight = (torch.randn(*shape, generator=gen) / k**0.5).to(dtype)
+    bias = (torch.randn(n, generator=gen) * 0.5).to(dtype)
+    return x_base.to(device)[:, 8 : 8 + k], weight.to(device), bias.to(device)
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (7, 100, 70), (33, 128, 64), (70, 192, 160)])
+@pytest.mark.parametrize("weight_is_kn", [True, False])
+@pytest.mark.parametrize("activation", ["none", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear(rows, k, n, weight_is_kn, activation, dtype, device):
+    x, weight, bias = _operands(rows, k, n, weight_is_kn, dtype, device, rows * 1000 + k)
+    out_base = torch.full((rows, n + 16), float("nan"), dtype=dtype, device=device)
+    out = out_base[:, 16:]
+
+    got = linear(x, weight, bias, weight_is_kn=weight_is_kn, activation=activation, out=out)
+
+    assert got is out
+    want = linear_ref(x, weight, bias, weight_is_kn=weight_is_kn, activation=activation)
+    torch.testing.assert_close(out, want, **TOL[dtype])
+    assert out_base[:, :16].isnan().all(), "only out may be written"
+
+
+@pytest.mark.parametrize(
+    "tile", [Tile(16, 32, 32, 2, 2), Tile(32, 64, 64, 4, 3), Tile(64, 32, 128, 4, 2)], ids=str
+)
+def test_every_tile_covers_the_same_product(tile, device):
+    """Row, column and K tails that no tile divides: masks, not the tile, decide the result."""
+    x, weight, bias = _operands(45, 200, 100, True, torch.float16, device, 5)
+    got = linear(x, weight, bias, weight_is_kn=True, tile=tile)
+    want = linear_ref(x, weight, bias, weight_is_kn=True)
+    torch.testing.assert_close(got, want, **TOL[torch.float16])
+
+
+def test_without_bias_and_the_reference_is_torch(device):
+    x, weight, _ = _operands(9, 64, 48, False, torch.float16, device, 6)
+    got = linear(x, weight, None, weight_is_kn=False, activation="gelu_tanh")
+    want = torch.nn.functional.gelu(x.float() @ weight.float().t(), approximate="tanh")
+    torch.testing.assert_close(got, want.half(), **TOL[torch.float16])
+    assert got.shape == (9, 48) and got.is_contiguous()
+
+
+def test_gelu_saturates_without_nan(device):
+    """Large pre-activations: tanh's exp overflows unless clamped; GELU(x) is x or 0 there."""
+    x = torch.tensor([[60.0, -60.0, 0.0, 3.0]], dtype=torch.float16, device=device)
+    eye = torch.eye(4, dtype=torch.float16, device=device)
+    got = linear(x, eye, None, weight_is_kn=True, activation="gelu_tanh").float()
+    want = torch.nn.functional.gelu(x.float(), approximate="tanh")
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-3)
+
+
+def test_bad_arguments_are_named(device):
+    x, weight, bias = _operands(4, 64, 32, True, torch.float16, device, 7)
+    with pytest.raises(AssertionError, match="fp16 or bf16"):
+        linear(x.float(), weight.float(), None, weight_is_kn=True)
+    with pytest.raises(AssertionError, match=r"weight must be \[N, K\]"):
+        linear(x, weight, bias, weight_is_kn=False)
+    with pytest.raises(AssertionError, match="activation"):
+        linear(x, weight, bias, weight_is_kn=True, activation="relu")
+    with pytest.raises(AssertionError, match="bias"):
+        linear(x, weight, bias[:8], weight_is_kn=True)
+
+
+def test_choose_tile_leaves_large_batches_and_long_k_to_cublas():
+    assert choose_tile(MAX_ROWS + 1, 768, 768) is None
+    assert choose_tile(64, 768, 3072) is None  # K = 4N: cuBLAS splits K
+    for rows in (1, 8, 24, 64, 128, MAX_ROWS):
+        for n, k in ((2304, 768), (768, 768), (3072, 768)):
+            tile = choose_tile(rows, n, k)
+            assert tile is not None and tile.block_m <= 64 and tile.block_k <= k, (rows, n, k)
+
+
+@pytest.mark.gpu
+def test_linear_cuda_graph():
+    x, weight, bias = _operands(64, 768, 2304, True, torch.float16, "cuda", 8)
+    out = linear(x, weight, bias, weight_is_kn=True)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        linear(x, weight, bias, weight_is_kn=True, activation="gelu_tanh", out=out)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = linear_ref(x, weight, bias, weight_is_kn=True, activation="gelu_tanh")
+    torch.testing.assert_close(out, want, **TOL[torch.float16])
