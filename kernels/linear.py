@@ -94,10 +94,13 @@ def choose_tile(num_rows: int, n: int, k: int) -> Tile | None:
     """The tile for an [num_rows, k] x [k, n] product, or None where cuBLAS is faster.
 
     From bench.gemm on an H200 (2026-11-22), GPT-2's projections at M = 1..512:
-    the best tile was within ~5% of this table's, and beat or matched cuBLAS up to
-    M = 256 (fc + GELU by 1.1-1.4x counting cuBLAS's separate GELU), except for
-    a long K over a narrow N (GPT-2's mlp.c_proj, K = 4N: 2-2.7 us slower at
-    every M, cuBLAS splits K) and above 256 rows.
+    this table's tiles are within ~6% of the sweep's best. Alone they match or
+    beat cuBLAS up to M = 64 and trail it by up to 12% above (c_attn at M = 256:
+    6.5 against 5.8 us); fc + GELU wins at every M, cuBLAS needing a separate GELU
+    kernel. In the engine they also join the launch overlap (kernels.pdl): the
+    gpt2 decode step at 256 rows took 0.925 ms against 0.977 with cuBLAS. None
+    for a long K over a narrow N (mlp.c_proj, K = 4N: 2-2.7 us slower at every M;
+    cuBLAS splits K) and above 256 rows.
     """
     if num_rows > MAX_ROWS or k > 2 * n:
         return None
