@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_args, pdl_prologue, use_pdl
+from kernels.pdl import pdl_launch, pdl_prologue
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_BLOCK = 1024
@@ -57,10 +57,9 @@ def silu_and_mul(
         return out
     vec = 16 // x.element_size()
     num_warps = max(1, min(4, block // (vec * 32)))
-    pdl = use_pdl(x.device)
     _silu_and_mul_kernel[grid](
         x, out, x.stride(0), out.stride(0),
-        INTERMEDIATE=intermediate, BLOCK=block, PDL=pdl, num_warps=num_warps, **launch_args(pdl),
+        INTERMEDIATE=intermediate, BLOCK=block, num_warps=num_warps, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_args, pdl_prologue, use_pdl
+from kernels.pdl import pdl_launch, pdl_prologue
 
 _LOG2E = 1.4426950408889634
 _MIN_QUERY_ROWS = 16  # tl.dot needs M >= 16
@@ -264,7 +264,6 @@ def paged_decode_attention(
     num_splits, tiles = launch.num_splits, launch.tiles
     group = num_heads // num_kv_heads
     split = num_splits > 1
-    pdl = use_pdl(q.device)
     if split:
         part_out, part_lse = workspace or _workspace(num_rows, num_heads, num_splits, head_dim, q)
     else:
@@ -279,9 +278,9 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(_MIN_QUERY_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n or tiles.block_n, SPLIT=split,
-        DOT_PRECISION=dot_precision(q.dtype), PDL=pdl,
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps or tiles.num_warps, num_stages=num_stages or tiles.num_stages,
-        **launch_args(pdl),
+        **pdl_launch(q.device),
     )  # fmt: skip
     if split:
         merge_splits(part_out, part_lse, out, num_splits)
@@ -303,12 +302,11 @@ def merge_splits(
     num_rows, num_heads, head_dim = out.shape
     splits_pad = triton.next_power_of_2(num_splits)
     dim_block = min(head_dim, MERGE_DIM_BLOCK)
-    pdl = use_pdl(out.device)
     _merge_kernel[(num_rows, num_heads, head_dim // dim_block)](
         part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, DIM_BLOCK=dim_block, PDL=pdl,
+        HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, DIM_BLOCK=dim_block,
         num_warps=max(1, min(8, splits_pad * dim_block // (32 * 64))),
-        **launch_args(pdl),
+        **pdl_launch(out.device),
     )  # fmt: skip
 
 

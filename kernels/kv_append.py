@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_args, pdl_prologue, use_pdl
+from kernels.pdl import pdl_launch, pdl_prologue
 
 # How the destination of write i is found (constexpr MODE).
 _MODE_BLOCKS = 0  # block_ids[i], offsets[i]
@@ -123,7 +123,6 @@ def _launch(
     grid = (num_row_programs, triton.cdiv(row_width, hd_block), num_seq_programs)
     vec = 16 // k.element_size()
     num_warps = max(1, min(8, rows * hd_block // (vec * 32)))
-    pdl = use_pdl(k.device)
     _append_kv_kernel[grid](
         k, v, k_cache, v_cache,
         idx_a, idx_b if idx_b is not None else idx_a,
@@ -136,7 +135,7 @@ def _launch(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, ROW_WIDTH=row_width, BLOCK_SIZE=k_cache.shape[1],
         ROWS=rows, HD_BLOCK=hd_block, MODE=mode, HAS_SRC_ROWS=src_rows is not None,
-        PDL=pdl, num_warps=num_warps, **launch_args(pdl),
+        num_warps=num_warps, **pdl_launch(k.device),
     )  # fmt: skip
 
 

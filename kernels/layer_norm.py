@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_args, pdl_prologue, use_pdl
+from kernels.pdl import pdl_launch, pdl_prologue
 from kernels.rms_norm import row_tiling
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -85,14 +85,13 @@ def _launch(
     if num_rows == 0:
         return out
     res = residual if residual is not None else x
-    pdl = use_pdl(x.device)
     _layer_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, res, weight, bias, out,
         num_rows, eps,
         x.stride(0), res.stride(0), out.stride(0),
         HIDDEN=hidden, BLOCK=block, ROWS=rows,
-        ADD_RESIDUAL=residual is not None, PDL=pdl,
-        num_warps=num_warps, **launch_args(pdl),
+        ADD_RESIDUAL=residual is not None,
+        num_warps=num_warps, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

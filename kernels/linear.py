@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_args, pdl_prologue, use_pdl
+from kernels.pdl import pdl_launch, pdl_prologue
 
 _DTYPES = (torch.float16, torch.bfloat16)
 ACTIVATIONS = ("none", "gelu_tanh")
@@ -145,13 +145,12 @@ def linear(
         return out
     tile = tile or choose_tile(num_rows, n, k) or Tile(64, 64, 64, 4, 4)
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(num_rows, tile.block_m))
-    pdl = use_pdl(x.device)
     _linear_kernel[grid](
         x, weight, bias if bias is not None else x, out,
         num_rows, n, k, x.stride(0), stride_wk, stride_wn, out.stride(0),
         HAS_BIAS=bias is not None, GELU_TANH=activation == "gelu_tanh",
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_args(pdl),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

@@ -13,8 +13,9 @@ after its predecessor completed, which completed after its own predecessor.
 Kernels not launched this way (cuBLAS, torch) end the overlap and nothing else.
 
 Every Triton kernel of the decode step takes a PDL constexpr and starts with
-`pdl_prologue(PDL)`; its launcher passes `PDL=use_pdl(device)` and
-`**launch_args(pdl)`. ENABLE_PDL is the switch for A/B runs (bench --no-pdl).
+`pdl_prologue(PDL)`; its launcher passes `**pdl_launch(device)`, which sets the
+constexpr and the launch attribute together. ENABLE_PDL is the switch for A/B runs
+(bench --no-pdl).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def use_pdl(device: torch.device) -> bool:
     return ENABLE_PDL and _capable(device)
 
 
-def launch_args(pdl: bool) -> dict:
-    """Extra keyword arguments of a Triton launch with or without PDL."""
-    return {"launch_pdl": True} if pdl else {}
+def pdl_launch(device: torch.device) -> dict:
+    """Keyword arguments of a Triton launch on device: the kernel's PDL constexpr and,
+    when it is set, the launch attribute (the two must agree)."""
+    return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_args, pdl_prologue, use_pdl
+from kernels.pdl import pdl_launch, pdl_prologue
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_BLOCK = 32768  # one row lives in registers: hidden sizes up to 32k
@@ -105,14 +105,13 @@ def _launch(
     if num_rows == 0:
         return out
     res = residual if residual is not None else x
-    pdl = use_pdl(x.device)
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, res, weight, out,
         num_rows, eps,
         *_strides(x), *_strides(res), *_strides(out),
         NUM_HEADS=num_heads, HIDDEN=hidden, BLOCK=block, ROWS=rows,
-        ADD_RESIDUAL=residual is not None, PDL=pdl,
-        num_warps=num_warps, **launch_args(pdl),
+        ADD_RESIDUAL=residual is not None,
+        num_warps=num_warps, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

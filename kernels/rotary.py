@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_args, pdl_prologue, use_pdl
+from kernels.pdl import pdl_launch, pdl_prologue
 from kernels.rms_norm import rms_norm_ref
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -160,7 +160,6 @@ def apply_rotary(
         return q, k
     vec = 16 // q.element_size()
     num_warps = max(1, min(4, 2 * heads * block_half // (vec * 32)))
-    pdl = use_pdl(q.device)
     _rotary_kernel[grid](
         q, k, cos, sin, positions,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k, eps,
@@ -168,7 +167,7 @@ def apply_rotary(
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, NUM_Q_GROUPS=num_q_groups,
         HALF=half, BLOCK_HALF=block_half, HEADS=heads,
         HAS_NORM=has_norm, NORM_DTYPE=_TL_DTYPES[norm_dtype], ROPE_DTYPE=_TL_DTYPES[rope_dtype],
-        PDL=pdl, num_warps=num_warps, **launch_args(pdl),
+        num_warps=num_warps, **pdl_launch(q.device),
     )  # fmt: skip
     return q, k
 
