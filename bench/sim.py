@@ -326,6 +326,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prefixes", type=int, default=16)
     p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument(
+        "--max-model-len", type=int, default=1024,
+        help="longest prompt + output; shared_prefix needs prefix_len + 256",
+    )  # fmt: skip
+    p.add_argument(
         "--num-blocks", type=int, default=None,
         help=f"KV blocks per replica (default {DEFAULT_NUM_BLOCKS}; --validate: the run's)",
     )  # fmt: skip
@@ -391,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         workload_config = WorkloadConfig(
             dataset=args.dataset, num_requests=args.requests, rate=rate, arrival=args.arrival,
             arrival_cv=args.arrival_cv, num_prefixes=args.num_prefixes,
-            prefix_len=args.prefix_len, seed=args.seed,
+            prefix_len=args.prefix_len, max_model_len=args.max_model_len, seed=args.seed,
         )  # fmt: skip
         for policy in args.policies:
             result = simulate(policy, Workload(workload_config), config, cost)

@@ -57,7 +57,10 @@ class WorkloadConfig:
         if self.num_requests <= 0 or self.rate <= 0 or self.arrival_cv <= 0:
             raise ValueError("num_requests, rate and arrival_cv must be > 0")
         if self.prefix_len + 128 + 128 > self.max_model_len and self.dataset == "shared_prefix":
-            raise ValueError("prefix_len + 256 must fit in max_model_len")
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} does not fit prefix_len + 256 "
+                f"({self.prefix_len + 256}) for shared_prefix"
+            )
 
 
 class Workload:
