@@ -51,6 +51,9 @@ class BlockManager:
         )
         self.dirty_slots: set[int] = set()
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) for copy-on-write
+        # Since start: tokens of every allocated sequence, and those found cached.
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
 
     # ---- capacity -------------------------------------------------------------
     @property
@@ -116,6 +119,8 @@ class BlockManager:
             self._fresh_block() for _ in range(self.blocks_needed(len(seq)) - len(hits))
         ]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        self.prefix_query_tokens += len(seq)
+        self.prefix_hit_tokens += seq.num_cached_tokens
         seq.num_committed_blocks = len(hits)
         seq.slot = self.free_slots.pop()
         self._write_row(seq, 0)

@@ -317,6 +317,9 @@ class LLMEngine:
             tokens_per_s=tokens_per_s,
             block_size=bm.block_size,
             num_waiting_tokens=self.scheduler.num_waiting_tokens,  # kept, not summed per call
+            num_waiting_blocks=self.scheduler.num_waiting_blocks,
+            prefix_query_tokens=bm.prefix_query_tokens,
+            prefix_hit_tokens=bm.prefix_hit_tokens,
             cached_prefix_hashes=(
                 tuple(bm.recent_hashes(self.config.max_prefix_hashes_in_stats))
                 if with_hashes
@@ -329,8 +332,17 @@ class LLMEngine:
         """Assert the block manager agrees with the live sequences, and the scheduler's
         running count of waiting tokens with its queue (tests call this)."""
         self.block_manager.check_invariants(self.scheduler.running)
-        waiting = self.scheduler.waiting
-        assert self.scheduler.num_waiting_tokens == sum(len(s) for s in waiting), (
-            f"num_waiting_tokens {self.scheduler.num_waiting_tokens} != "
+        scheduler = self.scheduler
+        waiting = scheduler.waiting
+        assert scheduler.num_waiting_tokens == sum(len(s) for s in waiting), (
+            f"num_waiting_tokens {scheduler.num_waiting_tokens} != "
             f"{sum(len(s) for s in waiting)} tokens in the waiting queue"
         )
+        assert scheduler.num_waiting_blocks == sum(s.num_queued_blocks for s in waiting), (
+            f"num_waiting_blocks {scheduler.num_waiting_blocks} != the queue's charges"
+        )
+        refs: dict[int, int] = {}
+        for s in waiting:
+            for h in s.block_hashes[: s.num_queued_hashes]:
+                refs[h] = refs.get(h, 0) + 1
+        assert refs == scheduler._queued_hash_refs, "queued hash counts disagree with the queue"

@@ -67,10 +67,55 @@ class Scheduler:
         # chunks and prefix hits move num_computed_tokens only once it is admitted.
         # LLMEngine.check_invariants holds it to the sum.
         self.num_waiting_tokens = 0
+        # The blocks the queue will take (ReplicaStats.num_waiting_blocks): each sequence is
+        # charged as it joins the queue for its blocks less its leading full blocks that are
+        # cached or that a sequence already in the queue brings (counts per hash in
+        # _queued_hash_refs). An estimate: the cache may gain or lose those blocks before
+        # the sequence is admitted, and can_allocate decides then.
+        self.num_waiting_blocks = 0
+        self._queued_hash_refs: dict[int, int] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._queued(seq)
+
+    def _queued(self, seq: Sequence) -> None:
+        """Count a sequence that joined the waiting queue."""
         self.num_waiting_tokens += len(seq)
+        bm = self.block_manager
+        num_blocks = bm.blocks_needed(len(seq))
+        hashes: list[int] = []
+        if bm.enable_prefix_caching:
+            # A preempted sequence's newest token may still be on the device.
+            hashes = seq.full_block_hashes(
+                bm.block_size, len(seq) - (seq.token_ids[-1] == PLACEHOLDER)
+            )
+            refs, cached = self._queued_hash_refs, bm.hash_to_block
+            num_shared = 0
+            for h in hashes:  # chained hashes: only a leading run can be shared
+                if h not in cached and h not in refs:
+                    break
+                num_shared += 1
+            if num_shared * bm.block_size >= len(seq):
+                num_shared -= 1  # its last token is computed (BlockManager._prefix_hits)
+            num_blocks -= num_shared
+            for h in hashes:
+                refs[h] = refs.get(h, 0) + 1
+        seq.num_queued_blocks = num_blocks
+        seq.num_queued_hashes = len(hashes)
+        self.num_waiting_blocks += num_blocks
+
+    def _unqueued(self, seq: Sequence) -> None:
+        """Uncount a sequence that left the waiting queue (admitted or finished)."""
+        self.num_waiting_tokens -= len(seq)
+        self.num_waiting_blocks -= seq.num_queued_blocks
+        refs = self._queued_hash_refs
+        for h in seq.block_hashes[: seq.num_queued_hashes]:
+            if refs[h] == 1:
+                del refs[h]
+            else:
+                refs[h] -= 1
+        seq.num_queued_blocks = seq.num_queued_hashes = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -134,7 +179,7 @@ class Scheduler:
             if not bm.can_allocate(seq):
                 break  # first come, first served: later arrivals do not overtake
             del self.waiting[i]
-            self.num_waiting_tokens -= len(seq)
+            self._unqueued(seq)
             bm.allocate(seq)
             if bm.enable_prefix_caching:
                 in_progress.update(bm.uncommitted_hashes(seq))
@@ -161,7 +206,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
-        self.num_waiting_tokens += len(seq)
+        self._queued(seq)
         self.num_preempted_total += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -173,7 +218,7 @@ class Scheduler:
             self.block_manager.free(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-            self.num_waiting_tokens -= len(seq)
+            self._unqueued(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

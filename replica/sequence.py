@@ -43,6 +43,8 @@ class Sequence:
         "eos_token_id",
         "stop_ids",
         "max_len",
+        "num_queued_blocks",
+        "num_queued_hashes",
     )
 
     def __init__(
@@ -69,6 +71,10 @@ class Sequence:
         self.arrival_s = time.monotonic() if arrival_s is None else arrival_s
         self.finish_reason: str | None = None
         self.num_emitted_tokens = 0
+        # While waiting (Scheduler): the blocks it is estimated to take, and how many of
+        # its block_hashes the scheduler counts as queued.
+        self.num_queued_blocks = 0
+        self.num_queued_hashes = 0
         # Precomputed for the per-token stop check on the hot path.
         stops = set(params.stop_token_ids)
         if eos_token_id is not None and not params.ignore_eos:

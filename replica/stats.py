@@ -15,6 +15,14 @@ class ReplicaStats:
     allocation (evicted on demand) and so do not count as usage.
     cached_prefix_hashes holds the chained hashes (replica.hashing) of the most
     recently used resident full blocks, newest first, capped in length.
+
+    num_waiting_blocks: the blocks the queued prompts will newly take, i.e. less the
+    leading blocks already cached or brought by an earlier queued prompt (an estimate
+    made as each prompt is queued; None: not reported, and readers take the whole
+    prompts, ceil(num_waiting_tokens / block_size)). prefix_query_tokens and
+    prefix_hit_tokens count, since the replica started, the tokens of every sequence
+    it admitted and those of them found in its prefix cache (vLLM's prefix-cache
+    queries and hits): their ratio over an interval is the cache hit rate.
     """
 
     replica_id: str
@@ -29,6 +37,9 @@ class ReplicaStats:
     tokens_per_s: float
     block_size: int = 16
     num_waiting_tokens: int = 0
+    num_waiting_blocks: int | None = None
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
     cached_prefix_hashes: tuple[int, ...] = ()
     timestamp_s: float = 0.0
 

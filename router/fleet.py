@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from replica.stats import ReplicaStats
+from router.load import num_waiting_blocks
 from router.prefix_index import PrefixIndex
 from router.tiebreak import replica_key
 
@@ -76,7 +77,7 @@ class Fleet:
         c["total"][slot] = stats.num_blocks_total
         c["free"][slot] = stats.num_blocks_free
         c["cached"][slot] = stats.num_blocks_cached
-        c["waiting"][slot] = -(-stats.num_waiting_tokens // stats.block_size)
+        c["waiting"][slot] = num_waiting_blocks(stats)
         c["block_size"][slot] = stats.block_size
         c["seqs"][slot] = stats.num_running + stats.num_waiting
         c["max_seqs"][slot] = stats.max_num_seqs

@@ -14,7 +14,11 @@ from router.request import RouteRequest
 
 
 def num_waiting_blocks(stats: ReplicaStats) -> int:
-    """Blocks the replica's queued (not yet scheduled) prompt tokens will need."""
+    """Blocks the replica's queued (not yet scheduled) prompts will take: its own estimate,
+    which leaves out prefixes it has cached or that queue more than once, else every
+    queued prompt token's block."""
+    if stats.num_waiting_blocks is not None:
+        return stats.num_waiting_blocks
     return -(-stats.num_waiting_tokens // stats.block_size)
 
 
@@ -26,8 +30,9 @@ def num_available_blocks(stats: ReplicaStats, queue_fraction: float = 0.0) -> in
     (its scheduler is first come, first served), so they are not room. Without
     this a request that reached the replica but is not scheduled yet would look
     like free room to every router once the snapshot showing it released their
-    reservations. Counting its whole prompt is conservative: a waiting prompt's
-    cached prefix blocks would be shared, not taken.
+    reservations. A waiting prompt's cached prefix blocks would be shared, not taken,
+    so the replica leaves them out (num_waiting_blocks); counting whole prompts made a
+    replica with a short queue of requests for one cached 4K-token prefix look full.
     """
     allowance = int(stats.num_blocks_total * queue_fraction)
     room = stats.num_blocks_free + stats.num_blocks_cached + allowance - num_waiting_blocks(stats)

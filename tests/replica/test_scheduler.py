@@ -1,8 +1,8 @@
-"""Scheduler bookkeeping: the running count of waiting tokens equals the queue's sum.
+"""Scheduler bookkeeping: the running counts of waiting tokens and blocks equal the queue's.
 
-ReplicaStats.num_waiting_tokens is read from Scheduler.num_waiting_tokens, which is
-kept as sequences enter and leave the waiting queue rather than summed per snapshot.
-Each test drives the queue through every way in and out and recomputes the sum.
+ReplicaStats.num_waiting_tokens and num_waiting_blocks are read from the Scheduler's
+counts, kept as sequences enter and leave the waiting queue rather than summed per
+snapshot. Each test drives the queue through every way in and out and recomputes them.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from replica.sequence import PLACEHOLDER, Sequence, SequenceStatus
 BLOCK_SIZE = 4
 
 
-def make_scheduler(num_blocks: int, max_num_batched_tokens: int = 64) -> Scheduler:
-    cache = CacheConfig(BLOCK_SIZE, num_blocks, enable_prefix_caching=True, max_blocks_per_seq=16)
+def make_scheduler(
+    num_blocks: int, max_num_batched_tokens: int = 64, prefix_caching: bool = True
+) -> Scheduler:
+    cache = CacheConfig(BLOCK_SIZE, num_blocks, prefix_caching, max_blocks_per_seq=16)
     config = SchedulerConfig(
         max_num_seqs=4, max_model_len=64, max_num_batched_tokens=max_num_batched_tokens
     )
@@ -45,6 +47,7 @@ def run(scheduler: Scheduler, batch: ScheduledBatch, token: int = 7) -> None:
 
 def check(scheduler: Scheduler) -> None:
     assert scheduler.num_waiting_tokens == sum(len(s) for s in scheduler.waiting)
+    assert scheduler.num_waiting_blocks == sum(s.num_queued_blocks for s in scheduler.waiting)
     scheduler.block_manager.check_invariants(scheduler.running)
 
 
@@ -187,3 +190,31 @@ def test_engine_snapshot_counts_the_queue_through_a_random_workload() -> None:
         (SequenceStatus.RUNNING, "abort"),
         (SequenceStatus.RUNNING, "end"),
     }, ended_while
+
+
+def test_waiting_blocks_leave_out_prefixes_cached_or_already_queued() -> None:
+    """A queued prompt is charged the blocks it will newly take: not the leading blocks
+    that are cached, nor those an earlier queued prompt brings."""
+    scheduler = make_scheduler(num_blocks=24)
+    prefix = list(range(10, 18))  # two full blocks
+    scheduler.add(make_seq("a", prefix + [1, 2]))  # 3 blocks, nothing cached
+    scheduler.add(make_seq("b", prefix + [3, 4, 5]))  # its 2 prefix blocks come with a
+    assert scheduler.num_waiting_blocks == 3 + 1
+    step(scheduler)  # a runs and caches the prefix; b waits for it
+    assert [s.request_id for s in scheduler.waiting] == ["b"]
+    assert scheduler.num_waiting_blocks == 1
+    scheduler.add(make_seq("c", prefix + [6]))  # the prefix is cached: 1
+    scheduler.add(make_seq("d", prefix))  # all cached, but its last token is computed: 1
+    assert scheduler.num_waiting_blocks == 1 + 1 + 1
+    b = scheduler.waiting[0]
+    scheduler.finish(b, "abort")
+    check(scheduler)
+    assert scheduler.num_waiting_blocks == 2
+    step(scheduler)
+    assert not scheduler.waiting and scheduler.num_waiting_blocks == 0
+    assert not scheduler._queued_hash_refs
+
+    off = make_scheduler(num_blocks=24, prefix_caching=False)
+    off.add(make_seq("a", prefix + [1, 2]))
+    off.add(make_seq("b", prefix + [3, 4, 5]))
+    assert off.num_waiting_blocks == 3 + 3

@@ -14,6 +14,7 @@ def make_stats(
     num_blocks_used: int = 0,
     num_blocks_cached: int = 0,
     num_waiting_tokens: int = 0,
+    num_waiting_blocks: int | None = None,
     num_running: int = 0,
     max_num_seqs: int = 64,
     block_size: int = 16,
@@ -34,6 +35,7 @@ def make_stats(
         tokens_per_s=0.0,
         block_size=block_size,
         num_waiting_tokens=num_waiting_tokens,
+        num_waiting_blocks=num_waiting_blocks,
         cached_prefix_hashes=cached_prefix_hashes,
         timestamp_s=timestamp_s,
     )

@@ -95,6 +95,21 @@ def test_waiting_prompts_take_room() -> None:
     assert adm.admit(stats, prompt("small", 7), NOW_S).tiers == [["a"]]
 
 
+def test_waiting_prompts_take_the_blocks_their_replica_says_they_need() -> None:
+    # The same queue of 200 prompt tokens, whose leading blocks the replica has cached:
+    # it charges the queue 2 blocks (ReplicaStats.num_waiting_blocks), not 13.
+    adm = reject_admission()
+    stats = [
+        make_stats(
+            "a", num_blocks_total=32, num_blocks_used=12, num_waiting_tokens=200,
+            num_waiting_blocks=2,
+        )
+    ]  # fmt: skip
+    assert adm.admit(stats, prompt("r", 13), NOW_S).tiers == [["a"]]
+    with pytest.raises(OverloadedError, match="18 blocks available < 19 needed"):
+        adm.admit(stats, prompt("big", 19), NOW_S)
+
+
 def test_waiting_prompts_count_toward_the_watermark() -> None:
     adm = Admission(RouterConfig(on_overload="reject", high_watermark=0.5))
     queued = make_stats("queued", num_blocks_used=30, num_waiting_tokens=20 * BLOCK_SIZE)

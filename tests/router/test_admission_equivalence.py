@@ -66,6 +66,7 @@ def snapshot(rng: random.Random, replica_id: str, now_s: float) -> ReplicaStats:
         num_blocks_used=used,
         num_blocks_cached=cached,
         num_waiting_tokens=rng.choice([0, 0, rng.randrange(0, 40 * block_size)]),
+        num_waiting_blocks=rng.choice([None, None, rng.randrange(0, 40)]),
         block_size=block_size,
         cached_prefix_hashes=tuple(rng.sample(range(40), rng.randrange(0, 10))),
         timestamp_s=now_s - rng.choice([0.0, 0.01, 0.05, 0.3, 3.0]),
