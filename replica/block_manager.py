@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from replica.config import CacheConfig
+from replica.hashing import summarize
 from replica.sequence import Sequence
 
 
@@ -221,13 +222,9 @@ class BlockManager:
         return copies
 
     def recent_hashes(self, limit: int) -> list[int]:
-        """Hashes of resident full blocks, most recently used first."""
-        out = []
-        for h in reversed(self.hash_to_block):
-            if len(out) >= limit:
-                break
-            out.append(h)
-        return out
+        """Hashes of resident full blocks, most recently used first: all of the newest, a
+        sample of the older ones (replica.hashing.summarize), at most limit."""
+        return summarize(reversed(self.hash_to_block), len(self.hash_to_block), limit)
 
     def check_invariants(self, live: Iterable[Sequence]) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent with `live` sequences."""

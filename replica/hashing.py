@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 ROOT_HASH = 0
+# Past the newest half of a summary, one resident block in this many is published.
+SUMMARY_STRIDE = 8
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -29,3 +31,28 @@ def prefix_block_hashes(
         parent_hash = hash_block(parent_hash, token_ids[start : start + block_size])
         hashes.append(parent_hash)
     return hashes
+
+
+def summarize(newest_first: Iterable[int], num_hashes: int, limit: int) -> list[int]:
+    """The block hashes a replica publishes (ReplicaStats.cached_prefix_hashes): at most
+    limit of its num_hashes resident blocks, given newest first.
+
+    All of them when they fit. Else the newest limit // 2 in full, then, of the older
+    ones, those whose hash is a multiple of SUMMARY_STRIDE. Routers match a prompt at
+    the deepest block a replica publishes (router.prefix_index), so an older chain
+    needs only some of its blocks published: the same number of hashes covers up to
+    SUMMARY_STRIDE times as many older blocks, each such match short by fewer than
+    SUMMARY_STRIDE blocks on average. Without thinning, a replica whose cache held
+    more blocks than the limit published only its newest chains, and routers found
+    its older prefixes nowhere. Walks at most limit // 2 + 2 * SUMMARY_STRIDE *
+    (limit - limit // 2) hashes.
+    """
+    dense = limit if num_hashes <= limit else limit // 2
+    max_walk = dense + 2 * SUMMARY_STRIDE * (limit - dense)
+    out: list[int] = []
+    for walked, h in enumerate(newest_first):
+        if len(out) >= limit or walked >= max_walk:
+            break
+        if walked < dense or h % SUMMARY_STRIDE == 0:
+            out.append(h)
+    return out

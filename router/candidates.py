@@ -50,7 +50,8 @@ class Candidates:
 
         Per block size present among the candidates: the prompt's chained hashes
         at that size, matched in the fleet's PrefixIndex against the candidates
-        of that size. O(prompt blocks) plus numpy work over the candidates.
+        of that size, by the deepest block each publishes (PrefixIndex.deepest_levels).
+        O(prompt blocks) plus numpy work over the candidates.
         """
         if self.matched is not None:
             return self.matched
@@ -70,7 +71,7 @@ class Candidates:
                 continue
             members = np.zeros(num_slots, dtype=bool)
             members[self.slots[block_sizes == block_size]] = True
-            for num_blocks, mask in index.match_levels(hashes, slot_mask(members)):
+            for num_blocks, mask in index.deepest_levels(hashes, slot_mask(members)):
                 by_slot[mask_slots(mask, num_slots)] = num_blocks
         return by_slot[self.slots]
 

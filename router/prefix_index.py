@@ -84,6 +84,29 @@ class HashPostings:
         levels.append((len(hashes), alive))
         return levels
 
+    def deepest_levels(self, hashes: Sequence[int], candidates: int) -> list[tuple[int, int]]:
+        """(num_blocks, slots) pairs: the candidate slots whose deepest held block of
+        `hashes` is block num_blocks - 1 (num_blocks >= 1; the others match 0).
+
+        For a replica's published summary, which may leave out blocks: block hashes are
+        chained, so holding block i's hash means having computed blocks 0..i, and the
+        block manager evicts a chain's tail before its head, so the deepest published
+        block vouches for the blocks before it. A capped summary (the most recently used
+        blocks, a chain's tail being its newest) leaves out the heads of older chains;
+        contiguous matching from the first block would find nothing there.
+        O(prompt blocks) lookups, deepest first, until every candidate has matched.
+        """
+        levels = []
+        left = candidates
+        for depth in range(len(hashes) - 1, -1, -1):
+            found = left & self.holders(hashes[depth])
+            if found:
+                levels.append((depth + 1, found))
+                left &= ~found
+                if not left:
+                    break
+        return levels
+
     def matched_blocks(self, hashes: Sequence[int], num_slots: int) -> np.ndarray:
         """int64 [num_slots]: match_levels over every slot, as an array."""
         matched = np.zeros(num_slots, dtype=np.int64)
@@ -97,9 +120,9 @@ class PrefixIndex(HashPostings):
 
     Algorithm: update() diffs a replica's new summary against its previous one
     (O(hashes) on a changed snapshot, O(1) when the tuple is the same object),
-    so nothing is rebuilt per request; match_levels() ANDs the postings of the
-    prompt's blocks in order: O(prompt blocks) big-int operations, whatever the
-    number of replicas holding them.
+    so nothing is rebuilt per request; deepest_levels() looks the prompt's blocks up
+    deepest first: O(prompt blocks) big-int operations, whatever the number of
+    replicas holding them.
     Invariant: slot s is in posting(h) iff h is in held[s].
     Failure: none; memory is about 100 bytes per distinct (hash, holder) beyond
     the snapshots themselves.

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from replica.block_manager import BlockManager
 from replica.config import CacheConfig
-from replica.hashing import prefix_block_hashes
+from replica.hashing import SUMMARY_STRIDE, prefix_block_hashes
 from replica.sampling_params import SamplingParams
 from replica.sequence import Sequence
 
@@ -55,6 +55,36 @@ def test_prefix_hit_reuses_computed_full_blocks_only():
     assert b.num_cached_tokens == 8 == b.num_computed_tokens
     assert bm.ref_counts[a.block_ids[0]] == 2
     bm.check_invariants([a, b])
+
+
+def test_prefix_cache_counters_count_admitted_and_cached_tokens():
+    bm = make_manager()
+    a = make_seq(range(10), "a")
+    bm.allocate(a)
+    compute_all(bm, a)
+    b = make_seq(list(range(8)) + [99], "b")
+    bm.allocate(b)
+    assert (bm.prefix_query_tokens, bm.prefix_hit_tokens) == (19, 8)
+    off = make_manager(prefix=False)
+    for rid in "cd":
+        seq = make_seq(range(10), rid)
+        off.allocate(seq)
+        compute_all(off, seq)
+    assert (off.prefix_query_tokens, off.prefix_hit_tokens) == (20, 0)
+
+
+def test_summary_of_a_full_cache_thins_the_older_blocks():
+    bm = make_manager(num_blocks=64)
+    seqs = [make_seq([1000 * c + t for t in range(32)], f"c{c}") for c in range(7)]
+    for seq in seqs:  # seven chains of 8 blocks, the last one newest
+        bm.allocate(seq)
+        compute_all(bm, seq)
+    newest_first = list(reversed(bm.hash_to_block))
+    assert bm.recent_hashes(64) == newest_first  # the whole cache fits: all of it
+    summary = bm.recent_hashes(16)
+    assert summary[:8] == newest_first[:8] and len(summary) <= 16
+    older = newest_first[8:]
+    assert summary[8:] == [h for h in older if h % SUMMARY_STRIDE == 0][: 16 - 8]
 
 
 def test_whole_prompt_hit_still_leaves_the_last_token_to_compute():

@@ -103,16 +103,20 @@ def test_prefix_picks_longest_cached_prefix(now_s: float) -> None:
     assert tiers == [["three"], ["one"], ["none"]]
 
 
-def test_prefix_match_must_be_contiguous_from_the_first_block(now_s: float) -> None:
-    tokens = list(range(64))
+def test_prefix_match_is_the_deepest_published_block(now_s: float) -> None:
+    # Chained hashes: publishing block i means having computed blocks 0..i, so a summary
+    # that leaves out a chain's head (capped or thinned, replica.hashing.summarize) still
+    # matches it to its deepest published block.
+    tokens = list(range(80))
     hashes = prefix_block_hashes(tokens, 16)
     stats = [
-        make_stats("tail_only", cached_prefix_hashes=tuple(hashes[1:])),
-        make_stats("head", num_blocks_used=3, cached_prefix_hashes=(hashes[0],)),
+        make_stats("sampled", cached_prefix_hashes=(hashes[3], hashes[1])),
+        make_stats("head", cached_prefix_hashes=(hashes[0], hashes[1])),
+        make_stats("other", cached_prefix_hashes=tuple(prefix_block_hashes(tokens[1:], 16))),
     ]
-    policy = PrefixPolicy(balance_abs_threshold=0.1, balance_rel_threshold=1.5)
+    policy = PrefixPolicy(balance_abs_threshold=0.1, balance_rel_threshold=1.5, seed=3)
     tiers = policy.choose_replicas(stats, RouteRequest.from_tokens("r", tokens), now_s)
-    assert tiers[0] == ["head"]
+    assert tiers[:2] == [["sampled"], ["head"]]
 
 
 def test_prefix_falls_back_to_load_when_imbalanced(now_s: float) -> None:

@@ -2,6 +2,7 @@
 
 reference_choose_replicas is the PrefixPolicy of commit 16f599a (one set() per
 replica per request, O(replicas x hashes)), kept here verbatim apart from its
+match, which counts to the deepest published block as the index now does, and its
 tiebreak, which it takes from router.tiebreak like the policy under test, so that
 the indexed policy can be checked against it on random fleets: shared and
 private chains, truncated and non-contiguous summaries, mixed block sizes,
@@ -24,12 +25,13 @@ from tests.router.router_fakes import make_stats
 
 
 def reference_num_matched_blocks(stats: ReplicaStats, request: RouteRequest) -> int:
+    # Since the deepest-block match (router.prefix_index.deepest_levels): the deepest
+    # prompt block the summary holds, not the leading run of 16f599a.
     cached = set(stats.cached_prefix_hashes)
     num_matched = 0
-    for block_hash in request.prompt_block_hashes(stats.block_size):
-        if block_hash not in cached:
-            break
-        num_matched += 1
+    for depth, block_hash in enumerate(request.prompt_block_hashes(stats.block_size)):
+        if block_hash in cached:
+            num_matched = depth + 1
     return num_matched
 
 

@@ -44,6 +44,20 @@ def test_postings_follow_updates_removals_and_moves(seed: int) -> None:
         check_index(index)
 
 
+def test_deepest_levels_take_the_deepest_held_block() -> None:
+    index = PrefixIndex()
+    index.update(0, (1, 2, 3))
+    index.update(1, (1, 3))  # block 2 left out of its summary: still 3
+    index.update(2, (2,))  # no first block published: 2
+    index.update(3, (9,))  # nothing of this prompt
+    every = slot_mask(np.ones(4, dtype=bool))
+    assert dict(index.deepest_levels([1, 2, 3], every)) == {3: 0b0011, 2: 0b0100}
+    only_some = slot_mask(np.array([False, True, True, True]))
+    assert dict(index.deepest_levels([1, 2, 3], only_some)) == {3: 0b0010, 2: 0b0100}
+    assert index.deepest_levels([], every) == []
+    assert index.deepest_levels([7, 8], every) == []
+
+
 def test_match_levels_count_contiguous_blocks_from_the_first() -> None:
     index = PrefixIndex()
     index.update(0, (1, 2, 3))
