@@ -23,10 +23,10 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from itertools import islice
 
 from bench.sim_model import CostModel
 from bench.sim_workload import Workload
+from replica.hashing import summarize
 from replica.stats import ReplicaStats
 
 
@@ -48,7 +48,7 @@ class ReplicaSimConfig:
 class SimSeq:
     __slots__ = (
         "rid", "prompt_len", "out_left", "computed", "held_hashes", "join_step", "epoch",
-        "num_hit_tokens",
+        "num_hit_tokens", "queued_hashes", "num_queued_blocks",
     )  # fmt: skip
 
     def __init__(self, rid: int, prompt_len: int, out_left: int) -> None:
@@ -60,6 +60,8 @@ class SimSeq:
         self.join_step = -1  # step whose end produced the first token; -1: not decoding
         self.epoch = 0  # bumped on preemption, invalidating finish-heap entries
         self.num_hit_tokens = 0
+        self.queued_hashes: list[int] = []  # while waiting, as replica.Scheduler charges it
+        self.num_queued_blocks = 0
 
 
 class SimReplica:
@@ -87,6 +89,8 @@ class SimReplica:
         self.resident: dict[int, int] = {}
         self.waiting: deque[SimSeq] = deque()
         self.num_waiting_tokens = 0
+        self.num_waiting_blocks = 0  # as replica.Scheduler.num_waiting_blocks
+        self.queued_hash_refs: dict[int, int] = {}
         self.running: dict[SimSeq, None] = {}  # admission order
         self.prefilling: list[SimSeq] = []
         self.num_decode = 0
@@ -113,7 +117,41 @@ class SimReplica:
         wl = self.workload
         seq = SimSeq(rid, wl.prompt_len_list[rid], wl.output_len_list[rid])
         self.waiting.append(seq)
+        self._queued(seq)
+
+    def _queued(self, seq: SimSeq) -> None:
+        """replica.Scheduler._queued: charge the blocks the queued prompt will newly take."""
         self.num_waiting_tokens += seq.prompt_len
+        bs = self.block_size
+        num_blocks = -(-seq.prompt_len // bs)
+        if self.config.enable_prefix_caching:
+            hashes = self.workload.block_hashes(seq.rid, seq.prompt_len // bs)
+            refs, resident = self.queued_hash_refs, self.resident
+            num_shared = 0
+            for h in hashes:
+                if h not in resident and h not in refs:
+                    break
+                num_shared += 1
+            if num_shared * bs >= seq.prompt_len:
+                num_shared -= 1
+            num_blocks -= num_shared
+            for h in hashes:
+                refs[h] = refs.get(h, 0) + 1
+            seq.queued_hashes = hashes
+        seq.num_queued_blocks = num_blocks
+        self.num_waiting_blocks += num_blocks
+
+    def _unqueued(self, seq: SimSeq) -> None:
+        self.num_waiting_tokens -= seq.prompt_len
+        self.num_waiting_blocks -= seq.num_queued_blocks
+        refs = self.queued_hash_refs
+        for h in seq.queued_hashes:
+            if refs[h] == 1:
+                del refs[h]
+            else:
+                refs[h] -= 1
+        seq.queued_hashes = []
+        seq.num_queued_blocks = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -197,7 +235,7 @@ class SimReplica:
             del self.waiting[i]
             if in_progress is not None:
                 in_progress.update(self._uncomputed_hashes(seq))
-            self.num_waiting_tokens -= seq.prompt_len
+            self._unqueued(seq)
             self.running[seq] = None
             self.prefilling.append(seq)
             chunk = min(seq.prompt_len - seq.computed, budget)
@@ -295,11 +333,12 @@ class SimReplica:
         """
         num_private = -(-kv_len // self.block_size) - len(seq.held_hashes)
         resident, cached = self.resident, self.cached
+        newly_cached = []  # in chain order; they enter the LRU tail first, as BlockManager.free
         for h in seq.held_hashes:
             refs = resident.pop(h) - 1
             resident[h] = refs
             if refs == 0:
-                cached[h] = None
+                newly_cached.append(h)
         num_private_cached = 0
         start = len(seq.held_hashes)
         num_full = kv_len // self.block_size
@@ -311,8 +350,10 @@ class SimReplica:
             for h in self.workload.block_hashes(seq.rid, num_full)[start:]:
                 if h not in resident:
                     resident[h] = 0
-                    cached[h] = None
+                    newly_cached.append(h)
                     num_private_cached += 1
+        for h in reversed(newly_cached):
+            cached[h] = None
         self.num_free += num_private - num_private_cached
         seq.held_hashes = []
 
@@ -338,7 +379,7 @@ class SimReplica:
         self._release(seq, kv_len)
         seq.computed = 0
         self.waiting.appendleft(seq)
-        self.num_waiting_tokens += seq.prompt_len
+        self._queued(seq)
         self.num_preempted_total += 1
 
     # ---- stats -----------------------------------------------------------------
@@ -349,7 +390,13 @@ class SimReplica:
         self.tokens_at_publish, self.published_at_s = self.tokens_out, now_s
         hashes = ()
         if with_hashes:
-            hashes = tuple(islice(reversed(self.resident), self.config.max_prefix_hashes_in_stats))
+            hashes = tuple(
+                summarize(
+                    reversed(self.resident),
+                    len(self.resident),
+                    self.config.max_prefix_hashes_in_stats,
+                )  # fmt: skip
+            )
         return ReplicaStats(
             replica_id=self.replica_id,
             num_blocks_total=num_total,
@@ -363,6 +410,9 @@ class SimReplica:
             tokens_per_s=tokens_per_s,
             block_size=self.block_size,
             num_waiting_tokens=self.num_waiting_tokens,
+            num_waiting_blocks=self.num_waiting_blocks,
+            prefix_query_tokens=self.num_prompt_tokens,
+            prefix_hit_tokens=self.num_hit_tokens,
             cached_prefix_hashes=hashes,
             timestamp_s=now_s,
         )
@@ -388,3 +438,9 @@ class SimReplica:
             assert n == refs.get(h, 0), (h, n, refs.get(h, 0))
             assert (n == 0) == (h in self.cached)
         assert len(self.cached) == sum(1 for n in self.resident.values() if n == 0)
+        assert self.num_waiting_blocks == sum(q.num_queued_blocks for q in self.waiting)
+        queued: dict[int, int] = {}
+        for q in self.waiting:
+            for h in q.queued_hashes:
+                queued[h] = queued.get(h, 0) + 1
+        assert queued == self.queued_hash_refs
