@@ -42,6 +42,7 @@ from bench.load_target import (
     attach_ray,
     deploy,
     leak_check,
+    prefix_cache_hits,
     serving_rows,
     shutdown,
     start_local_ray,
@@ -101,6 +102,7 @@ def run_trace(
     next_poll_s = 0.0
 
     counters: list[dict] = []  # each replica's serving counters as the round starts
+    stats_at_start = client.stats()  # the prefix-cache counters before any request
 
     def on_tick(state: Round) -> None:
         nonlocal next_poll_s, counters
@@ -118,10 +120,12 @@ def run_trace(
     bar.close()
     records = [r for res in state.results.values() for r in res.records]
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+    leaks = leak_check(client)
     return {
         "records": records,
         "metrics": compute_metrics(records, [s.index for s in trace], slo),
-        "leak_check": leak_check(client),
+        "leak_check": leaks,
+        "prefix_cache": prefix_cache_hits(stats_at_start, client.stats()),
         "generator": [
             _generator_row(p, state.results.get(p), state.failures.get(p))
             for p in range(pool.num_procs)
@@ -265,6 +269,15 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
                 f" {rep['cpu_fraction']:.0%}"
                 + ("" if engine is None else f", engine process CPU {engine:.0%}")
                 + f", engine TTFT mean {rep['engine_ttft_mean_ms']} ms"
+            )
+        cache = run["prefix_cache"]
+        if cache["query_tokens"]:
+            per_replica = ", ".join(
+                "-" if v is None else f"{v:.0%}" for v in cache["by_replica"].values()
+            )
+            print(
+                f"{router}: prefix cache hit rate {cache['hit_rate']:.1%} of"
+                f" {cache['query_tokens']} prompt tokens (per replica: {per_replica})"
             )
         admit = m["admit_ms"]
         if not math.isnan(admit["p50"]):

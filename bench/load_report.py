@@ -28,6 +28,7 @@ SUMMARY_COLUMNS = [
     "req/s",
     "out tok/s",
     "goodput",
+    "cache hit",
     "TTFT p50",
     "TTFT p99",
     "TPOT p50",
@@ -59,6 +60,7 @@ def summary_row(router: str, run: dict) -> dict:
         "req/s": m["request_throughput"],
         "out tok/s": m["output_token_throughput"],
         "goodput": m.get("goodput", "-"),
+        "cache hit": _hit_rate(run.get("prefix_cache")),
         "TTFT p50": m["ttft_ms"]["p50"],
         "TTFT p99": m["ttft_ms"]["p99"],
         "TPOT p50": m["tpot_ms"]["p50"],
@@ -70,6 +72,13 @@ def summary_row(router: str, run: dict) -> dict:
         "gen CPU max": max((p["cpu_max_window"] for p in run["generator"]), default=math.nan),
         "gen tok/CPU-s": _tokens_per_cpu_s(run["generator"]),
     }
+
+
+def _hit_rate(cache: dict | None) -> str:
+    """The run's prefix-cache hit rate, or '-' when no replica reported admitting a token."""
+    if not cache or cache.get("hit_rate") is None:
+        return "-"
+    return f"{cache['hit_rate']:.1%}"
 
 
 def _tokens_per_cpu_s(generators: list[dict]) -> float:

@@ -117,6 +117,26 @@ def serving_rows(before: list[dict], after: list[dict]) -> list[dict]:
     return rows
 
 
+def prefix_cache_hits(before: list[ReplicaStats], after: list[ReplicaStats]) -> dict:
+    """The prefix-cache hit rate between two snapshots of every replica: cached tokens over
+    the tokens of the sequences admitted in between, overall and per replica (None where
+    nothing was admitted)."""
+    first = {s.replica_id: s for s in before}
+    by_replica, hits, queries = {}, 0, 0
+    for s in after:
+        b = first.get(s.replica_id)
+        h = s.prefix_hit_tokens - (b.prefix_hit_tokens if b else 0)
+        q = s.prefix_query_tokens - (b.prefix_query_tokens if b else 0)
+        by_replica[s.replica_id] = round(h / q, 4) if q else None
+        hits, queries = hits + h, queries + q
+    return {
+        "hit_rate": round(hits / queries, 4) if queries else None,
+        "hit_tokens": hits,
+        "query_tokens": queries,
+        "by_replica": by_replica,
+    }
+
+
 def is_drained(s: ReplicaStats) -> bool:
     """Idle and every block back: free + cached == total, nothing running or waiting."""
     return (

@@ -7,13 +7,14 @@ import json
 import math
 import statistics
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from bench.load_metrics import SLO, RequestRecord, account, compute_metrics
 from bench.load_report import plot_kv_usage, plot_latency_cdfs, ratios_against
-from bench.load_target import serving_rows
+from bench.load_target import prefix_cache_hits, serving_rows
 from bench.load_worker import send_one
 from bench.load_workload import (
     RequestSpec,
@@ -25,7 +26,9 @@ from bench.load_workload import (
     split_round_robin,
 )
 from cluster import live_stats
+from replica.stats import ReplicaStats
 from router.errors import OverloadedError
+from tests.router.router_fakes import make_stats
 
 # --- arrivals ---------------------------------------------------------------------------
 
@@ -318,6 +321,9 @@ def test_end_to_end_two_routers_lose_nothing_and_leak_nothing(tmp_path) -> None:
         assert run["leak_check"]["ok"]
         assert len(run["leak_check"]["replicas"]) == 2
         assert run["kv_samples"]
+        # 24 requests over 2 prefixes of 2 blocks each: most find their prefix cached.
+        cache = run["prefix_cache"]
+        assert cache["query_tokens"] >= 24 * 40 and 0 < cache["hit_tokens"] < cache["query_tokens"]
     assert (tmp_path / "load_latency_cdf.png").exists()
     assert (tmp_path / "load_kv_usage.png").exists()
 
@@ -344,6 +350,19 @@ def test_serving_rows_difference_each_replicas_counters() -> None:
     assert a["engine_cpu_fraction"] == 1.0 and a["engine_ttft_mean_ms"] == 3.0
     assert b["engine_cpu_fraction"] is None and b["engine_ttft_mean_ms"] is None
     assert b["cpu_fraction"] == 0.1
+
+
+def test_prefix_cache_hits_difference_each_replicas_counters() -> None:
+    def stats(rid: str, queries: int, hits: int) -> ReplicaStats:
+        return replace(make_stats(rid), prefix_query_tokens=queries, prefix_hit_tokens=hits)
+
+    before = [stats("a", 100, 10), stats("b", 50, 0)]
+    after = [stats("a", 300, 160), stats("b", 50, 0), stats("new", 40, 10)]
+    cache = prefix_cache_hits(before, after)
+    assert cache["by_replica"] == {"a": 0.75, "b": None, "new": 0.25}
+    assert (cache["hit_tokens"], cache["query_tokens"]) == (160, 240)
+    assert cache["hit_rate"] == pytest.approx(160 / 240, abs=1e-4)
+    assert prefix_cache_hits([], [stats("a", 0, 0)])["hit_rate"] is None
 
 
 @pytest.mark.parametrize("callers", ["1", "3"])
