@@ -18,6 +18,7 @@ def make_policy(config: RouterConfig) -> RoutingPolicy:
             config.balance_rel_threshold,
             seed=config.seed,
             balance_band=config.balance_band,
+            affinity_tokens=config.prefix_affinity_tokens,
         )
     if config.policy == "pow2":
         return Pow2Policy(seed=config.seed)

@@ -29,13 +29,20 @@ class PrefixPolicy(RoutingPolicy):
     a radix tree): take each candidate's load_fraction. If the candidates are
     imbalanced (max - min > balance_abs_threshold and max > balance_rel_threshold
     * min), rank by load alone, as the kv policy does. Otherwise rank by the
-    number of leading prompt blocks found in the replica's cached_prefix_hashes,
-    longest first, then by load, then by the seeded tiebreak. Loads within
-    balance_band of the least count as equal, as in the kv policy.
+    number of prompt blocks the replica has cached (router.Candidates.matched_blocks:
+    to the deepest block it publishes), most first, then by load, with loads within
+    balance_band of the least counting as equal, then by the prefix's affinity key:
+    a rendezvous hash of the prompt's first affinity_tokens tokens (whole blocks)
+    with each replica. So every router, whatever its view, sends requests sharing
+    those tokens to the same replica while loads allow: a new prefix lands on one
+    replica, not on whichever looked lightest to each router before any replica
+    published it, and a prefix held by several replicas concentrates on one of
+    them while the others' copies age out. Prompts shorter than one block (or
+    affinity_tokens 0) break ties per request.
     Cost: O(prompt blocks) in the fleet's PrefixIndex (updated per snapshot, not
     per request) plus numpy over the candidates; not O(replicas x hashes).
-    Invariant: one replica per tier; with no match anywhere (or no prompt ids)
-    the order equals the kv policy's.
+    Invariant: one replica per tier; with no match anywhere and no prompt ids the
+    order equals the kv policy's.
     Failure: cached_prefix_hashes is a capped, slightly old summary, so a match
     can be evicted by the time the request lands; the cost is a recompute, never
     a wrong answer. Block hashes are computed per replica block_size.
@@ -49,18 +56,33 @@ class PrefixPolicy(RoutingPolicy):
         balance_rel_threshold: float,
         seed: int = 0,
         balance_band: float = 0.0,
+        affinity_tokens: int = 0,
     ) -> None:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.seed = seed
         self.balance_band = balance_band
+        self.affinity_tokens = affinity_tokens
 
     def rank(self, candidates: Candidates, request: RouteRequest) -> list[list[str]]:
         loads = candidates.loads
-        ties = candidates.tiebreak(self.seed, request.request_id)
         if not request.knows_prompt or is_imbalanced(
             loads, self.balance_abs_threshold, self.balance_rel_threshold
         ):
+            ties = candidates.tiebreak(self.seed, request.request_id)
             return candidates.tiers(np.lexsort((ties, banded(loads, self.balance_band))))
         matched = candidates.matched_blocks(request)
+        ties = candidates.tiebreak(self.seed, self.affinity_key(candidates, request))
         return candidates.tiers(np.lexsort((ties, banded(loads, self.balance_band), -matched)))
+
+    def affinity_key(self, candidates: Candidates, request: RouteRequest) -> str:
+        """The tiebreak key: the hash of the prompt's last full block within its first
+        affinity_tokens tokens (at the candidates' smallest block size), else the request id."""
+        if not len(candidates) or self.affinity_tokens <= 0:
+            return request.request_id
+        block_size = int(candidates.fleet.column("block_size")[candidates.slots].min())
+        depth = min(self.affinity_tokens, request.num_prompt_tokens) // block_size
+        if depth == 0:
+            return request.request_id
+        hashes = request.prompt_block_hashes(block_size)
+        return f"prefix\x00{hashes[depth - 1]}" if len(hashes) >= depth else request.request_id

@@ -25,6 +25,8 @@ from router import OverloadedError, RouterConfig
         ("balance_abs_threshold", -0.1),
         ("balance_rel_threshold", 0.9),
         ("seed", 1.5),
+        ("prefix_affinity_tokens", -1),
+        ("prefix_affinity_tokens", True),
     ],
 )
 def test_invalid_field_is_named(field: str, value: object) -> None:

@@ -197,3 +197,50 @@ def test_every_replica_ranked_exactly_once(used: list[int], policy_name: str, nu
     tiers = policy.choose_replicas(stats, RouteRequest.from_tokens("q", range(num_tokens)), 0.0)
     assert all(tiers)
     assert sorted(ids(tiers)) == sorted(s.replica_id for s in stats)
+
+
+def _first_choice(policy: PrefixPolicy, stats: list, tokens: list[int], request_id: str) -> str:
+    return policy.choose_replicas(stats, RouteRequest.from_tokens(request_id, tokens), 0.0)[0][0]
+
+
+def test_prefix_sends_a_prefix_nobody_caches_yet_to_one_replica_for_every_router() -> None:
+    # No replica publishes anything (a new prefix, or summaries not yet delivered): every
+    # request sharing the first 64 tokens goes to the same replica, whatever its id, the
+    # rest of its prompt, or which router (policy object) routes it.
+    stats = [make_stats(f"r{i}", num_blocks_used=10) for i in range(8)]
+    routers = [make_policy(RouterConfig(policy="prefix", seed=1)) for _ in range(3)]
+    homes = []
+    for p in range(40):
+        prefix = [p, *range(100, 163)]  # 64 tokens
+        choices = {
+            _first_choice(router, stats, prefix + [q, q + 1], f"req-{p}-{q}")
+            for q, router in enumerate(routers * 3)
+        }
+        assert len(choices) == 1, (p, choices)
+        homes.append(choices.pop())
+    assert len(set(homes)) >= 6  # distinct prefixes spread over the replicas
+
+
+def test_prefix_affinity_yields_to_a_cached_match_load_and_short_prompts() -> None:
+    prefix = list(range(64))
+    policy = PrefixPolicy(0.1, 1.5, seed=1, balance_band=0.1, affinity_tokens=64)
+    stats = [make_stats(f"r{i}", num_blocks_used=10) for i in range(4)]
+    home = _first_choice(policy, stats, prefix + [7], "a")
+    other = next(s.replica_id for s in stats if s.replica_id != home)
+    hashes = tuple(prefix_block_hashes(prefix, 16))
+    cached_elsewhere = [
+        make_stats(s.replica_id, num_blocks_used=10, cached_prefix_hashes=hashes)
+        if s.replica_id == other
+        else s
+        for s in stats
+    ]
+    assert _first_choice(policy, cached_elsewhere, prefix + [7], "a") == other
+    # Past the balance band the lighter replica comes first (both match nothing).
+    busy_home = [make_stats(s.replica_id, num_blocks_used=30 if s.replica_id == home else 10)
+                 for s in stats]  # fmt: skip
+    assert _first_choice(policy, busy_home, prefix + [7], "a") != home
+    # Under one block of prompt, and with affinity off, ties break per request.
+    short = {_first_choice(policy, stats, [1, 2, 3], f"s{i}") for i in range(40)}
+    per_request = PrefixPolicy(0.1, 1.5, seed=1, balance_band=0.1, affinity_tokens=0)
+    off = {_first_choice(per_request, stats, prefix + [7], f"o{i}") for i in range(40)}
+    assert len(short) > 1 and len(off) > 1
