@@ -26,7 +26,7 @@ if [[ $what == prefix || $what == all ]]; then
   # 3072 blocks (49K tokens) per replica, so a replica holds about a third of them unless
   # the router keeps each prefix on one replica; the same open-loop trace under each router
   # (RATE req/s, default 480, for 6 s; REPLICAS, default 4, with 8 prefixes each).
-  # RATES="200 240" runs each rate in turn.
+  # RATES="200 240" runs each rate in turn; EXTRA adds bench.load flags.
   replicas=${REPLICAS:-4}
   for rate in ${RATES:-${RATE:-480}}; do
     echo "== prefix, $replicas replicas, $rate req/s $(date +%T)"
@@ -34,7 +34,7 @@ if [[ $what == prefix || $what == all ]]; then
       --num-blocks 3072 --routers "${ROUTERS:-prefix,kv,serve-pow2}" --dataset prefix \
       --num-prefixes $((8 * replicas)) --prefix-len 4096 \
       --input-len 64 --output-len 32 --rate "$rate" --num-requests $((rate * 6)) \
-      --slo-ttft-ms 300 --slo-tpot-ms 50 --num-procs 8 --out "$out/prefix_qwen3_$rate.json" \
+      --slo-ttft-ms 300 --slo-tpot-ms 50 --num-procs 8 ${EXTRA:-} --out "$out/prefix_qwen3_$rate.json" \
       2>&1 | grep -E "^\||SATURATED|LOST|LEAK|leak check|deployed|Error|ratios|hit rate|admission|: replica" \
       | tail -60
   done
