@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from bench.sim_model import CostModel
 from bench.sim_workload import Workload
 from replica.hashing import summarize
+from replica.scheduler import charge_queued, release_queued
 from replica.stats import ReplicaStats
 
 
@@ -125,31 +126,17 @@ class SimReplica:
         bs = self.block_size
         num_blocks = -(-seq.prompt_len // bs)
         if self.config.enable_prefix_caching:
-            hashes = self.workload.block_hashes(seq.rid, seq.prompt_len // bs)
-            refs, resident = self.queued_hash_refs, self.resident
-            num_shared = 0
-            for h in hashes:
-                if h not in resident and h not in refs:
-                    break
-                num_shared += 1
-            if num_shared * bs >= seq.prompt_len:
-                num_shared -= 1
-            num_blocks -= num_shared
-            for h in hashes:
-                refs[h] = refs.get(h, 0) + 1
-            seq.queued_hashes = hashes
+            seq.queued_hashes = self.workload.block_hashes(seq.rid, seq.prompt_len // bs)
+            num_blocks -= charge_queued(
+                seq.queued_hashes, seq.prompt_len, bs, self.resident, self.queued_hash_refs
+            )
         seq.num_queued_blocks = num_blocks
         self.num_waiting_blocks += num_blocks
 
     def _unqueued(self, seq: SimSeq) -> None:
         self.num_waiting_tokens -= seq.prompt_len
         self.num_waiting_blocks -= seq.num_queued_blocks
-        refs = self.queued_hash_refs
-        for h in seq.queued_hashes:
-            if refs[h] == 1:
-                del refs[h]
-            else:
-                refs[h] -= 1
+        release_queued(seq.queued_hashes, self.queued_hash_refs)
         seq.queued_hashes = []
         seq.num_queued_blocks = 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from replica.block_manager import BlockManager
@@ -31,6 +32,36 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.prefill_lens) + len(self.decode_seqs)
+
+
+def charge_queued(
+    hashes: list[int], num_tokens: int, block_size: int, cached: Container[int],
+    queued_refs: dict[int, int],
+) -> int:  # fmt: skip
+    """A prompt joins a waiting queue: count its full-block hashes into queued_refs and
+    return how many of its blocks it shares, i.e. its leading blocks that are cached or
+    that a prompt already queued brings (less one when that covers every token: its last
+    token is computed, as BlockManager._prefix_hits leaves it). The simulator's replicas
+    charge their queue through this too (bench.sim_replica)."""
+    num_shared = 0
+    for h in hashes:  # chained hashes: only a leading run can be shared
+        if h not in cached and h not in queued_refs:
+            break
+        num_shared += 1
+    if num_shared * block_size >= num_tokens:
+        num_shared -= 1
+    for h in hashes:
+        queued_refs[h] = queued_refs.get(h, 0) + 1
+    return num_shared
+
+
+def release_queued(hashes: list[int], queued_refs: dict[int, int]) -> None:
+    """A prompt left the queue: uncount the hashes charge_queued counted."""
+    for h in hashes:
+        if queued_refs[h] == 1:
+            del queued_refs[h]
+        else:
+            queued_refs[h] -= 1
 
 
 class Scheduler:
@@ -90,17 +121,9 @@ class Scheduler:
             hashes = seq.full_block_hashes(
                 bm.block_size, len(seq) - (seq.token_ids[-1] == PLACEHOLDER)
             )
-            refs, cached = self._queued_hash_refs, bm.hash_to_block
-            num_shared = 0
-            for h in hashes:  # chained hashes: only a leading run can be shared
-                if h not in cached and h not in refs:
-                    break
-                num_shared += 1
-            if num_shared * bm.block_size >= len(seq):
-                num_shared -= 1  # its last token is computed (BlockManager._prefix_hits)
-            num_blocks -= num_shared
-            for h in hashes:
-                refs[h] = refs.get(h, 0) + 1
+            num_blocks -= charge_queued(
+                hashes, len(seq), bm.block_size, bm.hash_to_block, self._queued_hash_refs
+            )
         seq.num_queued_blocks = num_blocks
         seq.num_queued_hashes = len(hashes)
         self.num_waiting_blocks += num_blocks
@@ -109,12 +132,7 @@ class Scheduler:
         """Uncount a sequence that left the waiting queue (admitted or finished)."""
         self.num_waiting_tokens -= len(seq)
         self.num_waiting_blocks -= seq.num_queued_blocks
-        refs = self._queued_hash_refs
-        for h in seq.block_hashes[: seq.num_queued_hashes]:
-            if refs[h] == 1:
-                del refs[h]
-            else:
-                refs[h] -= 1
+        release_queued(seq.block_hashes[: seq.num_queued_hashes], self._queued_hash_refs)
         seq.num_queued_blocks = seq.num_queued_hashes = 0
 
     @property
