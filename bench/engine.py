@@ -22,6 +22,7 @@ import torch
 import kernels.pdl
 from bench.common import copy_bandwidth_gbps, markdown_table, percentile, write_json
 from replica import EngineConfig, LLMEngine, SamplingParams
+from replica.models.layers import uses_triton_linear
 from replica.models.presets import PRESETS
 
 
@@ -188,8 +189,7 @@ def main() -> None:
     columns = ["batch", "tok/s", "HF tok/s", "x HF", "decode tok/s", "roofline tok/s",
                "% roofline", "TPOT ms", "sched+drain ms", "sched+drain p99",
                "launch ms"]  # fmt: skip
-    modules = engine.runner.model.modules()
-    triton_linear = any(getattr(m, "triton_linear", False) for m in modules)
+    triton_linear = uses_triton_linear(engine.runner.model)
     print(f"\nmodel={args.model or model} dtype={engine.dtype} prompt={prompt_len} new={max_new}"
           f" block_size={args.block_size} cuda_graphs={engine.runner.use_cuda_graphs}"
           f" triton_linear={triton_linear}"

@@ -136,6 +136,11 @@ def use_triton_linear(module: nn.Module) -> None:
             layer.triton_linear = True
 
 
+def uses_triton_linear(module: nn.Module) -> bool:
+    """Whether use_triton_linear was applied: some Conv1D in module runs kernels.linear."""
+    return any(isinstance(m, Conv1D) and m.triton_linear for m in module.modules())
+
+
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's tanh GELU, written as HF's NewGELUActivation so float32 results match bit for bit."""
     return (

@@ -145,4 +145,4 @@ def test_gpt2_triton_linear_matches_cublas_path(dtype, monkeypatch):
 
 def test_triton_linear_is_off_in_float32():
     model, _ = load_model("gpt2-tiny", torch.float32, DEVICE, 3, TorchAttention(), True)
-    assert not any(getattr(m, "triton_linear", False) for m in model.modules())
+    assert not layers.uses_triton_linear(model)
