@@ -120,12 +120,11 @@ def run_trace(
     bar.close()
     records = [r for res in state.results.values() for r in res.records]
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
-    leaks = leak_check(client)
     return {
         "records": records,
         "metrics": compute_metrics(records, [s.index for s in trace], slo),
-        "leak_check": leaks,
-        "prefix_cache": prefix_cache_hits(stats_at_start, client.stats()),
+        "leak_check": leak_check(client),  # waits until the replicas are drained, so
+        "prefix_cache": prefix_cache_hits(stats_at_start, client.stats()),  # this is final
         "generator": [
             _generator_row(p, state.results.get(p), state.failures.get(p))
             for p in range(pool.num_procs)
