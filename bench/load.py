@@ -115,16 +115,18 @@ def run_trace(
         bar.update_to(sum(state.done_by_proc.values()))
 
     state = pool.run_round(args.app_name, trace, args.concurrency, args.timeout_s, on_tick)
+    round_end_s = time.time()  # the clock of the replicas' snapshot stamps
     replicas = serving_rows(counters, client.serving_counters())
     bar.update_to(sum(state.done_by_proc.values()))
     bar.close()
     records = [r for res in state.results.values() for r in res.records]
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+    leaks, stats_at_end = leak_check(client, not_before_s=round_end_s)
     return {
         "records": records,
         "metrics": compute_metrics(records, [s.index for s in trace], slo),
-        "leak_check": leak_check(client),  # waits until the replicas are drained, so
-        "prefix_cache": prefix_cache_hits(stats_at_start, client.stats()),  # this is final
+        "leak_check": leaks,
+        "prefix_cache": prefix_cache_hits(stats_at_start, stats_at_end),
         "generator": [
             _generator_row(p, state.results.get(p), state.failures.get(p))
             for p in range(pool.num_procs)

@@ -13,6 +13,7 @@ from typing import Any
 from replica.stats import ReplicaStats
 
 LEAK_CHECK_TIMEOUT_S = 10.0
+FRESH_WAIT_S = 2.0  # leak_check: how long a drained fleet may wait for fresh snapshots
 
 
 def start_local_ray(num_cpus: int) -> str:
@@ -146,22 +147,30 @@ def is_drained(s: ReplicaStats) -> bool:
     )
 
 
-def leak_check(client: Any, timeout_s: float = LEAK_CHECK_TIMEOUT_S) -> dict:
-    """Poll until every replica is drained, or report the ones that are not.
+def leak_check(
+    client: Any, not_before_s: float = 0.0, timeout_s: float = LEAK_CHECK_TIMEOUT_S
+) -> tuple[dict, list[ReplicaStats]]:
+    """Poll until every replica is drained, or report the ones that are not; the report
+    and the snapshots it ended on.
 
     Waits because aborts and the last steps land asynchronously; a replica still
-    holding blocks or sequences after timeout_s is a leak.
+    holding blocks or sequences after timeout_s is a leak. A replica's snapshot is up
+    to a stats period old, and one taken in a lull before the last requests reads
+    drained too, without their counters: once drained, it also waits (at most
+    FRESH_WAIT_S) for snapshots stamped at or after not_before_s (the round's end, on
+    this host's clock; a replica whose clock is behind only costs that wait).
     """
     start = time.perf_counter()
     while True:
         stats = client.stats()
         ok = bool(stats) and all(is_drained(s) for s in stats)
+        fresh = all(s.timestamp_s >= not_before_s for s in stats)
         waited_s = time.perf_counter() - start
-        if ok or waited_s > timeout_s:
+        if (ok and (fresh or waited_s > FRESH_WAIT_S)) or waited_s > timeout_s:
             break
-        time.sleep(0.2)
+        time.sleep(0.05 if ok else 0.2)
     keys = ("num_running", "num_waiting", "num_blocks_free", "num_blocks_cached")
-    return {
+    report = {
         "ok": ok,
         "waited_s": round(waited_s, 2),
         "replicas": [
@@ -171,3 +180,4 @@ def leak_check(client: Any, timeout_s: float = LEAK_CHECK_TIMEOUT_S) -> dict:
             for s in stats
         ],
     }
+    return report, stats

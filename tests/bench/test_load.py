@@ -14,7 +14,7 @@ import pytest
 
 from bench.load_metrics import SLO, RequestRecord, account, compute_metrics
 from bench.load_report import plot_kv_usage, plot_latency_cdfs, ratios_against
-from bench.load_target import prefix_cache_hits, serving_rows
+from bench.load_target import leak_check, prefix_cache_hits, serving_rows
 from bench.load_worker import send_one
 from bench.load_workload import (
     RequestSpec,
@@ -321,10 +321,12 @@ def test_end_to_end_two_routers_lose_nothing_and_leak_nothing(tmp_path) -> None:
         assert run["leak_check"]["ok"]
         assert len(run["leak_check"]["replicas"]) == 2
         assert run["kv_samples"]
-        # 24 requests of 40 prompt tokens over 2 prefixes of 2 blocks: some hit. (The exact
-        # counts are the unit tests'; these are what the replicas' snapshots reported.)
+        # 24 requests of 40 prompt tokens over 2 prefixes of 2 blocks: some hit. Every
+        # completed request was admitted with its 40 tokens, and the final snapshots are
+        # stamped after the round (leak_check), so none is missing from the counts.
         cache = run["prefix_cache"]
-        assert 0 < cache["hit_tokens"] < cache["query_tokens"] <= 2 * 24 * 40
+        assert 40 * m["completed"] <= cache["query_tokens"] <= 2 * 24 * 40
+        assert 0 < cache["hit_tokens"] < cache["query_tokens"]
         assert 0 < cache["hit_rate"] < 1
     assert (tmp_path / "load_latency_cdf.png").exists()
     assert (tmp_path / "load_kv_usage.png").exists()
@@ -352,6 +354,22 @@ def test_serving_rows_difference_each_replicas_counters() -> None:
     assert a["engine_cpu_fraction"] == 1.0 and a["engine_ttft_mean_ms"] == 3.0
     assert b["engine_cpu_fraction"] is None and b["engine_ttft_mean_ms"] is None
     assert b["cpu_fraction"] == 0.1
+
+
+def test_leak_check_ends_on_snapshots_stamped_after_the_round() -> None:
+    # A drained snapshot from a lull before the last request, then the fresh one.
+    stale = replace(make_stats("a", timestamp_s=99.0), prefix_query_tokens=40)
+    fresh = replace(make_stats("a", timestamp_s=101.0), prefix_query_tokens=80)
+
+    class FakeClient:
+        def __init__(self) -> None:
+            self.answers = [[stale], [stale], [fresh]]
+
+        def stats(self) -> list[ReplicaStats]:
+            return self.answers.pop(0)
+
+    report, stats = leak_check(FakeClient(), not_before_s=100.0)
+    assert report["ok"] and stats == [fresh]
 
 
 def test_prefix_cache_hits_difference_each_replicas_counters() -> None:
