@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict
 
 from bench.common import add_engine_mode_args, write_json
-from bench.load_metrics import SLO, RequestRecord, compute_metrics
+from bench.load_metrics import SLO, RequestRecord, compute_metrics, prefix_placement
 from bench.load_pool import GeneratorPool, Round
 from bench.load_report import (
     BASELINE_ROUTER,
@@ -36,6 +36,7 @@ from bench.load_report import (
     plot_latency_cdfs,
     ratio_table,
     ratios_against,
+    routing_line,
     summary_table,
 )
 from bench.load_target import (
@@ -57,6 +58,7 @@ from bench.load_workload import (
     WorkloadConfig,
     build_trace,
 )
+from cluster import routing_trace
 from cluster.config import ROUTERS, ClusterConfig
 
 # Ray Serve's own routers (cluster.config has them once they are wired); kept in the CLI.
@@ -122,9 +124,16 @@ def run_trace(
     records = [r for res in state.results.values() for r in res.records]
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
     leaks, stats_at_end = leak_check(client, not_before_s=round_end_s)
+    prefix_ids = {s.index: s.prefix_id for s in trace if s.prefix_id is not None}
+    results = state.results.values()
+    rows = [row for res in results for row in res.routing_rows]
     return {
         "records": records,
         "metrics": compute_metrics(records, [s.index for s in trace], slo),
+        "placement": prefix_placement(records, prefix_ids),
+        "routing": routing_trace.summarize(rows)
+        | {"dropped": sum(res.routing_rows_dropped for res in results)},
+        "routing_rows": rows,
         "leak_check": leaks,
         "prefix_cache": prefix_cache_hits(stats_at_start, stats_at_end),
         "generator": [
@@ -215,7 +224,7 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
             "route_on_caller_loop": args.route_on_caller_loop,
             "serve_grpc": not args.serve_actor_calls,
         }
-        pool = GeneratorPool(num_procs, ray_address, client_options)
+        pool = GeneratorPool(num_procs, ray_address, client_options, args.routing_trace)
         for router, config in configs.items():
             if config is not None:
                 t_deploy = time.monotonic()
@@ -280,6 +289,15 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
                 f"{router}: prefix cache hit rate {cache['hit_rate']:.1%} of"
                 f" {cache['query_tokens']} prompt tokens (per replica: {per_replica})"
             )
+        placement = run["placement"]
+        if placement["prefixes"]:
+            print(
+                f"{router}: prefix placement: {placement['top_replica_share']:.0%} of a prefix's"
+                f" requests on its most used replica, {placement['mean_replicas_per_prefix']}"
+                f" replicas per prefix ({placement['prefixes']} prefixes)"
+            )
+        if run["routing"]["decisions"]:
+            print(f"{router}: routing trace: {routing_line(run['routing'])}")
         admit = m["admit_ms"]
         if not math.isnan(admit["p50"]):
             print(
@@ -302,8 +320,13 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
             "workload": workload,
             "target": {k: getattr(args, k) for k in _TARGET_KEYS},
             "runs": {
-                r: {k: v for k, v in run.items() if k != "records"}
+                r: {k: v for k, v in run.items() if k not in ("records", "routing_rows")}
                 | ({"requests": [asdict(x) for x in run["records"]]} if args.save_requests else {})
+                | (
+                    {"routing_rows": [asdict(x) for x in run["routing_rows"]]}
+                    if args.routing_trace
+                    else {}
+                )
                 for r, run in runs.items()
             },
             "ratios_vs_" + BASELINE_ROUTER: ratios,
@@ -401,6 +424,12 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--timeout-s", type=float, default=300.0, help="after the last arrival")
     m.add_argument("--out", default=None, help="JSON path; PNGs are written beside it")
     m.add_argument("--save-requests", action="store_true", help="per-request rows in JSON")
+    m.add_argument(
+        "--routing-trace",
+        action="store_true",
+        help="record every kvfleet routing decision in the generators (cluster.routing_trace):"
+        " a summary line per router, and the rows in JSON",
+    )
     return p
 
 

@@ -216,3 +216,27 @@ def _error_examples(records: list[RequestRecord], per_type: int = 2) -> dict[str
                 f"{r.error_message}"
             )
     return out
+
+
+def prefix_placement(records: list[RequestRecord], prefix_ids: dict[int, int]) -> dict:
+    """Where each shared prefix's requests ran: share of them on the replica that ran most of
+    that prefix (1.0: every prefix kept on one replica; about 1/replicas: spread at random),
+    weighted by requests, and the mean number of replicas a prefix ran on.
+
+    prefix_ids: request index -> the prefix it shares (RequestSpec.prefix_id); completed
+    requests only, since a failed one may never have reached a replica.
+    """
+    by_prefix: dict[int, Counter] = {}
+    for r in records:
+        prefix_id = prefix_ids.get(r.index)
+        if prefix_id is not None and r.outcome == "ok" and r.replica_id:
+            by_prefix.setdefault(prefix_id, Counter())[r.replica_id] += 1
+    if not by_prefix:
+        return {"prefixes": 0, "top_replica_share": None, "mean_replicas_per_prefix": None}
+    num_requests = sum(sum(c.values()) for c in by_prefix.values())
+    on_top = sum(c.most_common(1)[0][1] for c in by_prefix.values())
+    return {
+        "prefixes": len(by_prefix),
+        "top_replica_share": round(on_top / num_requests, 4),
+        "mean_replicas_per_prefix": round(sum(map(len, by_prefix.values())) / len(by_prefix), 2),
+    }

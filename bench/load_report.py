@@ -178,3 +178,25 @@ def plot_kv_usage(samples_by_router: dict[str, list[dict]], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def routing_line(routing: dict) -> str:
+    """One line of cluster.routing_trace.summarize's figures."""
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0%}"
+
+    age, load_age = routing["summary_age_ms"], routing["load_age_ms"]
+    gap = routing["chosen_minus_min_load"]
+    return (
+        f"{routing['decisions']} decisions; a replica's summary held part of the prompt in"
+        f" {pct(routing['with_match'])}, an admissible one's in"
+        f" {pct(routing['admissible_match'])}, followed in {pct(routing['followed'])};"
+        f" all replicas admissible {pct(routing['all_admissible'])}, imbalanced"
+        f" {pct(routing['imbalanced'])}, held first {pct(routing['held_before'])}, no summary"
+        f" {pct(routing['no_summary'])}; summary age p50 {age['p50']} / p90 {age['p90']} ms,"
+        f" load age p50 {load_age['p50']} / p90 {load_age['p90']} ms; chosen - least load"
+        f" p50 {gap['p50']} / p90 {gap['p90']}; {routing['mean_replicas_per_prefix']}"
+        f" replicas per prefix over {routing['prefixes']} prefixes"
+        + (f"; {routing['dropped']} rows dropped" if routing.get("dropped") else "")
+    )

@@ -47,6 +47,7 @@ class WorkerPlan:
     timeout_s: float
     warmup: bool = True
     client_options: dict = field(default_factory=dict)  # Client keyword arguments
+    routing_trace: bool = False  # record this process's routing decisions (cluster.routing_trace)
 
 
 @dataclass
@@ -56,6 +57,8 @@ class WorkerResult:
     wall_s: float = 0.0
     cpu_s: float = 0.0
     cpu_windows: list[float] = field(default_factory=list)  # cores used per monitor period
+    routing_rows: list = field(default_factory=list)  # cluster.routing_trace.RoutingRow
+    routing_rows_dropped: int = 0
 
     @property
     def cpu_fraction(self) -> float:
@@ -200,6 +203,7 @@ async def _warmup(client: Any) -> None:
 
 
 async def _run(plan: WorkerPlan, events: Any, commands: Any) -> WorkerResult:
+    from cluster import routing_trace
     from cluster.client import Client
 
     # A new one per round (the app was redeployed), on this round's loop.
@@ -207,6 +211,8 @@ async def _run(plan: WorkerPlan, events: Any, commands: Any) -> WorkerResult:
     await client.model_info_async()
     if plan.warmup:
         await _warmup(client)
+    if plan.routing_trace:
+        routing_trace.enable()  # after the warm-up, whose decision is not the trace's
     gc.freeze()  # start-up is over: later collections skip its objects
     events.put(("ready", plan.proc, None))
     kind, start_wall_s = await asyncio.get_running_loop().run_in_executor(None, commands.get)
@@ -236,6 +242,7 @@ async def _run(plan: WorkerPlan, events: Any, commands: Any) -> WorkerResult:
     result.wall_s = time.perf_counter() - wall0
     result.cpu_s = time.process_time() - cpu0
     result.records = list(records.values())
+    result.routing_rows, result.routing_rows_dropped = routing_trace.drain()
     # Not client.aclose(): with route_on_caller_loop, a round after a redeploy was once
     # seen (CI) to hang before "ready" after the previous round's router was shut down
     # on this loop; the round's client stays referenced for the process's life instead.

@@ -31,7 +31,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from cluster import live_stats
+from cluster import live_stats, routing_trace
 from replica.stats import ReplicaStats
 from router import Admission, OverloadedError, RouterConfig, RouteRequest
 
@@ -252,6 +252,9 @@ class KVFleetRequestRouter(RequestRouter):
 
         self.holds.pop(request.request_id, None)
         self.admission.reserve(request, decision.tiers[0][0], now_s)
+        if routing_trace.is_enabled():
+            summaries = {replica_id: stats for replica_id, (_, stats) in self.decoded.items()}
+            routing_trace.record(request, decision, now_s, summaries, self.router_config, attempt)
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}

@@ -37,7 +37,7 @@ from router.reservations import Reservation, ReservationBook
 from router.room import room_for
 from router.tiebreak import tiebreak
 
-__all__ = ["Admission", "Decision", "Reservation", "ReservationBook", "refusal"]
+__all__ = ["Admission", "Decision", "DecisionView", "Reservation", "ReservationBook", "refusal"]
 
 DEFAULT_BLOCK_SIZE = 16
 # Refusals named in a held or rejected decision's reason; the rest are counted.
@@ -73,12 +73,26 @@ def refusal(
 
 
 @dataclass(frozen=True)
+class DecisionView:
+    """What one decision read, by fleet slot: for explaining it (cluster.routing_trace),
+    never for routing. References to the decision's own arrays and the fleet's ids, so
+    building it costs nothing; valid until the fleet next changes."""
+
+    replica_ids: Sequence[str]  # by fleet slot
+    loads: np.ndarray  # float64: load_fraction with the request (Room.load)
+    admissible: np.ndarray  # int64: fresh slots with room, those the policy ranked
+    matched: np.ndarray | None  # int64: leading prompt blocks cached; None: no prefix index
+    timestamps_s: np.ndarray  # float64: each slot's snapshot stamp
+
+
+@dataclass(frozen=True)
 class Decision:
     """Admitted (tiers non-empty, best first) or held (tiers empty: retry after retry_after_s)."""
 
     tiers: list[list[str]] = field(default_factory=list)
     retry_after_s: float = 0.0
     reason: str = ""
+    view: DecisionView | None = field(default=None, compare=False, repr=False)
 
     @property
     def admitted(self) -> bool:
@@ -189,7 +203,10 @@ class Admission:
         )
         tiers += [[r] for r in last_resort]
         if tiers:
-            return Decision(tiers)
+            view = DecisionView(
+                fleet.ids, room.load, admissible, matched, fleet.column("timestamp_s")
+            )
+            return Decision(tiers, view=view)
 
         reason = self.refusals(np.flatnonzero(refused), request, now_s, room.needed)
         reason = reason or "no replicas"

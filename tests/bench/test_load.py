@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bench.load_metrics import SLO, RequestRecord, account, compute_metrics
+from bench.load_metrics import SLO, RequestRecord, account, compute_metrics, prefix_placement
 from bench.load_report import plot_kv_usage, plot_latency_cdfs, ratios_against
 from bench.load_target import leak_check, prefix_cache_hits, serving_rows
 from bench.load_worker import send_one
@@ -308,7 +308,7 @@ def test_end_to_end_two_routers_lose_nothing_and_leak_nothing(tmp_path) -> None:
         "--model gpt2-tiny --replicas 2 --device cpu --num-blocks 128 --max-num-seqs 16 "
         "--routers kv,pow2 --num-requests 24 --rate 30 --dataset prefix --num-prefixes 2 "
         "--prefix-len 32 --input-len 8 --output-len 8 --num-procs 2 --timeout-s 60 "
-        f"--slo-ttft-ms 2000 --out {out}"
+        f"--slo-ttft-ms 2000 --routing-trace --out {out}"
     ).split()
     assert main(argv) == 0
     result = json.loads(out.read_text())
@@ -328,8 +328,29 @@ def test_end_to_end_two_routers_lose_nothing_and_leak_nothing(tmp_path) -> None:
         assert 40 * m["completed"] <= cache["query_tokens"] <= 2 * 24 * 40
         assert 0 < cache["hit_tokens"] < cache["query_tokens"]
         assert 0 < cache["hit_rate"] < 1
+        # Every admitted request was decided once by some generator's router and traced.
+        routing, rows = run["routing"], run["routing_rows"]
+        assert m["completed"] <= routing["decisions"] == len(rows) <= 24
+        assert len({r["request_id"] for r in rows}) == len(rows)  # one admission each
+        assert routing["prefixes"] == 2 and 1 <= routing["mean_replicas_per_prefix"] <= 2
+        assert run["placement"]["prefixes"] == 2
+        assert 0.5 <= run["placement"]["top_replica_share"] <= 1
     assert (tmp_path / "load_latency_cdf.png").exists()
     assert (tmp_path / "load_kv_usage.png").exists()
+
+
+def test_prefix_placement_is_the_share_on_each_prefixs_most_used_replica() -> None:
+    def done(index: int, replica_id: str, outcome: str = "ok") -> RequestRecord:
+        return RequestRecord(index, 8, 4, 0.0, outcome=outcome, replica_id=replica_id)
+
+    records = [done(0, "a"), done(1, "a"), done(2, "b"), done(3, "b"), done(4, "a", "error")]
+    records += [done(5, "c")]  # no prefix: not counted
+    placement = prefix_placement(records, {0: 7, 1: 7, 2: 7, 3: 9, 4: 9})
+    # prefix 7: 2 of 3 on a; prefix 9: 1 of 1 on b (the failed request is left out)
+    assert placement == {
+        "prefixes": 2, "top_replica_share": 0.75, "mean_replicas_per_prefix": 1.5
+    }  # fmt: skip
+    assert prefix_placement(records, {})["top_replica_share"] is None
 
 
 def test_serving_rows_difference_each_replicas_counters() -> None:
