@@ -35,7 +35,7 @@ if [[ $what == prefix || $what == all ]]; then
       --num-prefixes $((8 * replicas)) --prefix-len 4096 \
       --input-len 64 --output-len 32 --rate "$rate" --num-requests $((rate * 6)) \
       --slo-ttft-ms 300 --slo-tpot-ms 50 --num-procs 8 ${EXTRA:-} --out "$out/prefix_qwen3_$rate.json" \
-      2>&1 | grep -E "^\||SATURATED|LOST|LEAK|leak check|deployed|Error|ratios|hit rate|admission|: replica" \
+      2>&1 | grep -E "^\||SATURATED|LOST|LEAK|leak check|deployed|Error|ratios|hit rate|admission|: replica|placement|routing trace" \
       | tail -60
   done
 fi
