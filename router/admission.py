@@ -34,7 +34,7 @@ from router.fleet import Fleet
 from router.load import committed_fraction, num_available_blocks
 from router.request import RouteRequest
 from router.reservations import Reservation, ReservationBook
-from router.room import room_for
+from router.room import Room, room_for
 from router.tiebreak import tiebreak
 
 __all__ = ["Admission", "Decision", "DecisionView", "Reservation", "ReservationBook", "refusal"]
@@ -50,13 +50,16 @@ def refusal(
     high_watermark: float,
     queue_fraction: float = 0.0,
     num_needed: int | None = None,
+    num_shared: int = 0,
 ) -> str | None:
     """Why a (charged) replica cannot admit the request now, or None if it can.
 
     Queued prompts count as taken blocks in both tests (router.load), so a request
     is held back by the same blocks whether it is still this router's reservation,
     waiting on the replica, or running there. queue_fraction: see RouterConfig.
-    num_needed: the blocks the request needs there (default: its whole prompt).
+    num_needed: the blocks the request needs there (default: its whole prompt);
+    num_shared: its prompt blocks cached there. A replica holding at least as many
+    of them as the request needs anew takes it past the watermark (Room.refused).
     """
     if num_needed is None:
         num_needed = request.num_prompt_blocks(stats.block_size)
@@ -64,7 +67,7 @@ def refusal(
     if num_available < num_needed:
         return f"{stats.replica_id}: {num_available} blocks available < {num_needed} needed"
     usage = committed_fraction(stats)
-    if usage >= high_watermark + queue_fraction:
+    if usage >= high_watermark + queue_fraction and num_shared < max(num_needed, 1):
         return (
             f"{stats.replica_id}: kv usage with queue {usage:.3f} >= "
             f"high_watermark {high_watermark} + queue_fraction {queue_fraction}"
@@ -208,7 +211,7 @@ class Admission:
             )
             return Decision(tiers, view=view)
 
-        reason = self.refusals(np.flatnonzero(refused), request, now_s, room.needed)
+        reason = self.refusals(np.flatnonzero(refused), request, now_s, room)
         reason = reason or "no replicas"
         if len(fleet) and not last_resort and bool(np.all(room.needed > fleet.column("total"))):
             raise OverloadedError(config.backoff_max_s, f"prompt larger than any replica: {reason}")
@@ -251,14 +254,14 @@ class Admission:
         slots: np.ndarray,
         request: RouteRequest,
         now_s: float,
-        needed: np.ndarray,
+        room: Room,
     ) -> str:
         """Why the first refused replicas refuse (router.load's wording), and how many more.
 
         Each names its snapshot's age and this router's reservations on it: a refusal
         read off a snapshot from before the replica drained, or one made of this
         router's own reservations, reads differently from a replica that is full now.
-        needed: Room.needed, the blocks the request needs at each slot.
+        room: the decision's, whose needed and shared blocks each test uses.
         """
         fleet, book = self.fleet, self.reservations
         named = []
@@ -269,7 +272,8 @@ class Admission:
                 request,
                 self.config.high_watermark,
                 self.config.queue_fraction,
-                int(needed[slot]),
+                int(room.needed[slot]),
+                0 if room.shared is None else int(room.shared[slot]),
             )
             age_ms = 1e3 * (now_s - stats.timestamp_s)
             num_reserved = int(fleet.column("reserved")[slot])

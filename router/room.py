@@ -24,12 +24,25 @@ class Room:
     committed: np.ndarray  # float64: (used + waiting) / total, after charging
     load: np.ndarray  # float64: max(KV, slot) fraction with the request (load_fraction)
     queue_fraction: float = 0.0  # RouterConfig.queue_fraction: in available, and below
+    shared: np.ndarray | None = None  # int64: prompt blocks cached there (None: unknown)
 
     def refused(self, high_watermark: float) -> np.ndarray:
         """bool: the replica has no room for the prompt, or is at the high watermark
-        (raised by queue_fraction, as the room is)."""
+        (raised by queue_fraction, as the room is) and holds less than half the prompt.
+
+        Why the exception: the watermark keeps new sequences off a replica whose blocks
+        are nearly all committed, so that a request waits at the router for whichever
+        replica frees room first rather than in one replica's queue. A request whose
+        prefix that replica has cached is better off waiting there, for the few blocks
+        it needs: anywhere else it recomputes the prefix and evicts other prefixes for
+        it. Refusing it there spread each shared prefix over every replica once the
+        fleet ran near its watermark, and kept it spread (H200 x4, BENCHMARKS.md).
+        """
         watermark = high_watermark + self.queue_fraction
-        return (self.available < self.needed) | (self.committed >= watermark)
+        over = self.committed >= watermark
+        if self.shared is not None:
+            over &= self.shared < self.needed
+        return (self.available < self.needed) | over
 
 
 def room_for(
@@ -73,4 +86,5 @@ def room_for(
         committed=queued / total,
         load=np.maximum((queued + needed) / total, slots),
         queue_fraction=queue_fraction,
+        shared=matched,
     )

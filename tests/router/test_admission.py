@@ -220,6 +220,35 @@ def test_a_cached_prefix_counts_toward_room_and_reservations(now_s: float) -> No
         )
 
 
+def test_past_the_watermark_a_replica_takes_only_requests_it_holds_half_the_prompt_of(
+    now_s: float,
+) -> None:
+    """A replica at 97% of its blocks (watermark 0.95) with 3 blocks free: a prompt of 8
+    blocks whose first 6 it caches needs 2 there and is admitted; one whose first 3 it
+    caches needs 5 (more than it shares, and more than the room) and is refused; so is an
+    uncached 1-block prompt, by the watermark. The refusal names the watermark only for
+    the last."""
+    from replica.hashing import prefix_block_hashes
+
+    tokens = list(range(128))  # 8 blocks of 16
+    hashes = tuple(prefix_block_hashes(tokens, 16))
+    other = list(range(500, 628))
+    cached = hashes[:6] + tuple(prefix_block_hashes(other, 16))[:3]
+    stats = [make_stats("hot", num_blocks_used=97, cached_prefix_hashes=cached)]
+    adm = admission(policy="prefix", on_overload="reject")
+    assert adm.admit(stats, RouteRequest.from_tokens("a", tokens), now_s).tiers == [["hot"]]
+    with pytest.raises(OverloadedError, match="3 blocks available < 5 needed"):
+        adm.admit(stats, RouteRequest.from_tokens("b", other), now_s)
+    with pytest.raises(OverloadedError, match="high_watermark"):
+        adm.admit(stats, RouteRequest.from_tokens("c", list(range(900, 916))), now_s)
+    # A cached 2-block prompt: prefix admits it; kv keeps no prefix index, and it fits
+    # the 3 free blocks, but the watermark refuses it.
+    short = RouteRequest.from_tokens("d", tokens[:32])
+    assert adm.admit(stats, short, now_s).tiers == [["hot"]]
+    with pytest.raises(OverloadedError, match="high_watermark"):
+        admission(policy="kv", on_overload="reject").admit(stats, short, now_s)
+
+
 def test_a_reservation_reuses_its_decisions_match_only_while_the_fleet_is_unchanged(
     now_s: float,
 ) -> None:
