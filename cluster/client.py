@@ -81,14 +81,6 @@ class Client:
     replica's process spends a third less CPU per request (BENCHMARKS.md, "Serve's
     gRPC path"); False keeps Ray's actor-call path.
 
-    Each Client makes its own Serve handle, so its own Serve request router, built from
-    the app's router config when the client first sends. Not serve.get_deployment_handle's
-    handle: Serve caches that one per (app, deployment) for the life of the process, and
-    its request router keeps the class and kwargs of the deployment it first saw, so a
-    process that outlived a redeploy with another router went on routing with the old one
-    (bench.load's generators did, for every router after the first, until 2026-11-22).
-    A Client made before a redeploy keeps its router too: make a new one after it.
-
     Cost per streamed token in the calling process is a few microseconds, a good part of
     it garbage collection walking the start-up heap (Ray, torch) when the per-chunk
     allocations trigger it: a process that streams a lot should gc.freeze() once it has
@@ -293,9 +285,9 @@ class Client:
             if handle is None and self.route_on_caller_loop:
                 handle = current_loop_handle(self.app_name)
             elif handle is None:
-                from ray.serve.handle import DeploymentHandle
+                from ray import serve
 
-                handle = self._handle = DeploymentHandle(LLM_DEPLOYMENT, self.app_name)
+                handle = self._handle = serve.get_deployment_handle(LLM_DEPLOYMENT, self.app_name)
             transport = CallerTransport(
                 handle, self.carrier_timeout_s, self.abort_timeout_s, self.serve_grpc
             )

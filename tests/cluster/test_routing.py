@@ -321,34 +321,3 @@ def test_serve_consistent_hash_router_serves_with_prefix_affinity(apps: Apps) ->
         assert chunks[-1].finish_reason == "length"
     assert all(len(replicas) == 1 for replicas in by_prompt.values()), by_prompt
     assert all(len(t) == 1 and len(next(iter(t))) == 6 for t in tokens.values())
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_a_new_client_routes_with_the_router_the_app_was_redeployed_with(
-    serve_base_url: str,
-) -> None:
-    """Serve caches handles per (app, deployment) for the process's life, and a cached
-    handle's request router keeps the first deployment's class: a Client must not use it,
-    or a process outliving a redeploy routes with the old router (bench.load's generators
-    did). kvfleet's routers record their decisions in cluster.routing_trace; Serve's own
-    round robin records none."""
-    from ray import serve
-
-    from cluster import routing_trace
-
-    name = "route-redeploy"
-    routing_trace.enable()
-    try:
-        for router, expect_traced in (("kv", True), ("serve-round-robin", False)):
-            config = ClusterConfig(
-                model="gpt2-tiny", router=router, num_blocks=64, device="cpu", app_name=name
-            )
-            serve.run(build_app(config), name=name, route_prefix=None)
-            done = Client(name).generate(_prompt(20), _params(2))
-            assert done.finish_reason == "length"
-            rows, _ = routing_trace.drain()
-            assert bool(rows) == expect_traced, (router, rows)
-            serve.delete(name)
-    finally:
-        routing_trace._rows = None
