@@ -93,12 +93,16 @@ class Progress:
 
 
 def run_trace(
-    args: argparse.Namespace, router: str, trace: list[RequestSpec], pool: GeneratorPool
+    args: argparse.Namespace,
+    router: str,
+    trace: list[RequestSpec],
+    pool: GeneratorPool,
+    app_name: str,
 ) -> dict:
-    """Replay the trace against the app as it is now deployed; metrics, CPU, KV samples."""
+    """Replay the trace against app_name as it is now deployed; metrics, CPU, KV samples."""
     from cluster.client import Client
 
-    client = Client(args.app_name)
+    client = Client(app_name)
     samples: list[dict] = []
     bar = Progress(len(trace), router)
     next_poll_s = 0.0
@@ -116,7 +120,7 @@ def run_trace(
             next_poll_s = time.monotonic() + STATS_PERIOD_S
         bar.update_to(sum(state.done_by_proc.values()))
 
-    state = pool.run_round(args.app_name, trace, args.concurrency, args.timeout_s, on_tick)
+    state = pool.run_round(app_name, trace, args.concurrency, args.timeout_s, on_tick)
     round_end_s = time.time()  # the clock of the replicas' snapshot stamps
     replicas = serving_rows(counters, client.serving_counters())
     bar.update_to(sum(state.done_by_proc.values()))
@@ -187,9 +191,20 @@ def _cluster_config(args: argparse.Namespace, router: str) -> ClusterConfig:
         engine_process=args.engine_process,
         device=args.device,
         seed=args.seed,
-        app_name=args.app_name,
+        app_name=round_app_name(args.app_name, router),
         **admission,
     )
+
+
+def round_app_name(app_name: str, router: str) -> str:
+    """The app each router's round deploys: a name of its own, never one an earlier round
+    used. A process keeps Serve's handle on an (app, deployment) for its life, and that
+    handle's request router keeps the router class of the deployment it first saw: with
+    one name, every round after the first was routed by the first round's router in the
+    generator processes (until 2026-11-22). A new handle on the same name in a process
+    that holds the old one may never see the new replicas (Serve's shared long-poll
+    client), so making one per round is no way out either."""
+    return f"{app_name}-{router}"
 
 
 def _workload(args: argparse.Namespace, vocab_size: int) -> WorkloadConfig:
@@ -226,6 +241,7 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
         }
         pool = GeneratorPool(num_procs, ray_address, client_options, args.routing_trace)
         for router, config in configs.items():
+            app_name = args.app_name if config is None else config.app_name
             if config is not None:
                 t_deploy = time.monotonic()
                 deploy(config, args.fake_step_ms, args.fake_host_ms)
@@ -234,13 +250,13 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
                     f"in {time.monotonic() - t_deploy:.1f} s"
                 )
             if trace is None:
-                vocab = args.vocab_size or Client(args.app_name).model_info().vocab_size
+                vocab = args.vocab_size or Client(app_name).model_info().vocab_size
                 workload_config = _workload(args, vocab)
                 trace = build_trace(workload_config)
                 workload = asdict(workload_config) | {"concurrency": args.concurrency}
-            runs[router] = run_trace(args, router, trace, pool)
+            runs[router] = run_trace(args, router, trace, pool, app_name)
             if config is not None:
-                undeploy(args.app_name)
+                undeploy(app_name)
     finally:
         if pool is not None:
             pool.close()
@@ -351,7 +367,11 @@ _TARGET_KEYS = (
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n")[0])
     t = p.add_argument_group("target (--model starts a local app; without it, attach)")
-    t.add_argument("--app-name", default="kvfleet")
+    t.add_argument(
+        "--app-name",
+        default="kvfleet",
+        help="the app to attach to; with --model, each router's round deploys APP_NAME-ROUTER",
+    )
     t.add_argument("--address", default="auto", help="Ray address when attaching")
     t.add_argument("--model", default=None)
     t.add_argument("--replicas", type=int, default=2)

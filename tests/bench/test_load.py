@@ -306,13 +306,13 @@ def test_end_to_end_two_routers_lose_nothing_and_leak_nothing(tmp_path) -> None:
     out = tmp_path / "load.json"
     argv = (
         "--model gpt2-tiny --replicas 2 --device cpu --num-blocks 128 --max-num-seqs 16 "
-        "--routers kv,pow2 --num-requests 24 --rate 30 --dataset prefix --num-prefixes 2 "
-        "--prefix-len 32 --input-len 8 --output-len 8 --num-procs 2 --timeout-s 60 "
-        f"--slo-ttft-ms 2000 --routing-trace --out {out}"
+        "--routers prefix,serve-round-robin --num-requests 24 --rate 30 --dataset prefix "
+        "--num-prefixes 2 --prefix-len 32 --input-len 8 --output-len 8 --num-procs 2 "
+        f"--timeout-s 60 --slo-ttft-ms 2000 --routing-trace --out {out}"
     ).split()
     assert main(argv) == 0
     result = json.loads(out.read_text())
-    for router in ("kv", "pow2"):
+    for router in ("prefix", "serve-round-robin"):
         run = result["runs"][router]
         m = run["metrics"]
         assert m["lost"] == 0
@@ -328,13 +328,17 @@ def test_end_to_end_two_routers_lose_nothing_and_leak_nothing(tmp_path) -> None:
         assert 40 * m["completed"] <= cache["query_tokens"] <= 2 * 24 * 40
         assert 0 < cache["hit_tokens"] < cache["query_tokens"]
         assert 0 < cache["hit_rate"] < 1
-        # Every admitted request was decided once by some generator's router and traced.
-        routing, rows = run["routing"], run["routing_rows"]
-        assert m["completed"] <= routing["decisions"] == len(rows) <= 24
-        assert len({r["request_id"] for r in rows}) == len(rows)  # one admission each
-        assert routing["prefixes"] == 2 and 1 <= routing["mean_replicas_per_prefix"] <= 2
         assert run["placement"]["prefixes"] == 2
         assert 0.5 <= run["placement"]["top_replica_share"] <= 1
+    # Every request of the prefix round was decided once by a generator's kvfleet router
+    # and traced; the round after it was routed by Serve's round robin, which traces
+    # nothing (each round deploys an app of its own name: with one name, the generators
+    # kept routing with the first round's router).
+    routing, rows = result["runs"]["prefix"]["routing"], result["runs"]["prefix"]["routing_rows"]
+    assert 24 == routing["decisions"] == len(rows)
+    assert len({r["request_id"] for r in rows}) == len(rows)  # one admission each
+    assert routing["prefixes"] == 2 and 1 <= routing["mean_replicas_per_prefix"] <= 2
+    assert result["runs"]["serve-round-robin"]["routing"]["decisions"] == 0
     assert (tmp_path / "load_latency_cdf.png").exists()
     assert (tmp_path / "load_kv_usage.png").exists()
 
