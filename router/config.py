@@ -49,12 +49,13 @@ class RouterConfig:
     # runs of requests to the least loaded one until it catches up, and their prefills
     # queue there (simulator, BENCHMARKS.md "the kv balance band"). 0: strict order.
     balance_band: float = 0.1
-    # prefix orders replicas that tie on cached blocks and (banded) load by a hash of the
-    # prompt's first prefix_affinity_tokens tokens (whole blocks; rendezvous hashing), not
-    # per request: every router then sends one prefix to the same replica, before any
-    # replica has published it and while published prefix summaries are stale (Serve
-    # delivers them ~0.25 s old under load, BENCHMARKS.md), instead of each copying it
-    # onto the replica that looked lightest to it. 0: per request, as kv.
+    # prefix orders replicas that tie on cached blocks by a hash of the prompt's first
+    # prefix_affinity_tokens tokens (whole blocks; rendezvous hashing), not by load, while
+    # loads are balanced (the thresholds above): every router then sends one prefix to the
+    # same replica, before any replica has published it and while published prefix
+    # summaries are stale (Serve delivers them ~0.2 s old under load, BENCHMARKS.md),
+    # instead of each copying it onto the replica that looked lightest to it. 0: by
+    # (banded) load, then per request, as kv.
     prefix_affinity_tokens: int = 64
     # A reservation lives until a snapshot of its replica counts the request, or
     # reservation_ttl_s. Once the replica's ack says when its engine admitted the

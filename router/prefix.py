@@ -30,18 +30,23 @@ class PrefixPolicy(RoutingPolicy):
     imbalanced (max - min > balance_abs_threshold and max > balance_rel_threshold
     * min), rank by load alone, as the kv policy does. Otherwise rank by the
     number of prompt blocks the replica has cached (router.Candidates.matched_blocks:
-    to the deepest block it publishes), most first, then by load, with loads within
-    balance_band of the least counting as equal, then by the prefix's affinity key:
-    a rendezvous hash of the prompt's first affinity_tokens tokens (whole blocks)
-    with each replica. So every router, whatever its view, sends requests sharing
-    those tokens to the same replica while loads allow: a new prefix lands on one
-    replica, not on whichever looked lightest to each router before any replica
-    published it, and a prefix held by several replicas concentrates on one of
-    them while the others' copies age out. Prompts shorter than one block (or
-    affinity_tokens 0) break ties per request.
+    to the deepest block it publishes), most first, then by the prefix's affinity
+    key: a rendezvous hash of the prompt's first affinity_tokens tokens (whole
+    blocks) with each replica. So every router, whatever its view, sends requests
+    sharing those tokens to the same replica while loads are balanced: a new prefix
+    lands on one replica (its home), not on whichever looked lightest to each router
+    before any replica published it, and a prefix cached on several replicas
+    concentrates on one of them while the others' copies age out. Load does not
+    order replicas that tie on cached blocks: on 4 H200s, ordering them by (banded)
+    load kept each shared prefix on all four replicas at once (BENCHMARKS.md), where
+    Serve's consistent hashing kept each on one and hit the cache twice as often.
+    The imbalance rule, and admission's room test, are what keep a hot prefix's home
+    from taking more than it can. Prompts shorter than one block (or affinity_tokens
+    0) have no affinity key: replicas tied on cached blocks are ordered by load, with
+    loads within balance_band of the least counting as equal, then per request.
     Cost: O(prompt blocks) in the fleet's PrefixIndex (updated per snapshot, not
     per request) plus numpy over the candidates; not O(replicas x hashes).
-    Invariant: one replica per tier; with no match anywhere and no prompt ids the
+    Invariant: one replica per tier; with no match anywhere and no affinity key the
     order equals the kv policy's.
     Failure: cached_prefix_hashes is a capped, slightly old summary, so a match
     can be evicted by the time the request lands; the cost is a recompute, never
@@ -72,17 +77,20 @@ class PrefixPolicy(RoutingPolicy):
             ties = candidates.tiebreak(self.seed, request.request_id)
             return candidates.tiers(np.lexsort((ties, banded(loads, self.balance_band))))
         matched = candidates.matched_blocks(request)
-        ties = candidates.tiebreak(self.seed, self.affinity_key(candidates, request))
-        return candidates.tiers(np.lexsort((ties, banded(loads, self.balance_band), -matched)))
+        key = self.affinity_key(candidates, request)
+        if key is None:
+            ties = candidates.tiebreak(self.seed, request.request_id)
+            return candidates.tiers(np.lexsort((ties, banded(loads, self.balance_band), -matched)))
+        return candidates.tiers(np.lexsort((candidates.tiebreak(self.seed, key), -matched)))
 
-    def affinity_key(self, candidates: Candidates, request: RouteRequest) -> str:
-        """The tiebreak key: the hash of the prompt's last full block within its first
-        affinity_tokens tokens (at the candidates' smallest block size), else the request id."""
+    def affinity_key(self, candidates: Candidates, request: RouteRequest) -> str | None:
+        """The prefix's key: the hash of the prompt's last full block within its first
+        affinity_tokens tokens (at the candidates' smallest block size); None without one."""
         if not len(candidates) or self.affinity_tokens <= 0:
-            return request.request_id
+            return None
         block_size = int(candidates.fleet.column("block_size")[candidates.slots].min())
         depth = min(self.affinity_tokens, request.num_prompt_tokens) // block_size
         if depth == 0:
-            return request.request_id
+            return None
         hashes = request.prompt_block_hashes(block_size)
-        return f"prefix\x00{hashes[depth - 1]}" if len(hashes) >= depth else request.request_id
+        return f"prefix\x00{hashes[depth - 1]}" if len(hashes) >= depth else None

@@ -235,10 +235,16 @@ def test_prefix_affinity_yields_to_a_cached_match_load_and_short_prompts() -> No
         for s in stats
     ]
     assert _first_choice(policy, cached_elsewhere, prefix + [7], "a") == other
-    # Past the balance band the lighter replica comes first (both match nothing).
-    busy_home = [make_stats(s.replica_id, num_blocks_used=30 if s.replica_id == home else 10)
-                 for s in stats]  # fmt: skip
-    assert _first_choice(policy, busy_home, prefix + [7], "a") != home
+
+    def loads(home_blocks: int, other_blocks: int) -> list:
+        return [make_stats(s.replica_id, num_blocks_used=home_blocks if s.replica_id == home
+                           else other_blocks) for s in stats]  # fmt: skip
+
+    # A busier home keeps the prefix while loads are balanced, past the balance band too
+    # (0.95 against 0.75, with the 5-block prompt: a gap over balance_abs_threshold, but
+    # not 1.5 times); once imbalanced (0.65 against 0.15) the lighter replicas come first.
+    assert _first_choice(policy, loads(90, 70), prefix + [7], "a") == home
+    assert _first_choice(policy, loads(60, 10), prefix + [7], "a") != home
     # Under one block of prompt, and with affinity off, ties break per request.
     short = {_first_choice(policy, stats, [1, 2, 3], f"s{i}") for i in range(40)}
     per_request = PrefixPolicy(0.1, 1.5, seed=1, balance_band=0.1, affinity_tokens=0)
