@@ -307,7 +307,10 @@ def sim_config(args: argparse.Namespace, num_replicas: int, **overrides: object)
         progress_every=args.progress_every, num_routers=args.num_routers,
         concurrency=args.concurrency, serve_request_s=args.serve_request_ms / 1e3,
         router=RouterConfig(
-            seed=args.seed, queue_fraction=args.queue_fraction, balance_band=args.balance_band
+            seed=args.seed,
+            queue_fraction=args.queue_fraction,
+            balance_band=args.balance_band,
+            balance_abs_threshold=args.balance_abs_threshold,
         ),
     )  # fmt: skip
     fields |= {k: v for k, v in overrides.items() if k not in replica_fields}
@@ -358,8 +361,14 @@ def parser() -> argparse.ArgumentParser:
         help="kvfleet policies: RouterConfig.queue_fraction",
     )  # fmt: skip
     p.add_argument(
-        "--balance-band", type=float, default=RouterConfig.balance_band,
+        "--balance-band",
+        type=float,
+        default=RouterConfig.balance_band,
         help="kv and prefix: RouterConfig.balance_band (0: strict load order)",
+    )
+    p.add_argument(
+        "--balance-abs-threshold", type=float, default=RouterConfig.balance_abs_threshold,
+        help="prefix: RouterConfig.balance_abs_threshold (the imbalance rule's load gap)",
     )  # fmt: skip
     p.add_argument("--slo-ttft-ms", type=float, default=250.0)
     p.add_argument("--slo-tpot-ms", type=float, default=10.0)

@@ -32,7 +32,7 @@ def test_a_row_names_the_match_the_loads_and_the_summary_age() -> None:
     config = RouterConfig(policy="prefix")
     warm = make_stats("warm", num_blocks_used=12, cached_prefix_hashes=HASHES[:3])
     cold = make_stats("cold", num_blocks_used=10)
-    full = make_stats("full", num_blocks_used=99, cached_prefix_hashes=HASHES)
+    full = make_stats("full", num_blocks_used=100, cached_prefix_hashes=HASHES)
     request, decision = _decide(config, [warm, cold, full])
     # 0.25 s old hashes of warm, as Serve's routing stats bring them
     summaries = {"warm": make_stats("warm", timestamp_s=NOW_S - 0.25, cached_prefix_hashes=HASHES)}
