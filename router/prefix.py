@@ -37,11 +37,11 @@ class PrefixPolicy(RoutingPolicy):
     lands on one replica (its home), not on whichever looked lightest to each router
     before any replica published it, and a prefix cached on several replicas
     concentrates on one of them while the others' copies age out. Load does not
-    order replicas that tie on cached blocks: on 4 H200s, ordering them by (banded)
-    load kept each shared prefix on all four replicas at once (BENCHMARKS.md), where
-    Serve's consistent hashing kept each on one and hit the cache twice as often.
-    The imbalance rule, and admission's room test, are what keep a hot prefix's home
-    from taking more than it can. Prompts shorter than one block (or affinity_tokens
+    order replicas that tie on cached blocks, as it would copy a prefix onto
+    whichever of them looked lighter to each router (on 4 H200s this change alone
+    did not tighten placement; the imbalance threshold did: BENCHMARKS.md, runs P
+    and Q). The imbalance rule, and admission's room test, are what keep a hot
+    prefix's home from taking more than it can. Prompts shorter than one block (or affinity_tokens
     0) have no affinity key: replicas tied on cached blocks are ordered by load, with
     loads within balance_band of the least counting as equal, then per request.
     Cost: O(prompt blocks) in the fleet's PrefixIndex (updated per snapshot, not
