@@ -63,6 +63,12 @@ def enable() -> None:
     _rows, _num_dropped = [], 0
 
 
+def disable() -> None:
+    """Stop recording and forget the rows."""
+    global _rows, _num_dropped
+    _rows, _num_dropped = None, 0
+
+
 def is_enabled() -> bool:
     return _rows is not None
 

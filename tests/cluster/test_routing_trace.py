@@ -19,7 +19,7 @@ HASHES = tuple(prefix_block_hashes(TOKENS, 16))
 def _fresh_trace():
     routing_trace.enable()
     yield
-    routing_trace._rows = None  # back to off, as in a process that never enabled it
+    routing_trace.disable()  # back to off, as in a process that never enabled it
 
 
 def _decide(config: RouterConfig, stats, request_id: str = "r1"):
@@ -59,7 +59,7 @@ def test_nothing_is_recorded_while_off_or_for_a_held_decision() -> None:
     assert not decision.admitted
     routing_trace.record(request, decision, NOW_S, {}, config)
     assert routing_trace.drain() == ([], 0)
-    routing_trace._rows = None
+    routing_trace.disable()
     request, decision = _decide(config, [make_stats("a")])
     routing_trace.record(request, decision, NOW_S, {}, config)
     assert not routing_trace.is_enabled() and routing_trace.drain() == ([], 0)
