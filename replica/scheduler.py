@@ -96,7 +96,7 @@ class Scheduler:
         # summed on each load snapshot (every few ms). A waiting sequence's length does not
         # change: its in-flight token, if any, is its last and fills a placeholder in place;
         # chunks and prefix hits move num_computed_tokens only once it is admitted.
-        # LLMEngine.check_invariants holds it to the sum.
+        # check_invariants holds it to the sum.
         self.num_waiting_tokens = 0
         # The blocks the queue will take (ReplicaStats.num_waiting_blocks): each sequence is
         # charged as it joins the queue for its blocks less its leading full blocks that are
@@ -134,6 +134,23 @@ class Scheduler:
         self.num_waiting_blocks -= seq.num_queued_blocks
         release_queued(seq.block_hashes[: seq.num_queued_hashes], self._queued_hash_refs)
         seq.num_queued_blocks = seq.num_queued_hashes = 0
+
+    def check_invariants(self) -> None:
+        """Assert the running counts of the waiting queue (tokens, charged blocks, queued
+        hashes) equal what the queue holds (tests call this, via LLMEngine)."""
+        waiting = self.waiting
+        num_tokens = sum(len(s) for s in waiting)
+        assert self.num_waiting_tokens == num_tokens, (
+            f"num_waiting_tokens {self.num_waiting_tokens} != {num_tokens} tokens in the queue"
+        )
+        assert self.num_waiting_blocks == sum(s.num_queued_blocks for s in waiting), (
+            f"num_waiting_blocks {self.num_waiting_blocks} != the queue's charges"
+        )
+        refs: dict[int, int] = {}
+        for s in waiting:
+            for h in s.block_hashes[: s.num_queued_hashes]:
+                refs[h] = refs.get(h, 0) + 1
+        assert refs == self._queued_hash_refs, "queued hash counts disagree with the queue"
 
     @property
     def num_unfinished(self) -> int:
