@@ -83,11 +83,9 @@ def drain() -> tuple[list[RoutingRow], int]:
 
 
 def prefix_key(request: RouteRequest, block_size: int) -> int:
-    if block_size <= 0:
-        return 0
-    hashes = request.prompt_block_hashes(block_size)
-    depth = min(AFFINITY_TOKENS // block_size, len(hashes))
-    return hashes[depth - 1] if depth else 0
+    """The prompt's group: as the prefix policy's affinity key (0: none)."""
+    block_hash = request.leading_block_hash(AFFINITY_TOKENS, block_size) if block_size > 0 else None
+    return 0 if block_hash is None else block_hash
 
 
 def record(
@@ -119,7 +117,7 @@ def record(
         RoutingRow(
             t_s=now_s,
             request_id=request.request_id,
-            prefix_key=prefix_key(request, block_size) if request.prompt_token_ids else 0,
+            prefix_key=prefix_key(request, block_size),
             chosen=chosen,
             chosen_matched=int(matched[slot]) if slot >= 0 else 0,
             best_matched=int(matched.max()) if len(matched) else 0,

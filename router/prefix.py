@@ -41,9 +41,10 @@ class PrefixPolicy(RoutingPolicy):
     whichever of them looked lighter to each router (on 4 H200s this change alone
     did not tighten placement; the imbalance threshold did: BENCHMARKS.md, runs P
     and Q). The imbalance rule, and admission's room test, are what keep a hot
-    prefix's home from taking more than it can. Prompts shorter than one block (or affinity_tokens
-    0) have no affinity key: replicas tied on cached blocks are ordered by load, with
-    loads within balance_band of the least counting as equal, then per request.
+    prefix's home from taking more than it can. Prompts shorter than one block (or
+    affinity_tokens 0) have no affinity key: replicas tied on cached blocks are
+    ordered by load, with loads within balance_band of the least counting as equal,
+    then per request.
     Cost: O(prompt blocks) in the fleet's PrefixIndex (updated per snapshot, not
     per request) plus numpy over the candidates; not O(replicas x hashes).
     Invariant: one replica per tier; with no match anywhere and no affinity key the
@@ -89,8 +90,5 @@ class PrefixPolicy(RoutingPolicy):
         if not len(candidates) or self.affinity_tokens <= 0:
             return None
         block_size = int(candidates.fleet.column("block_size")[candidates.slots].min())
-        depth = min(self.affinity_tokens, request.num_prompt_tokens) // block_size
-        if depth == 0:
-            return None
-        hashes = request.prompt_block_hashes(block_size)
-        return f"prefix\x00{hashes[depth - 1]}" if len(hashes) >= depth else None
+        block_hash = request.leading_block_hash(self.affinity_tokens, block_size)
+        return None if block_hash is None else f"prefix\x00{block_hash}"

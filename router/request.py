@@ -82,3 +82,11 @@ class RouteRequest:
             hashes = tuple(prefix_block_hashes(self.prompt_token_ids, block_size))
             self._hashes_by_block_size[block_size] = hashes
         return hashes
+
+    def leading_block_hash(self, num_tokens: int, block_size: int) -> int | None:
+        """The chained hash of the last full block within the prompt's first num_tokens
+        tokens, which names that whole prefix; None when there is no such block (or the
+        prompt is not known at this block size)."""
+        depth = min(num_tokens, self.num_prompt_tokens) // block_size
+        hashes = self.prompt_block_hashes(block_size) if depth else ()
+        return hashes[depth - 1] if 0 < depth <= len(hashes) else None

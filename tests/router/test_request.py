@@ -34,3 +34,16 @@ def test_block_hashes_match_replica_hashing_and_are_cached() -> None:
     assert len(hashes) == 2
     assert request.prompt_block_hashes(16) is hashes
     assert len(request.prompt_block_hashes(8)) == 5
+
+
+def test_leading_block_hash_names_the_prompts_first_tokens() -> None:
+    tokens = list(range(40))  # 2 full blocks of 16
+    hashes = prefix_block_hashes(tokens, 16)
+    request = RouteRequest.from_tokens("r", tokens)
+    assert request.leading_block_hash(64, 16) == hashes[1]  # the prompt is shorter than 64
+    assert request.leading_block_hash(20, 16) == hashes[0]
+    assert request.leading_block_hash(15, 16) is None  # no full block within 15 tokens
+    assert RouteRequest("r", num_prompt_tokens=40).leading_block_hash(64, 16) is None
+    by_hashes = RouteRequest.with_block_hashes("r", 40, 16, hashes)
+    assert by_hashes.leading_block_hash(64, 16) == hashes[1]
+    assert by_hashes.leading_block_hash(64, 8) is None  # known at block size 16 only
