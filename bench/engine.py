@@ -11,6 +11,7 @@ On a GPU the same run measures the peers: Hugging Face transformers `generate`
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import tempfile
@@ -35,6 +36,10 @@ class EngineRun:
     decode_host_s: list[float] = field(default_factory=list)  # scheduler + block manager + drain
     decode_launch_s: list[float] = field(default_factory=list)  # runner: inputs + launches
     decode_tokens: int = 0
+    # Per decode step: (wall, schedule, launch, wait, drain) seconds, and whether some
+    # sequence rolled over to a new block in it.
+    decode_phases_s: list[tuple[float, float, float, float, float]] = field(default_factory=list)
+    decode_boundary: list[bool] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -68,10 +73,57 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_new: int) -> Eng
             run.decode_host_s.append(timings.schedule_s + timings.drain_s)
             run.decode_launch_s.append(timings.launch_s)
             run.decode_tokens += timings.num_decode_seqs
+            run.decode_phases_s.append(
+                (now - last, timings.schedule_s, timings.launch_s, timings.wait_s, timings.drain_s)
+            )
+            run.decode_boundary.append(timings.num_table_rows > 0)
         last = now
     run.wall_s = time.perf_counter() - start
     engine.check_invariants()
     return run
+
+
+def step_profile(run: EngineRun, slow_factor: float = 1.25) -> dict:
+    """How the decode steps' walls spread, and what the slow ones (> slow_factor x the
+    median) spent their time on: decode tok/s divides by the sum of walls, so a few slow
+    steps move it while the median (TPOT) stays put."""
+    walls = [p[0] for p in run.decode_phases_s]
+    if not walls:
+        return {}
+    median = percentile(walls, 50)
+    slow = [i for i, w in enumerate(walls) if w > slow_factor * median]
+
+    def phases_ms(indices: list[int]) -> list[float]:
+        if not indices:
+            return [float("nan")] * 5
+        return [1e3 * statistics.mean(run.decode_phases_s[i][k] for i in indices) for k in range(5)]
+
+    normal = [i for i in range(len(walls)) if i not in set(slow)]
+    return {
+        "mean_ms": 1e3 * statistics.mean(walls), "p50_ms": 1e3 * median,
+        "p90_ms": 1e3 * percentile(walls, 90), "p99_ms": 1e3 * percentile(walls, 99),
+        "max_ms": 1e3 * max(walls), "num_steps": len(walls), "num_slow": len(slow),
+        "num_slow_at_rollover": sum(run.decode_boundary[i] for i in slow),
+        "num_rollover_steps": sum(run.decode_boundary),
+        "excess_share": sum(w - median for w in walls if w > median) / sum(walls),
+        "slow_phases_ms": phases_ms(slow), "normal_phases_ms": phases_ms(normal),
+        "slow_indices": slow,
+    }  # fmt: skip
+
+
+def format_step_profile(batch: int, prof: dict) -> str:
+    names = ("wall", "schedule", "launch", "wait", "drain")
+    fmt = lambda ms: " ".join(f"{n} {v:.3f}" for n, v in zip(names, ms, strict=True))  # noqa: E731
+    return (
+        f"batch {batch} decode steps: mean {prof['mean_ms']:.3f} ms, p50 {prof['p50_ms']:.3f},"
+        f" p90 {prof['p90_ms']:.3f}, p99 {prof['p99_ms']:.3f}, max {prof['max_ms']:.3f};"
+        f" {prof['num_slow']} of {prof['num_steps']} steps slow (> 1.25x p50),"
+        f" {prof['num_slow_at_rollover']} of them block rollovers"
+        f" ({prof['num_rollover_steps']} rollover steps in all); time above p50:"
+        f" {100 * prof['excess_share']:.1f}% of the decode walls\n"
+        f"  slow steps, mean ms: {fmt(prof['slow_phases_ms'])}\n"
+        f"  other steps, mean ms: {fmt(prof['normal_phases_ms'])}"
+    )
 
 
 def hf_checkpoint(model: str, dtype: torch.dtype, directory: str) -> torch.nn.Module:
@@ -134,6 +186,9 @@ def main() -> None:
         "--no-triton-linear", action="store_true", help="cuBLAS for every projection"
     )
     parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
+    parser.add_argument(
+        "--no-gc", action="store_true", help="diagnostic: Python's cyclic GC off during the runs"
+    )
     parser.add_argument("--max-batched-tokens", type=int, default=None, help="prefill chunk")
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
@@ -161,9 +216,11 @@ def main() -> None:
             )
         )  # fmt: skip
         vocab = engine.model_config.vocab_size
+        if args.no_gc:
+            gc.disable()
         bandwidth = copy_bandwidth_gbps(engine.device) if on_gpu else None
         run_engine(engine, random_prompts(min(4, max_num_seqs), prompt_len, vocab, 99), 8)
-        rows = []
+        rows, profiles = [], {}
         for num_seqs in args.batch:
             prompts = random_prompts(num_seqs, prompt_len, vocab, num_seqs)
             run = run_engine(engine, prompts, max_new)
@@ -175,7 +232,10 @@ def main() -> None:
                 "sched+drain ms": 1e3 * percentile(run.decode_host_s, 50),
                 "sched+drain p99": 1e3 * percentile(run.decode_host_s, 99),
                 "launch ms": 1e3 * percentile(run.decode_launch_s, 50),
+                "step mean ms": 1e3 * statistics.mean(run.decode_step_s),
+                "step p99 ms": 1e3 * percentile(run.decode_step_s, 99),
             }
+            profiles[num_seqs] = step_profile(run)
             if bandwidth:
                 roof = roofline_decode_tokens_per_s(
                     engine, num_seqs, prompt_len, max_new, bandwidth
@@ -187,8 +247,8 @@ def main() -> None:
             rows.append(row)
         itl = _itl_run(engine, args, vocab) if args.itl_batch else None
     columns = ["batch", "tok/s", "HF tok/s", "x HF", "decode tok/s", "roofline tok/s",
-               "% roofline", "TPOT ms", "sched+drain ms", "sched+drain p99",
-               "launch ms"]  # fmt: skip
+               "% roofline", "TPOT ms", "step mean ms", "step p99 ms", "sched+drain ms",
+               "sched+drain p99", "launch ms"]  # fmt: skip
     triton_linear = uses_triton_linear(engine.runner.model)
     print(f"\nmodel={args.model or model} dtype={engine.dtype} prompt={prompt_len} new={max_new}"
           f" block_size={args.block_size} cuda_graphs={engine.runner.use_cuda_graphs}"
@@ -196,6 +256,9 @@ def main() -> None:
           f" pdl={kernels.pdl.use_pdl(engine.device)}"
           + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else ""))  # fmt: skip
     print(markdown_table(rows, [c for c in columns if any(c in r for r in rows)]))
+    for num_seqs, prof in profiles.items():
+        if prof:
+            print(format_step_profile(num_seqs, prof))
     if itl:
         print(f"ITL at batch {args.itl_batch} over {itl['steps']} decode steps: "
               f"p50 {itl['p50_ms']:.3f} ms, p99 {itl['p99_ms']:.3f} ms, "
@@ -206,7 +269,8 @@ def main() -> None:
               f"step / median of its 33-step neighbourhood: p99 {itl['local_p99_ratio']:.2f}, "
               f"max {itl['local_max_ratio']:.2f}")  # fmt: skip
     write_json(args.out, {"model": args.model or model, "prompt_len": prompt_len,
-                          "max_new": max_new, "rows": rows, "itl": itl})  # fmt: skip
+                          "max_new": max_new, "rows": rows, "step_profiles": profiles,
+                          "itl": itl})  # fmt: skip
 
 
 def _itl_run(engine: LLMEngine, args, vocab: int) -> dict:

@@ -28,6 +28,7 @@ class InFlightStep:
     seqs: list[Sequence]
     indices: list[int]  # position in each sequence's token_ids of its placeholder
     handle: StepHandle
+    num_table_rows: int  # block-table rows copied to the device for this step
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class StepTimings:
     drain_s: float  # placeholders, stop checks, outputs
     num_prefill_tokens: int
     num_decode_seqs: int
+    num_table_rows: int  # block-table rows that changed (block rollovers, admissions, frees)
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -109,6 +111,11 @@ class LLMEngine:
         self.clock = time.monotonic  # of the tokens_per_s window; tests inject their own
         self._num_window_tokens = 0  # sum of _token_events' tokens, kept as they come and go
         self._next_id = 0
+        # Decode blocks that filled up, hashed a few per step (_commit_filled_blocks).
+        self._filled: deque[Sequence] = deque()
+        # Each running sequence fills at most one block per block_size steps, so this
+        # budget keeps up with any batch while spreading a batch-wide rollover over steps.
+        self._commits_per_step = 2 * -(-config.max_num_seqs // config.block_size)
         # Start-up objects (model, graphs, tokenizer) go to the collector's permanent
         # generation, so its full passes during serving do not walk them (ITL spikes).
         gc.freeze()
@@ -196,8 +203,9 @@ class LLMEngine:
         t4 = time.perf_counter()
         self.in_flight = launched
         self.last_step = StepTimings(
-            t1 - t0, t2 - t1, t3 - t2, t4 - t3, sum(batch.prefill_lens), len(batch.decode_seqs)
-        )
+            t1 - t0, t2 - t1, t3 - t2, t4 - t3, sum(batch.prefill_lens), len(batch.decode_seqs),
+            launched.num_table_rows if launched else 0,
+        )  # fmt: skip
         return outputs
 
     def launch(self, batch: ScheduledBatch) -> InFlightStep | None:
@@ -205,7 +213,8 @@ class LLMEngine:
         if batch.is_empty:
             return None
         bm = self.block_manager
-        handle = self.runner.launch(batch, bm.block_table, bm.take_dirty_slots())
+        dirty_slots = bm.take_dirty_slots()
+        handle = self.runner.launch(batch, bm.block_table, dirty_slots)
         sampled: list[Sequence] = []
         for seq, n in zip(batch.prefill_seqs, batch.prefill_lens, strict=True):
             seq.num_computed_tokens += n
@@ -219,7 +228,7 @@ class LLMEngine:
         for seq in sampled:
             indices.append(len(seq.token_ids))
             seq.token_ids.append(PLACEHOLDER)
-        return InFlightStep(sampled, indices, handle)
+        return InFlightStep(sampled, indices, handle, len(dirty_slots))
 
     def drain(self) -> list[RequestOutput]:
         """Wait for the in-flight step's tokens; fill placeholders, stop, emit deltas."""
@@ -240,10 +249,27 @@ class LLMEngine:
             else:
                 outputs.append(RequestOutput(seq.request_id, [token]))
                 if (index + 1) % block_size == 0:
-                    self.block_manager.commit(seq)  # the block ending here is now known
+                    self._filled.append(seq)  # the block ending here is now known
+        self._commit_filled_blocks()
         self._token_events.append((self.clock(), len(tokens)))
         self._num_window_tokens += len(tokens)
         return outputs
+
+    def _commit_filled_blocks(self) -> None:
+        """Register the hashes of decode blocks that filled up, at most _commits_per_step
+        sequences a step, oldest first.
+
+        When a batch decodes in lockstep every sequence fills a block on the same step;
+        hashing them all there (a few us each) made that step's host work outlast the
+        device's and left the GPU idle. A sequence that finishes or is preempted first
+        commits in Scheduler.finish / preempt; commit is idempotent, so a stale entry
+        costs one check. Until its turn, a block is reusable by nobody, as before it filled.
+        """
+        filled, bm = self._filled, self.block_manager
+        for _ in range(min(len(filled), self._commits_per_step)):
+            seq = filled.popleft()
+            if seq.status is SequenceStatus.RUNNING:
+                bm.commit(seq)
 
     def _finish(self, seq: Sequence, index: int, reason: str, outputs: list) -> None:
         del seq.token_ids[index + 1 :]  # a placeholder launched after the stop
