@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--cprofile", action="store_true", help="profile the host side too")
     parser.add_argument("--no-triton-linear", action="store_true", help="cuBLAS projections")
     parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
+    parser.add_argument(
+        "--timeline-steps", type=int, default=20, help="engine steps traced for GPU idle time"
+    )
     args = parser.parse_args()
 
     kernels.pdl.ENABLE_PDL = not args.no_pdl
@@ -43,7 +46,7 @@ def main() -> None:
                      enable_triton_linear=not args.no_triton_linear)
     )  # fmt: skip
     vocab = engine.model_config.vocab_size
-    num_steps = args.steps * (2 if args.cprofile else 1)
+    num_steps = args.steps * (2 if args.cprofile else 1) + 2 * args.timeline_steps
     params = SamplingParams(max_tokens=num_steps + 20, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(args.batch, args.prompt_len, vocab, 0)):
         engine.add_request(f"p{i}", prompt, params)
@@ -99,6 +102,10 @@ def main() -> None:
         print(f"\nhost side over {args.steps} steps (cProfile, tottime):")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
 
+    if args.timeline_steps:
+        print_step_events(engine, args.timeline_steps)
+        print_timeline(engine, args.timeline_steps, args.top)
+
     runner = engine.runner
     if runner.use_cuda_graphs:
         graph, _ = runner.graphs[runner.graph_sizes[-1]]
@@ -115,6 +122,98 @@ def main() -> None:
         runner.decode_forward_eager(args.batch)
         torch.cuda.synchronize()
     print_profile("eager decode forward", prof, args.top)
+
+
+def print_step_events(engine: LLMEngine, num_steps: int) -> None:
+    """CUDA events around each step's device work (runner.launch): per step, the device
+    time from its first enqueued op to its last, and the device idle before it."""
+    runner = engine.runner
+    launch, graphs = runner.launch, dict(runner.graphs)
+    marks: list[list[torch.cuda.Event]] = []  # per step: launch start, graph, graph end, end
+
+    def mark() -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks[-1].append(event)
+
+    class TimedGraph:
+        def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+            self.graph = graph
+
+        def replay(self) -> None:
+            mark()
+            self.graph.replay()
+            mark()
+
+    def timed_launch(*a, **kw):
+        marks.append([])
+        mark()
+        handle = launch(*a, **kw)
+        mark()
+        return handle
+
+    runner.launch = timed_launch
+    runner.graphs = {size: (TimedGraph(g), out) for size, (g, out) in graphs.items()}
+    try:
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    finally:
+        runner.launch, runner.graphs = launch, graphs
+    marks = [m for m in marks if len(m) == 4]  # decode steps that replayed a graph
+    parts = {
+        name: [m[i].elapsed_time(m[i + 1]) for m in marks]
+        for i, name in enumerate(("before graph", "graph", "after graph"))
+    }
+    idle = [marks[i - 1][3].elapsed_time(marks[i][0]) for i in range(1, len(marks))]
+    print(
+        f"\ndevice time per step from CUDA events ({len(marks)} steps, ms, p50 / max): "
+        + "; ".join(f"{n} {percentile(v, 50):.3f} / {max(v):.3f}" for n, v in parts.items())
+        + f"; idle between steps {percentile(idle, 50):.3f} / {max(idle):.3f}"
+    )
+
+
+def print_timeline(engine: LLMEngine, num_steps: int, top: int) -> None:
+    """Trace num_steps engine steps as they run (graphs, overlap and all): how much of the
+    wall the GPU was busy (union of kernel and copy intervals), its idle gaps, and the
+    kernels per step, so that work outside the graphs and host stalls show."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    if not events:
+        print("\ntimeline: the profiler recorded no device activity")
+        return
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    busy_us, gaps, (lo, hi) = 0.0, [], spans[0]
+    for start, end in spans[1:]:
+        if start > hi:
+            busy_us += hi - lo
+            gaps.append(start - hi)
+            lo, hi = start, end
+        else:
+            hi = max(hi, end)
+    busy_us += hi - lo
+    span_us = spans[-1][1] - spans[0][0]
+    gaps.sort(reverse=True)
+    print(
+        f"\ntimeline of {num_steps} engine steps: device span {span_us / num_steps:.1f} us per"
+        f" step, busy {busy_us / num_steps:.1f} us ({100 * busy_us / span_us:.1f}%);"
+        f" {len(gaps)} idle gaps, {sum(gaps) / num_steps:.1f} us per step, largest (us): "
+        + " ".join(f"{g:.1f}" for g in gaps[:8])
+    )
+    per_name: dict[str, list[float]] = {}
+    for e in events:
+        per_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
+    print(f"  {len(events) / num_steps:.0f} device activities per step; by time per step:")
+    for name, durations in rows[:top]:
+        print(
+            f"  {len(durations) / num_steps:6.1f} x {sum(durations) / len(durations):7.1f} us"
+            f"  {name[:90]}"
+        )
 
 
 def print_profile(title: str, prof: profile, top: int) -> None:

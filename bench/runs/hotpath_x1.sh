@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The decode hot path on one H200 (issue 4): where the gpt2 B=256 step's wall goes, and
+# the engine table with its peers. Parts (PARTS, default "diag"):
+#   diag     bench.engine gpt2 fp16 at 256 (step spread: slow steps and their phases) and
+#            bench.profile_step's timeline of 20 engine steps (GPU busy share, idle gaps)
+#   engine   bench.engine gpt2 fp16, batch 1 and 256, with HF and the ITL runs (REPEAT)
+#   ab       bench.engine gpt2 fp16 at 256 with each EXTRA_AB flag set in turn
+#   qwen3    bench.engine qwen3-0.6b bf16 with HF and the ITL runs
+#   tests    the gpu tests of the engine and the kernels
+# Usage: PARTS="diag engine" bash bench/runs/hotpath_x1.sh OUT_DIR
+set -u
+out=${1:-results}
+mkdir -p "$out"
+engine() {  # model, dtype, name, extra bench.engine args
+  local model=$1 dtype=$2 name=$3
+  shift 3
+  echo "== bench.engine $model $name $*"
+  timeout 300 python -m bench.engine --model "$model" --dtype "$dtype" "$@" \
+    --out "$out/engine_${model}_$name.json" 2>&1 | grep -v -i warning | tail -14
+}
+for part in ${PARTS:-diag}; do
+  case $part in
+  diag)
+    engine gpt2 float16 diag --batch 256
+    engine gpt2 float16 diag_nogc --batch 256 --no-gc
+    echo "== bench.profile_step gpt2 256"
+    timeout 200 python -m bench.profile_step --model gpt2 --dtype float16 --batch 256 \
+      2>&1 | grep -v -i warning | sed -n '/steady decode/,$p' | head -60 ;;
+  engine)
+    for rep in $(seq "${REPEAT:-1}"); do
+      engine gpt2 float16 "r$rep" --batch 1 256 --hf --itl-batch 64
+    done ;;
+  ab)
+    for flag in ${EXTRA_AB:-}; do
+      engine gpt2 float16 "ab${flag}" --batch 256 "$flag"
+      engine gpt2 float16 "ab_default" --batch 256
+    done ;;
+  qwen3)
+    engine qwen3-0.6b bfloat16 hf --batch 1 256 --hf --itl-batch 64 ;;
+  tests)
+    timeout 300 python -m pytest -q -p no:cacheprovider -m gpu tests/replica tests/kernels \
+      2>&1 | tail -4 ;;
+  esac
+done
