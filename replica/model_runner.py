@@ -46,6 +46,15 @@ class StepHandle:
         return self.tokens
 
 
+def _argmax_rows_for(device: torch.device):
+    """Greedy sampling's argmax: the Triton kernel on CUDA, torch's on CPU (same result)."""
+    if device.type == "cuda":
+        from kernels.argmax import argmax_rows
+
+        return argmax_rows
+    return lambda logits: logits.argmax(dim=-1)
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Captured decode sizes: 1, 2, 4, 8, then steps of 16 up to max_num_seqs."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
@@ -78,6 +87,7 @@ class ModelRunner:
             triton_linear=config.enable_triton_linear,
         )
         self.vocab_size = self.model_config.vocab_size
+        self.argmax_rows = _argmax_rows_for(device)
         self.use_cuda_graphs = device.type == "cuda" and config.enable_cuda_graphs
         # On CUDA, eager decode pads to the same buckets as the graphs, so that graphs on and
         # off run identical shapes (cuBLAS tiling, split-KV choice) and give identical tokens.
@@ -102,7 +112,8 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.request_generators: dict[str, torch.Generator] = {}
         self.kv_cache: torch.Tensor | None = None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # decode: (graph, (logits, greedy tokens)) per batch size
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         # Prefill pads to captured token buckets on CUDA whether graphs are on or off (same
         # shapes, same tokens); on CPU it runs the exact shape.
         self.prefill = PrefillInputs(
@@ -183,16 +194,22 @@ class ModelRunner:
                 logits.append(prefill_logits)
                 slots.append(done_slots)
                 sampled_seqs += done
+        greedy = None
         if batch.decode_seqs:
-            logits.append(self._run_decode(batch.decode_seqs))
+            decode_logits, greedy = self._run_decode(batch.decode_seqs)
+            logits.append(decode_logits)
             slots.append(self.decode_inputs[_DEC_SLOTS, : len(batch.decode_seqs)])
             sampled_seqs += batch.decode_seqs
         host = self.token_staging[self.parity, : len(sampled_seqs)]
         if not sampled_seqs:
             return StepHandle(host, None)
-        cat = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)  # noqa: E731
-        tokens = sample(cat(logits), self._sampling_batch(sampled_seqs), self.generator)
-        self.token_buf.index_copy_(0, cat(slots), tokens)
+        sampling = self._sampling_batch(sampled_seqs)
+        if sampling.all_greedy and greedy is not None and len(logits) == 1:
+            tokens = greedy  # decode only: the forward took the argmax and wrote token_buf
+        else:
+            cat = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)  # noqa: E731
+            tokens = sample(cat(logits), sampling, self.generator)
+            self.token_buf.index_copy_(0, cat(slots), tokens)
         if self.device.type == "cpu":
             host.copy_(tokens)
             return StepHandle(host, None)
@@ -235,7 +252,8 @@ class ModelRunner:
         hidden = self.model(views["ids"], meta.positions, self.kv_cache, meta)
         return self.model.compute_logits(hidden[views["last_rows"]])
 
-    def _run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _run_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [num_seqs, vocab] and greedy tokens [num_seqs] of a decode batch."""
         num_seqs = len(seqs)
         padded = self._graph_size(num_seqs) if self.graph_sizes else num_seqs
         staging = self.decode_staging[self.parity].numpy()
@@ -248,12 +266,18 @@ class ModelRunner:
             self.decode_staging[self.parity, :, :padded], non_blocking=True
         )
         if self.use_cuda_graphs:
-            graph, logits = self.graphs[padded]
+            graph, (logits, greedy) = self.graphs[padded]
             graph.replay()
-            return logits[:num_seqs]
-        return self._decode_forward(padded)[:num_seqs]
+        else:
+            logits, greedy = self._decode_forward(padded)
+        return logits[:num_seqs], greedy[:num_seqs]
 
-    def _decode_forward(self, num_rows: int) -> torch.Tensor:  # [num_rows, vocab]
+    def _decode_forward(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [num_rows, vocab] and their argmax [num_rows], already in token_buf.
+
+        Greedy sampling is part of the decode forward (and so of its CUDA graph): a
+        greedy batch launches nothing after the graph but the tokens' copy to the host.
+        """
         inputs = self.decode_inputs[:, :num_rows]
         meta = AttentionMetadata(
             is_decode=True,
@@ -266,11 +290,14 @@ class ModelRunner:
         ids = inputs[_DEC_INPUT_IDS]
         ids = torch.where(ids >= 0, ids, self.token_buf[inputs[_DEC_SLOTS]])
         hidden = self.model(ids, meta.positions, self.kv_cache, meta)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        greedy = self.argmax_rows(logits)
+        self.token_buf.index_copy_(0, inputs[_DEC_SLOTS], greedy)  # padding: the null row
+        return logits, greedy
 
     def decode_forward_eager(self, num_rows: int) -> torch.Tensor:  # [num_rows, vocab]
         """One decode forward outside any graph, on whatever the decode buffers hold (profiling)."""
-        return self._decode_forward(num_rows)
+        return self._decode_forward(num_rows)[0]
 
     def _reset_decode_padding(self, start: int, end: int | None = None) -> None:
         """Padding rows read and write only the null row's null block."""
