@@ -22,6 +22,7 @@ import torch
 
 import kernels.pdl
 from bench.common import copy_bandwidth_gbps, markdown_table, percentile, write_json
+from bench.itl import cohort_itl, format_itl, steady_itl
 from replica import EngineConfig, LLMEngine, SamplingParams
 from replica.models.layers import uses_triton_linear
 from replica.models.presets import PRESETS
@@ -180,7 +181,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hf", action="store_true", help="also measure transformers generate")
     parser.add_argument("--itl-batch", type=int, default=0, help="ITL run: batch size")
-    parser.add_argument("--itl-steps", type=int, default=1000)
+    parser.add_argument("--itl-steps", type=int, default=1024)
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument(
         "--no-triton-linear", action="store_true", help="cuBLAS for every projection"
@@ -245,7 +246,14 @@ def main() -> None:
                 row["HF tok/s"] = run_hf(hf, prompts, max_new, engine.device)
                 row["x HF"] = run.tokens_per_s / row["HF tok/s"]
             rows.append(row)
-        itl = _itl_run(engine, args, vocab) if args.itl_batch else None
+        itl = None
+        if args.itl_batch:
+            itl = {
+                "steady": steady_itl(engine, args.itl_batch, args.itl_steps, vocab),
+                "cohort": cohort_itl(
+                    engine, args.itl_batch, args.itl_steps, args.block_size, vocab
+                ),
+            }
     columns = ["batch", "tok/s", "HF tok/s", "x HF", "decode tok/s", "roofline tok/s",
                "% roofline", "TPOT ms", "step mean ms", "step p99 ms", "sched+drain ms",
                "sched+drain p99", "launch ms"]  # fmt: skip
@@ -260,40 +268,10 @@ def main() -> None:
         if prof:
             print(format_step_profile(num_seqs, prof))
     if itl:
-        print(f"ITL at batch {args.itl_batch} over {itl['steps']} decode steps: "
-              f"p50 {itl['p50_ms']:.3f} ms, p99 {itl['p99_ms']:.3f} ms, "
-              f"p99/p50 {itl['p99_ms'] / itl['p50_ms']:.2f}, max {itl['max_ms']:.3f} ms; "
-              f"p50 at block boundaries {itl['boundary_p50_ms']:.3f} ms, "
-              f"elsewhere {itl['inner_p50_ms']:.3f} ms; first 50 steps p50 "
-              f"{itl['first_50_p50_ms']:.3f} ms, last 50 {itl['last_50_p50_ms']:.3f} ms; "
-              f"step / median of its 33-step neighbourhood: p99 {itl['local_p99_ratio']:.2f}, "
-              f"max {itl['local_max_ratio']:.2f}")  # fmt: skip
+        print(format_itl(args.itl_batch, itl["cohort"], itl["steady"]))
     write_json(args.out, {"model": args.model or model, "prompt_len": prompt_len,
                           "max_new": max_new, "rows": rows, "step_profiles": profiles,
                           "itl": itl})  # fmt: skip
-
-
-def _itl_run(engine: LLMEngine, args, vocab: int) -> dict:
-    """Per-step latency over a long decode; steps that roll a block over are reported apart."""
-    prompt_len = 16
-    prompts = random_prompts(args.itl_batch, prompt_len, vocab, 7)
-    run = run_engine(engine, prompts, args.itl_steps + 1)
-    steps = run.decode_step_s
-    # Decode step j writes position prompt_len + j: a new block when that is a multiple.
-    boundary = [t for j, t in enumerate(steps) if (prompt_len + j) % args.block_size == 0]
-    inner = [t for j, t in enumerate(steps) if (prompt_len + j) % args.block_size != 0]
-    # The context grows from prompt_len to prompt_len + steps, so attention makes later
-    # steps slower by design; spikes are steps slow against their own neighbourhood.
-    local = [t / statistics.median(steps[max(0, j - 16) : j + 17]) for j, t in enumerate(steps)]
-    return {
-        "steps": len(steps), "p50_ms": 1e3 * percentile(steps, 50),
-        "p99_ms": 1e3 * percentile(steps, 99), "max_ms": 1e3 * max(steps),
-        "boundary_p50_ms": 1e3 * percentile(boundary, 50),
-        "inner_p50_ms": 1e3 * percentile(inner, 50),
-        "first_50_p50_ms": 1e3 * percentile(steps[:50], 50),
-        "last_50_p50_ms": 1e3 * percentile(steps[-50:], 50),
-        "local_p99_ratio": percentile(local, 99), "local_max_ratio": max(local),
-    }  # fmt: skip
 
 
 def _max_positions(model: str) -> int:
