@@ -27,10 +27,17 @@ from replica import LLMEngine, SamplingParams
 PROMPT_LEN = 16
 
 
+def max_lifetime(engine: LLMEngine) -> int:
+    """The most decode steps one request can live: GPT-2's 1024 positions hold 16 + 1007."""
+    return engine.max_model_len - PROMPT_LEN - 1
+
+
 def cohort_itl(engine: LLMEngine, batch: int, steps: int, block_size: int, vocab: int) -> dict:
-    """Per-step latency over a long lockstep decode (see the module docstring)."""
+    """Per-step latency over a long lockstep decode (see the module docstring); at most
+    max_lifetime steps."""
     from bench.engine import random_prompts, run_engine
 
+    steps = min(steps, max_lifetime(engine))
     run = run_engine(engine, random_prompts(batch, PROMPT_LEN, vocab, 7), steps + 1)
     walls = run.decode_step_s
     # Decode step j writes position PROMPT_LEN + j: a new block when that is a multiple.
@@ -47,7 +54,9 @@ def cohort_itl(engine: LLMEngine, batch: int, steps: int, block_size: int, vocab
 
 
 def steady_itl(engine: LLMEngine, batch: int, steps: int, vocab: int) -> dict:
-    """Per-step latency with batch requests always in flight (see the module docstring)."""
+    """Per-step latency with batch requests always in flight (see the module docstring);
+    each request lives min(steps, max_lifetime) tokens, and `steps` steps are measured."""
+    lifetime = min(steps, max_lifetime(engine))
     rng = random.Random(11)
     num_added = 0
 
@@ -59,27 +68,27 @@ def steady_itl(engine: LLMEngine, batch: int, steps: int, vocab: int) -> dict:
         num_added += 1
 
     for i in range(batch):
-        add(max(1, steps * (i + 1) // batch))
+        add(max(1, lifetime * (i + 1) // batch))
     walls, sizes, num_steps = [], [], 0
     last = time.perf_counter()
     while len(walls) < steps:
         outputs = engine.step()
         now = time.perf_counter()
-        if num_steps >= steps:  # one lifetime of warm-up
+        if num_steps >= lifetime:  # one lifetime of warm-up
             walls.append(now - last)
             sizes.append(engine.last_step.num_decode_seqs)
         last = now
         num_steps += 1
         for out in outputs:
             if out.finished:
-                add(steps)
+                add(lifetime)
     for request_id in list(engine.requests):
         engine.abort(request_id)
     engine.step()  # collects the step still in flight
     engine.check_invariants()
     return _summary(walls) | {
         "mean_batch": statistics.mean(sizes), "num_requests": num_added,
-        "mean_ms": 1e3 * statistics.mean(walls),
+        "mean_ms": 1e3 * statistics.mean(walls), "lifetime": lifetime,
     }  # fmt: skip
 
 
@@ -94,7 +103,8 @@ def _summary(walls: list[float]) -> dict:
 def format_itl(batch: int, cohort: dict, steady: dict) -> str:
     return (
         f"ITL at batch {batch}, steady state over {steady['steps']} steps (mean batch"
-        f" {steady['mean_batch']:.1f}, {steady['num_requests']} requests): p50"
+        f" {steady['mean_batch']:.1f}, {steady['num_requests']} requests of"
+        f" {PROMPT_LEN} + {steady['lifetime']} tokens): p50"
         f" {steady['p50_ms']:.3f} ms, p90 {steady['p90_ms']:.3f}, p99 {steady['p99_ms']:.3f},"
         f" p99/p50 {steady['p99_over_p50']:.2f}, max {steady['max_ms']:.3f}\n"
         f"ITL at batch {batch}, lockstep cohort over {cohort['steps']} decode steps (context"

@@ -33,8 +33,11 @@ _MIN_QUERY_ROWS = 16  # tl.dot needs M >= 16
 # Split-KV policy (a-priori for H200; `python -m bench.kernels --tune` prints measured values).
 # A decode program is one (sequence, kv head, split); memory-bound work needs several
 # programs per SM in flight to cover HBM latency.
-SPLIT_PROGRAMS_PER_SM = 4  # split until about this many programs per SM
-ONE_PASS_PROGRAMS_PER_SM = 2  # no split once batch * kv heads reaches this many per SM
+# Measured on H200 (bench.kernels --tune, 2026-11-22 and 2026-11-24): gpt2 at B=64, ctx
+# 528 runs 1.31x faster in 2 splits (11.6 programs per SM) than in one pass (5.8); at
+# B=256, ctx 192, one pass (23 per SM) is best. Both were 4 and 2 before.
+SPLIT_PROGRAMS_PER_SM = 8  # split until about this many programs per SM
+ONE_PASS_PROGRAMS_PER_SM = 8  # no split once batch * kv heads reaches this many per SM
 MIN_TOKENS_PER_SPLIT = 128  # two 64-token tiles: a split shorter than this is all latency
 MAX_SPLITS = 128
 MERGE_DIM_BLOCK = 32  # head_dim slice per merge program

@@ -6,7 +6,8 @@
 #   engine   bench.engine gpt2 fp16, batch 1 and 256, with HF and the ITL runs (REPEAT)
 #   ab       bench.engine gpt2 fp16 at 256 with each EXTRA_AB flag set in turn
 #   qwen3    bench.engine qwen3-0.6b bf16 with HF and the ITL runs
-#   tune     bench.kernels --tune for gpt2 decode attention at the engine's contexts
+#   tune     bench.kernels --tune of decode attention at the engine's contexts (TUNE_SHAPES,
+#            TUNE_CASES)
 #   tests    the gpu tests of the engine and the kernels
 # Usage: PARTS="diag engine" bash bench/runs/hotpath_x1.sh OUT_DIR
 set -u
@@ -39,8 +40,8 @@ for part in ${PARTS:-diag}; do
   qwen3)
     engine qwen3-0.6b bfloat16 hf --batch 1 256 --hf --itl-batch 64 ;;
   tune)
-    timeout 300 python -m bench.kernels --tune --shapes gpt2 --tune-cases 256x192,64x528 \
-      --out "$out/tune.json" 2>&1 | grep -v -i warning | sed -n '/best config/,$p' ;;
+    timeout 300 python -m bench.kernels --tune --shapes "${TUNE_SHAPES:-gpt2}" \
+      --tune-cases "${TUNE_CASES:-256x192,64x528}" --out "$out/tune.json" 2>&1 | grep -v -i warning | sed -n '/best config/,$p' ;;
   tests)
     timeout 300 python -m pytest -q -p no:cacheprovider -m gpu tests/replica tests/kernels \
       2>&1 | tail -4 ;;
