@@ -33,11 +33,14 @@ _MIN_QUERY_ROWS = 16  # tl.dot needs M >= 16
 # Split-KV policy (a-priori for H200; `python -m bench.kernels --tune` prints measured values).
 # A decode program is one (sequence, kv head, split); memory-bound work needs several
 # programs per SM in flight to cover HBM latency.
-# Measured on H200 (bench.kernels --tune, 2026-11-22 and 2026-11-24): gpt2 at B=64, ctx
-# 528 runs 1.31x faster in 2 splits (11.6 programs per SM) than in one pass (5.8); at
-# B=256, ctx 192, one pass (23 per SM) is best. Both were 4 and 2 before.
-SPLIT_PROGRAMS_PER_SM = 8  # split until about this many programs per SM
-ONE_PASS_PROGRAMS_PER_SM = 8  # no split once batch * kv heads reaches this many per SM
+SPLIT_PROGRAMS_PER_SM = 4  # split until about this many programs per SM
+ONE_PASS_PROGRAMS_PER_SM = 2  # no split once batch * kv heads reaches this many per SM
+# Per head_dim where measured: (ONE_PASS_PROGRAMS_PER_SM, SPLIT_PROGRAMS_PER_SM). On H200
+# (bench.kernels --tune, 2026-11-22 and 2026-11-24) gpt2 (head_dim 64) at B=64, ctx 528
+# ran 1.31x faster in 2 splits (11.6 programs per SM) than in one pass (5.8), and at
+# B=256, ctx 192, one pass (23 per SM) was best; qwen3 (head_dim 128, twice the bytes a
+# program reads per token) at B=64 was best in one pass at 3.9 programs per SM.
+SPLIT_POLICY = {64: (8, 8)}
 MIN_TOKENS_PER_SPLIT = 128  # two 64-token tiles: a split shorter than this is all latency
 MAX_SPLITS = 128
 MERGE_DIM_BLOCK = 32  # head_dim slice per merge program
@@ -88,19 +91,27 @@ def default_tiles(head_dim: int, split: bool) -> DecodeTiles:
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, max_context_len_hint: int, num_sms: int
+    batch: int,
+    num_kv_heads: int,
+    max_context_len_hint: int,
+    num_sms: int,
+    head_dim: int | None = None,
 ) -> int:
     """How many KV splits per (sequence, kv head): a pure function of shapes.
 
     One pass when batch * num_kv_heads programs already give ONE_PASS_PROGRAMS_PER_SM
     per SM; otherwise enough splits for about SPLIT_PROGRAMS_PER_SM programs per SM,
     each covering at least MIN_TOKENS_PER_SPLIT tokens of the longest possible
-    context, at most MAX_SPLITS. Non-increasing in batch.
+    context, at most MAX_SPLITS. Non-increasing in batch. The two thresholds come
+    from SPLIT_POLICY for a measured head_dim.
     """
+    one_pass_per_sm, split_per_sm = SPLIT_POLICY.get(
+        head_dim, (ONE_PASS_PROGRAMS_PER_SM, SPLIT_PROGRAMS_PER_SM)
+    )
     base = batch * num_kv_heads
-    if base >= ONE_PASS_PROGRAMS_PER_SM * num_sms:
+    if base >= one_pass_per_sm * num_sms:
         return 1
-    by_occupancy = triton.cdiv(SPLIT_PROGRAMS_PER_SM * num_sms, base)
+    by_occupancy = triton.cdiv(split_per_sm * num_sms, base)
     by_length = max(1, max_context_len_hint // MIN_TOKENS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
@@ -109,7 +120,7 @@ def choose_decode_launch(
     batch: int, num_kv_heads: int, head_dim: int, max_context_len_hint: int, num_sms: int
 ) -> DecodeLaunch:
     """Split count and tile for a decode shape: a pure function, chosen once per shape."""
-    num_splits = choose_num_splits(batch, num_kv_heads, max_context_len_hint, num_sms)
+    num_splits = choose_num_splits(batch, num_kv_heads, max_context_len_hint, num_sms, head_dim)
     return DecodeLaunch(num_splits, default_tiles(head_dim, split=num_splits > 1))
 
 

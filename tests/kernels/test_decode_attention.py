@@ -12,6 +12,7 @@ from kernels.decode_attention import (
     DecodeTiles,
     choose_decode_launch,
     choose_num_splits,
+    default_tiles,
     paged_decode_attention,
 )
 from tests.kernels.kernel_helpers import (
@@ -124,15 +125,18 @@ def test_decode_tile_overrides(block_n, num_splits, device):
 
 def test_choose_num_splits_one_pass_when_grid_fills_gpu():
     assert choose_num_splits(256, 8, 1024, 132) == 1
-    assert choose_num_splits(256, 12, 8192, 132) == 1
-    assert choose_num_splits(96, 12, 8192, 132) == 1  # 8.7 programs per SM
+    assert choose_num_splits(64, 12, 8192, 132) == 1
+    assert choose_num_splits(64, 8, 8192, 132, head_dim=128) == 1  # qwen3, measured
+    assert choose_num_splits(256, 12, 8192, 132, head_dim=64) == 1
+    assert choose_num_splits(96, 12, 8192, 132, head_dim=64) == 1  # 8.7 programs per SM
 
 
-def test_choose_num_splits_splits_a_medium_batch():
-    # gpt2 at batch 64: 5.8 programs per SM in one pass; two splits measured 1.31x faster.
-    assert choose_num_splits(64, 12, 8192, 132) == 2
-    assert choose_num_splits(64, 8, 8192, 132) == 3
-    assert choose_num_splits(64, 12, 128, 132) == 1  # too short to be worth splitting
+def test_choose_num_splits_splits_gpt2_at_batch_64():
+    # head_dim 64 at batch 64: 5.8 programs per SM in one pass; two splits measured 1.31x.
+    assert choose_num_splits(64, 12, 8192, 132, head_dim=64) == 2
+    assert choose_num_splits(64, 12, 128, 132, head_dim=64) == 1  # too short to split
+    launch = choose_decode_launch(64, 12, 64, 1024, 132)
+    assert launch.num_splits == 2 and launch.tiles == default_tiles(64, split=True)
 
 
 def test_choose_num_splits_fills_gpu_at_batch_one():
