@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels.pdl
+import replica.triton_attention
 from bench.common import copy_bandwidth_gbps, markdown_table, percentile, write_json
 from bench.itl import cohort_itl, format_itl, steady_itl
 from replica import EngineConfig, LLMEngine, SamplingParams
@@ -188,6 +189,9 @@ def main() -> None:
     )
     parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
     parser.add_argument(
+        "--no-fused-append", action="store_true", help="decode KV append as its own launch"
+    )
+    parser.add_argument(
         "--no-gc", action="store_true", help="diagnostic: Python's cyclic GC off during the runs"
     )
     parser.add_argument("--max-batched-tokens", type=int, default=None, help="prefill chunk")
@@ -196,6 +200,7 @@ def main() -> None:
 
     on_gpu = torch.cuda.is_available()
     kernels.pdl.ENABLE_PDL = not args.no_pdl
+    replica.triton_attention.FUSE_DECODE_APPEND = not args.no_fused_append
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)
     max_new = args.max_new or (128 if on_gpu else 32)
@@ -262,6 +267,7 @@ def main() -> None:
           f" block_size={args.block_size} cuda_graphs={engine.runner.use_cuda_graphs}"
           f" triton_linear={triton_linear}"
           f" pdl={kernels.pdl.use_pdl(engine.device)}"
+          f" fused_append={not args.no_fused_append}"
           + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else ""))  # fmt: skip
     print(markdown_table(rows, [c for c in columns if any(c in r for r in rows)]))
     for num_seqs, prof in profiles.items():

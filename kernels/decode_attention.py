@@ -141,15 +141,17 @@ def num_sms(device: torch.device) -> int:
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, slot_mapping_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
+    k_new_ptr, v_new_ptr,  # APPEND: each row's newest K/V, at position ctx_len - 1
     qk_scale,  # scale * log2(e)
     num_splits,
     stride_q_row, stride_q_head,
     stride_cache_block, stride_cache_slot, stride_cache_head,
     stride_bt,
     stride_out_row, stride_out_head,
+    stride_new_row, stride_new_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    APPEND: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)  # kernels.pdl: the merge (or next) kernel launches while this one runs
     row = tl.program_id(0)
@@ -177,9 +179,14 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     n = tl.arange(0, BLOCK_N)
     head_off = kv_head * stride_cache_head
-    for tile_start in range(start, end, BLOCK_N):
+    # APPEND: the newest token is not read from the cache (this launch writes it there);
+    # the split holding it adds it last, from registers.
+    cache_end = end
+    if APPEND:
+        cache_end = tl.minimum(end, ctx_len - 1)
+    for tile_start in range(start, cache_end, BLOCK_N):
         tok = tile_start + n  # [BLOCK_N]
-        tok_mask = tok < end
+        tok_mask = tok < cache_end
         block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         tok_off = block * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_slot + head_off
         kv_off = tok_off[:, None] + d[None, :]  # [BLOCK_N, HEAD_DIM]
@@ -195,6 +202,25 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+
+    last = ctx_len - 1
+    if APPEND:
+        if (start <= last) & (last < end):
+            new_off = row * stride_new_row + kv_head * stride_new_head + d  # [HEAD_DIM]
+            k_new = tl.load(k_new_ptr + new_off)
+            v_new = tl.load(v_new_ptr + new_off)
+            block = tl.load(bt_row + last // BLOCK_SIZE).to(tl.int64)
+            dst = block * stride_cache_block + (last % BLOCK_SIZE) * stride_cache_slot
+            tl.store(k_cache_ptr + dst + head_off + d, k_new)
+            tl.store(v_cache_ptr + dst + head_off + d, v_new)
+            # [GROUP_PAD] scores of the newest token, then one more online-softmax step
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
 
     if SPLIT:
         # Empty split: l_i == 0, m_i == -inf -> partial 0 with lse -inf.
@@ -248,8 +274,16 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_new: torch.Tensor | None = None,  # [B, num_kv_heads, head_dim]
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     """Paged decode attention with GQA; split-KV (flash-decoding) when the batch is small.
+
+    With k_new / v_new (head_dim contiguous, any row and head strides) the kernel
+    appends each row's newest token too: it writes them at position context_lens[i] - 1
+    of row i's blocks (what append_kv_slots does with positions = context_lens - 1) and
+    attends to them from registers, so the cache need not hold that token yet. One
+    launch instead of two; no program reads the position another one writes.
 
     Constraints: num_heads % num_kv_heads == 0; head_dim a power of 2 >= 16;
     head_dim contiguous in q, out and the caches; fp16/bf16/fp32 (accumulated in
@@ -267,6 +301,12 @@ def paged_decode_attention(
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    append = k_new is not None
+    if append:
+        assert v_new is not None and k_new.shape == v_new.shape, "k_new and v_new together"
+        assert k_new.shape == (num_rows, num_kv_heads, head_dim), "k_new: [B, kv heads, dim]"
+        assert k_new.stride() == v_new.stride() and k_new.stride(2) == 1
+        assert k_new.dtype == q.dtype == v_new.dtype, "k_new and v_new must share q's dtype"
     out = torch.empty_like(q) if out is None else out
     if num_rows == 0:
         return out
@@ -282,17 +322,19 @@ def paged_decode_attention(
         part_out, part_lse = workspace or _workspace(num_rows, num_heads, num_splits, head_dim, q)
     else:
         part_out = part_lse = out
+    new = (k_new, v_new) if append else (q, q)
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, slot_mapping, context_lens,
-        out, part_out, part_lse,
+        out, part_out, part_lse, *new,
         scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         out.stride(0), out.stride(1),
+        new[0].stride(0), new[0].stride(1),
         GROUP=group, GROUP_PAD=max(_MIN_QUERY_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n or tiles.block_n, SPLIT=split,
-        DOT_PRECISION=dot_precision(q.dtype),
+        APPEND=append, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps or tiles.num_warps, num_stages=num_stages or tiles.num_stages,
         **pdl_launch(q.device),
     )  # fmt: skip

@@ -10,11 +10,18 @@ from kernels.kv_append import append_kv_prefill, append_kv_slots
 from kernels.prefill_attention import paged_prefill_attention
 from replica.attention import AttentionMetadata
 
+# The decode KV append inside the attention launch (kernels.decode_attention, k_new /
+# v_new): read once, when a backend is built. False keeps a separate append_kv_slots
+# launch; the benchmarks' switch (bench.engine --no-fused-append).
+FUSE_DECODE_APPEND = True
+
 
 class TritonAttention:
     """AttentionBackend on the Triton kernels.
 
-    Decode: append_kv_slots + paged_decode_attention. Neither reads device data
+    Decode: paged_decode_attention, which appends the new K/V itself (positions are
+    context_lens - 1 in a decode batch), or append_kv_slots first where
+    FUSE_DECODE_APPEND was off. Neither reads device data
     on the host and the split count comes from shapes (the block table width),
     so the decode branch can be captured in a CUDA graph. Prefill with a work
     list (bucketed, capturable): append_kv_slots per token + the work-list form
@@ -25,6 +32,7 @@ class TritonAttention:
     def __init__(self, decode_num_splits: int | None = None) -> None:
         # None: chosen from shapes per batch size (fixed per captured graph).
         self.decode_num_splits = decode_num_splits
+        self.fuse_decode_append = FUSE_DECODE_APPEND
 
     def copy_blocks(
         self,
@@ -45,6 +53,11 @@ class TritonAttention:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if meta.is_decode:
+            if self.fuse_decode_append:
+                return paged_decode_attention(
+                    q, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.context_lens,
+                    scale, num_splits=self.decode_num_splits, k_new=k, v_new=v,
+                )  # fmt: skip
             append_kv_slots(
                 k, v, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.positions
             )

@@ -4,7 +4,7 @@
 #   diag     bench.engine gpt2 fp16 at 256 (step spread: slow steps and their phases) and
 #            bench.profile_step's timeline of 20 engine steps (GPU busy share, idle gaps)
 #   engine   bench.engine gpt2 fp16, batch 1 and 256, with HF and the ITL runs (REPEAT)
-#   ab       bench.engine gpt2 fp16 at 256 with each EXTRA_AB flag set in turn
+#   ab       bench.engine gpt2 fp16 at 256 with each EXTRA_AB flag, then without (REPEAT)
 #   qwen3    bench.engine qwen3-0.6b bf16 with HF and the ITL runs
 #   tune     bench.kernels --tune of decode attention at the engine's contexts (TUNE_SHAPES,
 #            TUNE_CASES)
@@ -33,9 +33,11 @@ for part in ${PARTS:-diag}; do
       engine gpt2 float16 "r$rep" --batch 1 256 --hf --itl-batch 64
     done ;;
   ab)
-    for flag in ${EXTRA_AB:-}; do
-      engine gpt2 float16 "ab${flag}" --batch 256 "$flag"
-      engine gpt2 float16 "ab_default" --batch 256
+    for rep in $(seq "${REPEAT:-1}"); do
+      for flag in ${EXTRA_AB:-}; do
+        engine gpt2 float16 "ab${flag}_r$rep" --batch 256 "$flag"
+        engine gpt2 float16 "ab_default_r$rep" --batch 256
+      done
     done ;;
   qwen3)
     engine qwen3-0.6b bfloat16 hf --batch 1 256 --hf --itl-batch 64 ;;

@@ -17,6 +17,7 @@ from kernels.decode_attention import (
 )
 from tests.kernels.kernel_helpers import (
     TOL,
+    bits,
     filled_cache,
     poison_outside_context,
     random_block_table,
@@ -26,8 +27,11 @@ from tests.kernels.kernel_helpers import (
 
 def _run_case(
     dtype, num_heads, num_kv_heads, head_dim, block_size, ctx_lens, num_splits, device, seed=0,
-    **launch,
+    append=False, **launch,
 ):  # fmt: skip
+    """append: the newest token of each row comes as k_new / v_new (strided views of one
+    qkv tensor, as a model's projection gives them), its cache position holds NaN before
+    the launch, and the caches must equal the reference's append afterwards."""
     gen = torch.Generator().manual_seed(seed)
     num_rows = len(ctx_lens)
     max_blocks = max(-(-c // block_size) for c in ctx_lens) + 1
@@ -42,9 +46,27 @@ def _run_case(
     poison_outside_context(v_cache, block_table, slot_mapping, context_lens)
     q = torch.randn(num_rows, num_heads, head_dim, generator=gen).to(dtype).to(device)
     scale = head_dim**-0.5
-    expect = ref.paged_decode_attention_ref(
-        q, k_cache, v_cache, block_table, slot_mapping, context_lens, scale
-    )
+    if append:
+        kv_width = num_kv_heads * head_dim
+        qkv = torch.randn(num_rows, 3 * kv_width + 8, generator=gen).to(dtype).to(device)
+        k_new = qkv[:, 8 : 8 + kv_width].view(num_rows, num_kv_heads, head_dim)
+        v_new = qkv[:, 8 + kv_width : 8 + 2 * kv_width].view(num_rows, num_kv_heads, head_dim)
+        launch |= {"k_new": k_new, "v_new": v_new}
+        expect_k, expect_v = k_cache.clone(), v_cache.clone()
+        positions = context_lens.long() - 1
+        ref.append_kv_slots_ref(
+            k_new, v_new, expect_k, expect_v, block_table, slot_mapping, positions
+        )
+        blocks = block_table[slot_mapping.long(), positions // block_size].long()
+        k_cache[blocks, positions % block_size] = float("nan")  # must be written, never read
+        v_cache[blocks, positions % block_size] = float("nan")
+        expect = ref.paged_decode_attention_ref(
+            q, expect_k, expect_v, block_table, slot_mapping, context_lens, scale
+        )
+    else:
+        expect = ref.paged_decode_attention_ref(
+            q, k_cache, v_cache, block_table, slot_mapping, context_lens, scale
+        )
     out = torch.full_like(q, float("nan"))
     got = paged_decode_attention(
         q, k_cache, v_cache, block_table, slot_mapping, context_lens, scale, out=out,
@@ -53,6 +75,9 @@ def _run_case(
     assert got is out
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), expect.float(), **TOL[dtype])
+    if append:
+        assert torch.equal(bits(k_cache), bits(expect_k)), "K cache after the append"
+        assert torch.equal(bits(v_cache), bits(expect_v)), "V cache after the append"
 
 
 # (dtype, num_heads, num_kv_heads, head_dim, block_size): GQA 1/2/4, every dtype,
@@ -73,6 +98,45 @@ def test_decode_matches_reference(
 ):
     ctx_lens = [1, block_size, block_size + 1, 5 * block_size - 3]
     _run_case(dtype, num_heads, num_kv_heads, head_dim, block_size, ctx_lens, num_splits, device)
+
+
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size", CASES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_with_append_matches_append_then_decode(
+    dtype, num_heads, num_kv_heads, head_dim, block_size, num_splits, device
+):
+    """The newest token at every place in a block: first, last, a block's first, one token."""
+    ctx_lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1]
+    _run_case(
+        dtype, num_heads, num_kv_heads, head_dim, block_size, ctx_lens, num_splits, device,
+        seed=num_splits, append=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_with_append_random_shapes(seed, device):
+    rng = random.Random(100 + seed)
+    dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+    num_kv_heads, group = rng.choice([1, 2]), rng.choice([1, 2, 4])
+    head_dim, block_size = rng.choice([64, 128]), rng.choice([8, 16, 32])
+    ctx_lens = [rng.randint(1, 200) for _ in range(rng.randint(1, 4))]
+    _run_case(
+        dtype, num_kv_heads * group, num_kv_heads, head_dim, block_size, ctx_lens,
+        rng.choice([1, 2, 7, None]), device, seed=seed, append=True,
+    )  # fmt: skip
+
+
+def test_decode_append_rejects_mismatched_new_rows(device):
+    q = torch.zeros(2, 4, 64, dtype=torch.float16, device=device)
+    cache = torch.zeros(4, 16, 2, 64, dtype=torch.float16, device=device)
+    table = torch.zeros(3, 2, dtype=torch.int32, device=device)
+    rows = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(AssertionError, match="k_new"):
+        paged_decode_attention(
+            q, cache, cache, table, rows, rows + 1, 0.1,
+            k_new=torch.zeros(2, 4, 64, dtype=torch.float16, device=device),
+            v_new=torch.zeros(2, 4, 64, dtype=torch.float16, device=device),
+        )  # fmt: skip
 
 
 def test_decode_more_splits_than_tiles(device):
