@@ -179,14 +179,21 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     n = tl.arange(0, BLOCK_N)
     head_off = kv_head * stride_cache_head
-    # APPEND: the newest token is not read from the cache (this launch writes it there);
-    # the split holding it adds it last, from registers.
-    cache_end = end
     if APPEND:
-        cache_end = tl.minimum(end, ctx_len - 1)
-    for tile_start in range(start, cache_end, BLOCK_N):
+        # The split holding the newest token (position ctx_len - 1) writes it to the cache
+        # first; the barrier makes the write visible to this program's own loads below.
+        # No other program reads that position.
+        last = ctx_len - 1
+        if (start <= last) & (last < end):
+            new_off = row * stride_new_row + kv_head * stride_new_head + d  # [HEAD_DIM]
+            block = tl.load(bt_row + last // BLOCK_SIZE).to(tl.int64)
+            dst = block * stride_cache_block + (last % BLOCK_SIZE) * stride_cache_slot + head_off
+            tl.store(k_cache_ptr + dst + d, tl.load(k_new_ptr + new_off))
+            tl.store(v_cache_ptr + dst + d, tl.load(v_new_ptr + new_off))
+        tl.debug_barrier()
+    for tile_start in range(start, end, BLOCK_N):
         tok = tile_start + n  # [BLOCK_N]
-        tok_mask = tok < cache_end
+        tok_mask = tok < end
         block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         tok_off = block * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_slot + head_off
         kv_off = tok_off[:, None] + d[None, :]  # [BLOCK_N, HEAD_DIM]
@@ -202,25 +209,6 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-
-    last = ctx_len - 1
-    if APPEND:
-        if (start <= last) & (last < end):
-            new_off = row * stride_new_row + kv_head * stride_new_head + d  # [HEAD_DIM]
-            k_new = tl.load(k_new_ptr + new_off)
-            v_new = tl.load(v_new_ptr + new_off)
-            block = tl.load(bt_row + last // BLOCK_SIZE).to(tl.int64)
-            dst = block * stride_cache_block + (last % BLOCK_SIZE) * stride_cache_slot
-            tl.store(k_cache_ptr + dst + head_off + d, k_new)
-            tl.store(v_cache_ptr + dst + head_off + d, v_new)
-            # [GROUP_PAD] scores of the newest token, then one more online-softmax step
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
-            m_new = tl.maximum(m_i, s_new)
-            alpha = tl.exp2(m_i - m_new)
-            p_new = tl.exp2(s_new - m_new)
-            l_i = l_i * alpha + p_new
-            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-            m_i = m_new
 
     if SPLIT:
         # Empty split: l_i == 0, m_i == -inf -> partial 0 with lse -inf.
@@ -280,10 +268,10 @@ def paged_decode_attention(
     """Paged decode attention with GQA; split-KV (flash-decoding) when the batch is small.
 
     With k_new / v_new (head_dim contiguous, any row and head strides) the kernel
-    appends each row's newest token too: it writes them at position context_lens[i] - 1
-    of row i's blocks (what append_kv_slots does with positions = context_lens - 1) and
-    attends to them from registers, so the cache need not hold that token yet. One
-    launch instead of two; no program reads the position another one writes.
+    appends each row's newest token too: the program whose split holds position
+    context_lens[i] - 1 writes them there (what append_kv_slots does with positions =
+    context_lens - 1) before its own loop reads it, so the cache need not hold that token
+    yet. One launch instead of two; no program reads a position another one writes.
 
     Constraints: num_heads % num_kv_heads == 0; head_dim a power of 2 >= 16;
     head_dim contiguous in q, out and the caches; fp16/bf16/fp32 (accumulated in

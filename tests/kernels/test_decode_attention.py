@@ -58,7 +58,7 @@ def _run_case(
             k_new, v_new, expect_k, expect_v, block_table, slot_mapping, positions
         )
         blocks = block_table[slot_mapping.long(), positions // block_size].long()
-        k_cache[blocks, positions % block_size] = float("nan")  # must be written, never read
+        k_cache[blocks, positions % block_size] = float("nan")  # written before it is read
         v_cache[blocks, positions % block_size] = float("nan")
         expect = ref.paged_decode_attention_ref(
             q, expect_k, expect_v, block_table, slot_mapping, context_lens, scale
