@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels.pdl
-import replica.model_runner
 import replica.triton_attention
 from bench.common import copy_bandwidth_gbps, markdown_table, percentile, write_json
 from bench.itl import cohort_itl, format_itl, steady_itl
@@ -193,10 +192,6 @@ def main() -> None:
         "--no-fused-append", action="store_true", help="decode KV append as its own launch"
     )
     parser.add_argument(
-        "--no-prefill-overlap", action="store_true",
-        help="a step's prefill graph before its decode graph, on one stream",
-    )  # fmt: skip
-    parser.add_argument(
         "--no-gc", action="store_true", help="diagnostic: Python's cyclic GC off during the runs"
     )
     parser.add_argument("--max-batched-tokens", type=int, default=None, help="prefill chunk")
@@ -206,7 +201,6 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     kernels.pdl.ENABLE_PDL = not args.no_pdl
     replica.triton_attention.FUSE_DECODE_APPEND = not args.no_fused_append
-    replica.model_runner.OVERLAP_PREFILL = not args.no_prefill_overlap
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)
     max_new = args.max_new or (128 if on_gpu else 32)
@@ -274,7 +268,6 @@ def main() -> None:
           f" triton_linear={triton_linear}"
           f" pdl={kernels.pdl.use_pdl(engine.device)}"
           f" fused_append={not args.no_fused_append}"
-          f" prefill_overlap={engine.runner.prefill_stream is not None}"
           + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else ""))  # fmt: skip
     print(markdown_table(rows, [c for c in columns if any(c in r for r in rows)]))
     for num_seqs, prof in profiles.items():

@@ -6,9 +6,6 @@ sequence's blocks changed. On CUDA, decode runs as a replay of a CUDA graph
 captured for the next bucketed batch size; padding rows point at a null
 table row whose blocks are all the reserved null block.
 
-With CUDA graphs, a step that both prefills and decodes replays the prefill graph
-on a side stream beside the decode graph, and sampling waits for both.
-
 Steps overlap with the host: launch() enqueues a step and returns at once with
 a StepHandle. Sampled tokens stay on the device too (token_buf, one entry per
 table row), so the next step's decode reads a token the host has not seen yet
@@ -18,8 +15,6 @@ its copies may still be pending.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import numpy as np
 import torch
@@ -33,11 +28,6 @@ from replica.scheduler import ScheduledBatch
 from replica.sequence import Sequence
 
 _DEC_INPUT_IDS, _DEC_POSITIONS, _DEC_SLOTS, _DEC_CONTEXT_LENS = range(4)
-
-# A step with prefill and decode replays the prefill graph on a side stream (launch());
-# read when a runner is built. False runs them one after the other: the benchmarks'
-# switch (bench.engine --no-prefill-overlap).
-OVERLAP_PREFILL = True
 
 
 class StepHandle:
@@ -132,10 +122,6 @@ class ModelRunner:
             padded=device.type == "cuda",
         )  # fmt: skip
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # Prefill graphs of mixed steps replay here, beside the decode graph (launch()).
-        # Their memory pool is not the decode graphs', so the two never share buffers.
-        overlap = self.use_cuda_graphs and OVERLAP_PREFILL
-        self.prefill_stream = torch.cuda.Stream(device) if overlap else None
 
     # ---- set-up ---------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -200,15 +186,10 @@ class ModelRunner:
                 torch.tensor(dst, device=self.device),
             )  # fmt: skip
         logits, slots, sampled_seqs = [], [], []
-        # A step with both runs its prefill graph on a side stream, beside the decode graph:
-        # both are chains of small latency-bound kernels, and a new request's prefill no
-        # longer adds its whole pass to every running request's inter-token latency.
-        side = self.prefill_stream if batch.prefill_seqs and batch.decode_seqs else None
         if batch.prefill_seqs:
-            with self._on_stream(side):
-                prefill_logits, done, done_slots = self._run_prefill(
-                    batch.prefill_seqs, batch.prefill_lens
-                )
+            prefill_logits, done, done_slots = self._run_prefill(
+                batch.prefill_seqs, batch.prefill_lens
+            )
             if done:
                 logits.append(prefill_logits)
                 slots.append(done_slots)
@@ -219,8 +200,6 @@ class ModelRunner:
             logits.append(decode_logits)
             slots.append(self.decode_inputs[_DEC_SLOTS, : len(batch.decode_seqs)])
             sampled_seqs += batch.decode_seqs
-        if side is not None:
-            torch.cuda.current_stream(self.device).wait_stream(side)
         host = self.token_staging[self.parity, : len(sampled_seqs)]
         if not sampled_seqs:
             return StepHandle(host, None)
@@ -238,14 +217,6 @@ class ModelRunner:
         event = torch.cuda.Event()
         event.record()
         return StepHandle(host, event)
-
-    def _on_stream(self, stream: torch.cuda.Stream | None):
-        """Run what follows on stream, after everything enqueued so far (block-table rows,
-        block copies); nullcontext for None."""
-        if stream is None:
-            return contextlib.nullcontext()
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(stream)
 
     def release(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)

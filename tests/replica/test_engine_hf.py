@@ -246,33 +246,3 @@ def test_pdl_on_and_off_give_identical_tokens(checkpoint, dtype, monkeypatch):
         results.append([o.token_ids for o in engine.generate(prompts, params)])
     assert kernels.pdl.use_pdl(torch.device("cuda")) is False  # the last engine ran without
     assert results[0] == results[1]
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_prefill_beside_decode_gives_identical_tokens(checkpoint, dtype, monkeypatch):
-    """Requests arriving while others decode: the prefill graph runs on a side stream
-    beside the decode graph, which must change nothing a step computes."""
-    import replica.model_runner
-
-    path, _ = checkpoint
-    prompts = random_prompts(7, [3, 9, 17, 33, 40, 12, 5, 16, 70, 2, 21])
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    results = []
-    for overlap in (True, False):
-        monkeypatch.setattr(replica.model_runner, "OVERLAP_PREFILL", overlap)
-        engine = make_engine(path, 16, device="cuda", dtype=dtype, max_num_seqs=24)
-        assert (engine.runner.prefill_stream is not None) == overlap
-        tokens: dict[str, list[int]] = {}
-        pending = list(enumerate(prompts))
-        while pending or engine.has_unfinished():
-            if pending:  # one new request every step, while the earlier ones decode
-                i, prompt = pending.pop(0)
-                engine.add_request(f"r{i}", prompt, params)
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        results.append(tokens)
-        assert_no_leak(engine)
-    assert results[0] == results[1]
-    assert len(results[0]) == len(prompts)
