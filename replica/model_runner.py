@@ -1,10 +1,10 @@
 """Runs the model for a scheduled batch: the only place that builds device tensors.
 
 Decode inputs live in persistent device buffers, filled by one packed
-host-to-device copy per step; block-table rows are copied only when a
-sequence's blocks changed. On CUDA, decode runs as a replay of a CUDA graph
-captured for the next bucketed batch size; padding rows point at a null
-table row whose blocks are all the reserved null block.
+host-to-device copy per step that carries block-table rows too, only those
+whose sequence's blocks changed (replica.decode_inputs). On CUDA, decode runs
+as a replay of a CUDA graph captured for the next bucketed batch size; padding
+rows point at a null table row whose blocks are all the reserved null block.
 
 Steps overlap with the host: launch() enqueues a step and returns at once with
 a StepHandle. Sampled tokens stay on the device too (token_buf, one entry per
@@ -21,13 +21,12 @@ import torch
 
 from replica.attention import AttentionMetadata, make_attention_backend
 from replica.config import EngineConfig
+from replica.decode_inputs import CONTEXT_LENS, INPUT_IDS, POSITIONS, SLOTS, DecodeInputs
 from replica.models import ModelConfig, load_model
 from replica.prefill_inputs import PrefillBucket, PrefillInputs
 from replica.sampler import SamplingBatch, sample
 from replica.scheduler import ScheduledBatch
 from replica.sequence import Sequence
-
-_DEC_INPUT_IDS, _DEC_POSITIONS, _DEC_SLOTS, _DEC_CONTEXT_LENS = range(4)
 
 
 class StepHandle:
@@ -98,16 +97,10 @@ class ModelRunner:
             (rows, self.max_blocks_per_seq), dtype=torch.int32, device=device
         )
         # Host staging, two copies each (see the module docstring); parity picks one per step.
-        self.block_table_staging = torch.zeros(
-            (2, rows, self.max_blocks_per_seq), dtype=torch.int32, pin_memory=pin
-        )
-        self.dirty_rows_staging = torch.zeros((2, rows), dtype=torch.int64, pin_memory=pin)
-        self.decode_staging = torch.zeros(
-            (2, 4, self.max_num_seqs), dtype=torch.int64, pin_memory=pin
-        )
+        self.step_inputs = DecodeInputs(self.max_num_seqs, self.max_blocks_per_seq, device, pin)
+        self.decode_inputs = self.step_inputs.inputs  # [4, max_num_seqs] on the device
         self.token_staging = torch.zeros((2, self.max_num_seqs), dtype=torch.int64, pin_memory=pin)
         self.parity = 0
-        self.decode_inputs = torch.zeros((4, self.max_num_seqs), dtype=torch.int64, device=device)
         self.token_buf = torch.zeros(rows, dtype=torch.int64, device=device)  # last token per slot
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.request_generators: dict[str, torch.Generator] = {}
@@ -162,7 +155,7 @@ class ModelRunner:
         shape = (mc.num_layers, 2, num_blocks + 1, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.block_table.fill_(self.null_block)
-        self._reset_decode_padding(0)
+        self.step_inputs.fill_padding(self.parity)
         if self.use_cuda_graphs:
             self._capture_graphs()
 
@@ -178,7 +171,13 @@ class ModelRunner:
         sequence's last token may be a PLACEHOLDER: it is read from token_buf.
         """
         self.parity ^= 1
-        self._update_block_table(block_table, dirty_slots)
+        num_decodes = len(batch.decode_seqs)
+        padded = self._graph_size(num_decodes) if self.graph_sizes else num_decodes
+        if num_decodes:
+            self.step_inputs.fill(self.parity, batch.decode_seqs, padded)
+        self.step_inputs.upload(
+            self.parity, num_decodes > 0, block_table, dirty_slots, self.block_table
+        )
         if batch.block_copies:
             src, dst = zip(*batch.block_copies, strict=True)
             self.backend.copy_blocks(
@@ -196,9 +195,9 @@ class ModelRunner:
                 sampled_seqs += done
         greedy = None
         if batch.decode_seqs:
-            decode_logits, greedy = self._run_decode(batch.decode_seqs)
+            decode_logits, greedy = self._run_decode(num_decodes, padded)
             logits.append(decode_logits)
-            slots.append(self.decode_inputs[_DEC_SLOTS, : len(batch.decode_seqs)])
+            slots.append(self.decode_inputs[SLOTS, :num_decodes])
             sampled_seqs += batch.decode_seqs
         host = self.token_staging[self.parity, : len(sampled_seqs)]
         if not sampled_seqs:
@@ -221,17 +220,6 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
 
-    def _update_block_table(self, block_table: np.ndarray, dirty_slots: list[int]) -> None:
-        if not dirty_slots:
-            return
-        n = len(dirty_slots)
-        staging = self.block_table_staging[self.parity, :n]
-        staging.numpy()[:] = block_table[dirty_slots]
-        rows = self.dirty_rows_staging[self.parity, :n]
-        rows.numpy()[:] = dirty_slots
-        rows = rows.to(self.device, non_blocking=True)
-        self.block_table.index_copy_(0, rows, staging.to(self.device, non_blocking=True))
-
     def _run_prefill(
         self, seqs: list[Sequence], lens: list[int]
     ) -> tuple[torch.Tensor, list[Sequence], torch.Tensor]:
@@ -252,19 +240,9 @@ class ModelRunner:
         hidden = self.model(views["ids"], meta.positions, self.kv_cache, meta)
         return self.model.compute_logits(hidden[views["last_rows"]])
 
-    def _run_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [num_seqs, vocab] and greedy tokens [num_seqs] of a decode batch."""
-        num_seqs = len(seqs)
-        padded = self._graph_size(num_seqs) if self.graph_sizes else num_seqs
-        staging = self.decode_staging[self.parity].numpy()
-        staging[_DEC_INPUT_IDS, :num_seqs] = [s.token_ids[-1] for s in seqs]  # or PLACEHOLDER
-        staging[_DEC_POSITIONS, :num_seqs] = [len(s) - 1 for s in seqs]
-        staging[_DEC_SLOTS, :num_seqs] = [s.slot for s in seqs]
-        staging[_DEC_CONTEXT_LENS, :num_seqs] = staging[_DEC_POSITIONS, :num_seqs] + 1
-        self._reset_decode_padding(num_seqs, padded)
-        self.decode_inputs[:, :padded].copy_(
-            self.decode_staging[self.parity, :, :padded], non_blocking=True
-        )
+    def _run_decode(self, num_seqs: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [num_seqs, vocab] and greedy tokens [num_seqs] of the uploaded decode
+        batch, run at padded rows."""
         if self.use_cuda_graphs:
             graph, (logits, greedy) = self.graphs[padded]
             graph.replay()
@@ -282,31 +260,22 @@ class ModelRunner:
         meta = AttentionMetadata(
             is_decode=True,
             block_table=self.block_table,
-            slot_mapping=inputs[_DEC_SLOTS],
-            context_lens=inputs[_DEC_CONTEXT_LENS],
-            positions=inputs[_DEC_POSITIONS],
+            slot_mapping=inputs[SLOTS],
+            context_lens=inputs[CONTEXT_LENS],
+            positions=inputs[POSITIONS],
         )
         # A PLACEHOLDER (negative) id is the token the previous step sampled into token_buf.
-        ids = inputs[_DEC_INPUT_IDS]
-        ids = torch.where(ids >= 0, ids, self.token_buf[inputs[_DEC_SLOTS]])
+        ids = inputs[INPUT_IDS]
+        ids = torch.where(ids >= 0, ids, self.token_buf[inputs[SLOTS]])
         hidden = self.model(ids, meta.positions, self.kv_cache, meta)
         logits = self.model.compute_logits(hidden)
         greedy = self.argmax_rows(logits)
-        self.token_buf.index_copy_(0, inputs[_DEC_SLOTS], greedy)  # padding: the null row
+        self.token_buf.index_copy_(0, inputs[SLOTS], greedy)  # padding: the null row
         return logits, greedy
 
     def decode_forward_eager(self, num_rows: int) -> torch.Tensor:  # [num_rows, vocab]
         """One decode forward outside any graph, on whatever the decode buffers hold (profiling)."""
         return self._decode_forward(num_rows)[0]
-
-    def _reset_decode_padding(self, start: int, end: int | None = None) -> None:
-        """Padding rows read and write only the null row's null block."""
-        staging = self.decode_staging[self.parity].numpy()
-        end = self.max_num_seqs if end is None else end
-        staging[_DEC_INPUT_IDS, start:end] = 0
-        staging[_DEC_POSITIONS, start:end] = 0
-        staging[_DEC_SLOTS, start:end] = self.max_num_seqs
-        staging[_DEC_CONTEXT_LENS, start:end] = 1
 
     def _graph_size(self, num_seqs: int) -> int:
         for size in self.graph_sizes:
@@ -320,7 +289,7 @@ class ModelRunner:
         Two pools, because a step may replay a prefill graph and then a decode graph
         and sample from both outputs: graphs that share a pool share output memory.
         """
-        self.decode_inputs.copy_(self.decode_staging[self.parity])
+        self.step_inputs.upload(self.parity, True, np.empty((0, 0), np.int32), [], self.block_table)
         self.prefill.fill_padding(self.parity)  # padding rows write only the null block
         buckets = [self.prefill.bucket(t, 0) for t in self.prefill.token_buckets]
         with torch.inference_mode():
