@@ -161,6 +161,9 @@ def print_step_events(engine: LLMEngine, num_steps: int) -> None:
     finally:
         runner.launch, runner.graphs = launch, graphs
     marks = [m for m in marks if len(m) == 4]  # decode steps that replayed a graph
+    if len(marks) < 2:
+        print("\nstep events: fewer than two decode steps replayed a graph")
+        return
     parts = {
         name: [m[i].elapsed_time(m[i + 1]) for m in marks]
         for i, name in enumerate(("before graph", "graph", "after graph"))
@@ -176,7 +179,9 @@ def print_step_events(engine: LLMEngine, num_steps: int) -> None:
 def print_timeline(engine: LLMEngine, num_steps: int, top: int) -> None:
     """Trace num_steps engine steps as they run (graphs, overlap and all): how much of the
     wall the GPU was busy (union of kernel and copy intervals), its idle gaps, and the
-    kernels per step, so that work outside the graphs and host stalls show."""
+    kernels per step, so that work outside the graphs and host stalls show. With PDL a
+    kernel's interval starts at its early launch, so per-kernel times include its wait
+    for the one before; the union (busy, gaps) does not double count."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):

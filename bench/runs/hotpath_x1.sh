@@ -9,6 +9,7 @@
 #   tune     bench.kernels --tune of decode attention at the engine's contexts (TUNE_SHAPES,
 #            TUNE_CASES)
 #   tests    the gpu tests of the engine and the kernels
+#   kernels  every kernel test, natively
 # Usage: PARTS="diag engine" bash bench/runs/hotpath_x1.sh OUT_DIR
 set -u
 out=${1:-results}
