@@ -13,6 +13,7 @@ from kernels import reference
 
 _ENTRY_POINTS = {
     "apply_rotary": "kernels.rotary",
+    "argmax_rows": "kernels.argmax",
     "fused_add_rms_norm": "kernels.rms_norm",
     "silu_and_mul": "kernels.activation",
     "append_kv": "kernels.kv_append",

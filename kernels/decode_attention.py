@@ -6,6 +6,9 @@ share of the context in tiles of BLOCK_N tokens gathered through the block
 table, and keeps an online softmax in float32. With one split it writes the
 output; with several (flash-decoding) it writes a partial output and its
 log-sum-exp, and a second small kernel (merge_splits) merges the splits.
+Given the step's new K/V (k_new / v_new), the program holding a row's newest
+position writes them into the cache before its loop, so a decode step needs no
+separate append launch.
 
 Launch parameters (splits, tile, warps, stages) come from choose_decode_launch,
 a pure function of shapes, so they are fixed per captured CUDA graph. The grid
