@@ -2,9 +2,10 @@
 
 Every cluster test module starts and stops its own Ray, one after another, on a
 2-core CI machine. A start can fail there for reasons outside the code under test
-(the previous session's processes still exiting, a slow GCS): init_local_ray
-retries a failed start after a clean shutdown instead of failing the module, and
-prints why each failed start failed so that a real regression stays visible.
+(the previous session's processes still exiting, a slow GCS, a node that "timed out
+during startup"): init_local_ray and start_local_cluster retry a failed start after
+a clean shutdown instead of failing the module, and print why each failed start
+failed so that a real regression stays visible.
 """
 
 from __future__ import annotations
@@ -42,6 +43,30 @@ def init_local_ray(num_cpus: int) -> None:
             if attempt == START_ATTEMPTS:
                 raise
             time.sleep(RETRY_PAUSE_S)
+
+
+def start_local_cluster(nodes: list[dict]):
+    """A ray.cluster_utils.Cluster of these nodes (add_node's arguments; the first is the
+    head), connected with ray.init; up to START_ATTEMPTS tries, as init_local_ray. Returns
+    (cluster, the Node objects in order)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    for attempt in range(1, START_ATTEMPTS + 1):
+        cluster = Cluster()
+        try:
+            added = [cluster.add_node(**node) for node in nodes]
+            ray.init(address=cluster.address, log_to_driver=False)
+            cluster.wait_for_nodes()
+            return cluster, added
+        except Exception as e:
+            print(f"local cluster attempt {attempt} failed: {e!r}", file=sys.stderr)
+            ray.shutdown()
+            cluster.shutdown()
+            if attempt == START_ATTEMPTS:
+                raise
+            time.sleep(RETRY_PAUSE_S)
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager

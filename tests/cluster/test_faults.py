@@ -23,7 +23,7 @@ from cluster.errors import ReplicaDiedError, ReplicaError
 from replica import LLMEngine, SamplingParams
 from replica.stats import ReplicaStats
 from router.errors import OverloadedError
-from tests.cluster.local_ray import free_port, init_local_ray
+from tests.cluster.local_ray import free_port, init_local_ray, start_local_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -196,16 +196,11 @@ def check_greedy(outcomes: list[Outcome], expected: list[list[int]]) -> dict[str
 def test_node_removed_requests_end_typed_and_serving_resumes() -> None:
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     assert not ray.is_initialized(), "this test builds its own cluster; run it first"
     # Each replica takes 1 CPU: one fits on the head, the other on the worker node.
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "include_dashboard": False},
-    )
-    worker = cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, log_to_driver=False)
+    head = {"num_cpus": 1, "include_dashboard": False}
+    cluster, (_, worker) = start_local_cluster([head, {"num_cpus": 1}])
     try:
         config = fault_config(http=False)
         _serve_app(config)

@@ -16,6 +16,7 @@ import pytest
 from cluster import Client, ClusterConfig, build_app
 from replica import LLMEngine
 from replica.sampling_params import SamplingParams
+from tests.cluster.local_ray import start_local_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -28,14 +29,10 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 def two_node_app() -> Iterator[tuple[ClusterConfig, Client]]:
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
 
-    cluster = Cluster()
+    head = {"num_cpus": 1, "resources": {SLOT: 1}, "include_dashboard": False}
+    cluster, _ = start_local_cluster([head, {"num_cpus": 1, "resources": {SLOT: 1}}])
     try:
-        cluster.add_node(num_cpus=1, resources={SLOT: 1}, include_dashboard=False)  # the head
-        cluster.add_node(num_cpus=1, resources={SLOT: 1})
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
         config = ClusterConfig(
             model="gpt2-tiny",
             num_replicas=2,
