@@ -162,3 +162,8 @@ def copy_blocks_ref(
 ) -> None:
     """Copy whole blocks src[i] -> dst[i] in every layer's K and V (copy-on-write)."""
     kv_cache[:, :, dst.long()] = kv_cache[:, :, src.long()]
+
+
+def argmax_rows_ref(x: torch.Tensor) -> torch.Tensor:  # [num_rows] int64
+    """The first index of each row's maximum (kernels.argmax's reference; greedy on CPU)."""
+    return x.argmax(dim=-1)

@@ -46,12 +46,14 @@ class StepHandle:
 
 
 def _argmax_rows_for(device: torch.device):
-    """Greedy sampling's argmax: the Triton kernel on CUDA, torch's on CPU (same result)."""
+    """Greedy sampling's argmax: the Triton kernel on CUDA, its torch reference on CPU."""
     if device.type == "cuda":
         from kernels.argmax import argmax_rows
 
         return argmax_rows
-    return lambda logits: logits.argmax(dim=-1)
+    from kernels.reference import argmax_rows_ref
+
+    return argmax_rows_ref
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
