@@ -34,14 +34,23 @@ class EngineRun:
     num_seqs: int
     output_tokens: int = 0
     wall_s: float = 0.0
-    decode_step_s: list[float] = field(default_factory=list)
-    decode_host_s: list[float] = field(default_factory=list)  # scheduler + block manager + drain
-    decode_launch_s: list[float] = field(default_factory=list)  # runner: inputs + launches
     decode_tokens: int = 0
-    # Per decode step: (wall, schedule, launch, wait, drain) seconds, and whether some
-    # sequence rolled over to a new block in it.
+    # Per pure-decode step: (wall, schedule, launch, wait, drain) seconds, and whether some
+    # block-table row changed in it (a block rollover, in these runs).
     decode_phases_s: list[tuple[float, float, float, float, float]] = field(default_factory=list)
     decode_boundary: list[bool] = field(default_factory=list)
+
+    @property
+    def decode_step_s(self) -> list[float]:
+        return [p[0] for p in self.decode_phases_s]
+
+    @property
+    def decode_host_s(self) -> list[float]:  # scheduler + block manager + drain
+        return [p[1] + p[4] for p in self.decode_phases_s]
+
+    @property
+    def decode_launch_s(self) -> list[float]:  # runner: inputs + launches
+        return [p[2] for p in self.decode_phases_s]
 
     @property
     def tokens_per_s(self) -> float:
@@ -71,9 +80,6 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_new: int) -> Eng
         run.output_tokens += sum(len(o.new_token_ids) for o in outputs)
         timings = engine.last_step
         if timings.num_decode_seqs and not timings.num_prefill_tokens:
-            run.decode_step_s.append(now - last)
-            run.decode_host_s.append(timings.schedule_s + timings.drain_s)
-            run.decode_launch_s.append(timings.launch_s)
             run.decode_tokens += timings.num_decode_seqs
             run.decode_phases_s.append(
                 (now - last, timings.schedule_s, timings.launch_s, timings.wait_s, timings.drain_s)
@@ -89,7 +95,7 @@ def step_profile(run: EngineRun, slow_factor: float = 1.25) -> dict:
     """How the decode steps' walls spread, and what the slow ones (> slow_factor x the
     median) spent their time on: decode tok/s divides by the sum of walls, so a few slow
     steps move it while the median (TPOT) stays put."""
-    walls = [p[0] for p in run.decode_phases_s]
+    walls = run.decode_step_s
     if not walls:
         return {}
     median = percentile(walls, 50)
@@ -100,7 +106,8 @@ def step_profile(run: EngineRun, slow_factor: float = 1.25) -> dict:
             return [float("nan")] * 5
         return [1e3 * statistics.mean(run.decode_phases_s[i][k] for i in indices) for k in range(5)]
 
-    normal = [i for i in range(len(walls)) if i not in set(slow)]
+    slow_set = set(slow)
+    normal = [i for i in range(len(walls)) if i not in slow_set]
     return {
         "mean_ms": 1e3 * statistics.mean(walls), "p50_ms": 1e3 * median,
         "p90_ms": 1e3 * percentile(walls, 90), "p99_ms": 1e3 * percentile(walls, 99),
