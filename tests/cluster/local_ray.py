@@ -14,7 +14,10 @@ import contextlib
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
 
 START_ATTEMPTS = 3
 RETRY_PAUSE_S = 3.0
@@ -26,23 +29,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_with_retries(what: str, start: Callable[[], T], clean_up: Callable[[], None]) -> T:
+    """start(); after a failure, clean_up() and try again, up to START_ATTEMPTS tries."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return start()
+        except Exception as e:
+            print(f"{what} attempt {attempt} failed: {e!r}", file=sys.stderr)
+            clean_up()
+            if attempt == START_ATTEMPTS:
+                raise
+            time.sleep(RETRY_PAUSE_S)
+    raise AssertionError("unreachable")
+
+
 def init_local_ray(num_cpus: int) -> None:
     """ray.init a new local cluster of num_cpus logical CPUs; up to START_ATTEMPTS tries."""
     import ray
 
-    for attempt in range(1, START_ATTEMPTS + 1):
-        try:
-            # "local": never attach to a cluster someone else started on this machine.
-            ray.init(
-                address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False
-            )
-            return
-        except Exception as e:
-            print(f"ray.init attempt {attempt} failed: {e!r}", file=sys.stderr)
-            ray.shutdown()
-            if attempt == START_ATTEMPTS:
-                raise
-            time.sleep(RETRY_PAUSE_S)
+    # "local": never attach to a cluster someone else started on this machine.
+    _start_with_retries(
+        "ray.init",
+        lambda: ray.init(
+            address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False
+        ),
+        ray.shutdown,
+    )
 
 
 def start_local_cluster(nodes: list[dict]):
@@ -52,21 +64,20 @@ def start_local_cluster(nodes: list[dict]):
     import ray
     from ray.cluster_utils import Cluster
 
-    for attempt in range(1, START_ATTEMPTS + 1):
-        cluster = Cluster()
-        try:
-            added = [cluster.add_node(**node) for node in nodes]
-            ray.init(address=cluster.address, log_to_driver=False)
-            cluster.wait_for_nodes()
-            return cluster, added
-        except Exception as e:
-            print(f"local cluster attempt {attempt} failed: {e!r}", file=sys.stderr)
-            ray.shutdown()
-            cluster.shutdown()
-            if attempt == START_ATTEMPTS:
-                raise
-            time.sleep(RETRY_PAUSE_S)
-    raise AssertionError("unreachable")
+    clusters: list[Cluster] = []  # the attempt in progress
+
+    def start():
+        clusters.append(Cluster())
+        added = [clusters[-1].add_node(**node) for node in nodes]
+        ray.init(address=clusters[-1].address, log_to_driver=False)
+        clusters[-1].wait_for_nodes()
+        return clusters[-1], added
+
+    def clean_up() -> None:
+        ray.shutdown()
+        clusters.pop().shutdown()
+
+    return _start_with_retries("local cluster", start, clean_up)
 
 
 @contextlib.contextmanager
