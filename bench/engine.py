@@ -202,6 +202,10 @@ def main() -> None:
         "--no-gc", action="store_true", help="diagnostic: Python's cyclic GC off during the runs"
     )
     parser.add_argument("--max-batched-tokens", type=int, default=None, help="prefill chunk")
+    parser.add_argument(
+        "--mixed-prefill-tokens", type=int, default=None,
+        help="prompt tokens a decode step takes as extra rows (EngineConfig's; 0: never)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
 
@@ -226,6 +230,8 @@ def main() -> None:
                 max_model_len=min(2048, _max_positions(model)),
                 **({"max_num_batched_tokens": args.max_batched_tokens}
                    if args.max_batched_tokens else {}),
+                **({"mixed_prefill_tokens": args.mixed_prefill_tokens}
+                   if args.mixed_prefill_tokens is not None else {}),
             )
         )  # fmt: skip
         vocab = engine.model_config.vocab_size

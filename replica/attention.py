@@ -21,6 +21,9 @@ class AttentionMetadata:
     """Indices for one forward pass: all-prefill (packed chunks) or all-decode.
 
     Decode: one token per batch row; slot_mapping/context_lens/positions are [B].
+    append_first: rows may share a sequence (a mixed step's prompt chunk, one row
+    per token, each with its own context length), so every row's K/V must be in
+    the cache before any row's attention reads it.
     Prefill: chunks packed; slot_mapping/context_lens/start_positions are
     [num_seqs], cu_seqlens_q is [num_seqs + 1], positions is [num_tokens].
     context_lens count the cached tokens after this pass's tokens are appended.
@@ -41,6 +44,7 @@ class AttentionMetadata:
     max_q_len: int = 1
     token_slots: torch.Tensor | None = None
     prefill_work: torch.Tensor | None = None  # [capacity, 2] (seq, query block), -1 padded
+    append_first: bool = False
 
 
 class AttentionBackend(Protocol):

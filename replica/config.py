@@ -53,6 +53,10 @@ class EngineConfig:
     max_model_len None takes the model's own limit.
     enable_triton_linear: on CUDA in fp16 / bf16, small-batch projections run
     kernels.linear (fused bias and activation) where it beats cuBLAS.
+    mixed_prefill_tokens: a step whose prompt chunks total at most this many
+    tokens runs them as extra rows of its decode forward (one pass over the
+    weights, SGLang's mixed chunk) instead of a prefill forward before the
+    decode; 0 keeps prefill and decode apart.
     """
 
     model: str = "gpt2-tiny"
@@ -69,6 +73,7 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 1.0
     enable_cuda_graphs: bool = True
     enable_triton_linear: bool = True
+    mixed_prefill_tokens: int = 32
     replica_id: str = "replica-0"
     max_prefix_hashes_in_stats: int = 2048
 
@@ -94,6 +99,9 @@ class EngineConfig:
         if not self.cpu_kv_cache_gb > 0:
             raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb!r}")
         _positive_int("max_prefix_hashes_in_stats", self.max_prefix_hashes_in_stats)
+        m = self.mixed_prefill_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"mixed_prefill_tokens must be an integer >= 0, got {m!r}")
         for name in ("enable_prefix_caching", "enable_cuda_graphs", "enable_triton_linear"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -1,11 +1,19 @@
 """A decode step's inputs and changed block-table rows: one host-to-device copy per step.
 
+A decode step runs one query row per token: one per decode sequence, and, in a
+mixed step, one per token of the short prompt chunks that ride along (the model
+runner's mixed_prefill_tokens). Row order: the chunks' tokens that sample
+nothing, then the last token of each chunk that completes its prompt, then the
+decode sequences, then padding; the rows that sample are one contiguous range.
+
 One pinned staging buffer per parity (the model runner alternates two, so a step's
 copy may still be pending while the next step is filled) and one persistent device
 buffer share a byte layout:
 
-    inputs   [4, max_num_seqs] int64   input ids (PLACEHOLDER: read token_buf),
-                                       positions, table rows (slots), context lens
+    inputs   [5, max_rows] int64       input ids (PLACEHOLDER: read token_buf),
+                                       positions, table rows (slots), context lens,
+                                       token_buf rows for the sampled token (OUT_SLOTS;
+                                       the null row where a row samples nothing)
     row_ids  [max_num_seqs + 1] int64  block-table rows that changed this step
     rows     [max_num_seqs + 1, max_blocks_per_seq] int32   their new contents
 
@@ -16,23 +24,31 @@ graphs read `inputs` by address, so the device buffer never moves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
 import numpy as np
 import torch
 
 from replica.sequence import Sequence
 
-INPUT_IDS, POSITIONS, SLOTS, CONTEXT_LENS = range(4)
+INPUT_IDS, POSITIONS, SLOTS, CONTEXT_LENS, OUT_SLOTS = range(5)
+_NUM_INPUTS = 5
 
 
 class DecodeInputs:
     def __init__(
-        self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device, pin: bool
+        self,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        pin: bool,
+        max_rows: int | None = None,  # query rows of the largest step; max_num_seqs if None
     ) -> None:
-        self.max_num_seqs = max_num_seqs
+        self.max_rows = max_rows or max_num_seqs
         self.null_row = max_num_seqs
         num_rows = max_num_seqs + 1
-        self._shapes = (max_num_seqs, num_rows, max_blocks_per_seq)
-        self._row_ids_at = 4 * 8 * max_num_seqs
+        self._shapes = (self.max_rows, num_rows, max_blocks_per_seq)
+        self._row_ids_at = _NUM_INPUTS * 8 * self.max_rows
         self._rows_at = self._row_ids_at + 8 * num_rows
         self._row_bytes = 4 * max_blocks_per_seq
         self._end = self._rows_at + num_rows * self._row_bytes
@@ -45,30 +61,66 @@ class DecodeInputs:
         ]
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        max_num_seqs, num_rows, max_blocks = self._shapes
-        inputs = buf[: self._row_ids_at].view(torch.int64).view(4, max_num_seqs)
+        max_rows, num_rows, max_blocks = self._shapes
+        inputs = buf[: self._row_ids_at].view(torch.int64).view(_NUM_INPUTS, max_rows)
         row_ids = buf[self._row_ids_at : self._rows_at].view(torch.int64)
         rows = buf[self._rows_at : self._end].view(torch.int32).view(num_rows, max_blocks)
         return inputs, row_ids, rows
 
-    def fill(self, parity: int, seqs: list[Sequence], num_rows: int) -> None:
-        """Stage the inputs of seqs, then padding rows up to num_rows."""
+    def fill(
+        self,
+        parity: int,
+        seqs: list[Sequence],
+        num_rows: int,
+        chunks: Seq[tuple[Sequence, int]] = (),
+    ) -> tuple[int, list[Sequence]]:
+        """Stage the rows of prompt chunks (seq, num_tokens from its num_computed_tokens),
+        then of decode seqs, then padding up to num_rows.
+
+        Returns the first row that samples and the sequences whose chunk completes
+        their prompt: rows from the first sampling one on sample, in the order of
+        those sequences, then seqs.
+        """
+        ids, positions, slots = [], [], []
+        done, last_rows = [], []
+        for seq, n in chunks:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            if end == len(seq.token_ids):  # its last token samples: it goes after the others
+                done.append(seq)
+                last_rows.append((seq.token_ids[end - 1], end - 1, seq.slot))
+                end -= 1
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [seq.slot] * (end - start)
+        first = len(ids)
+        for token, position, slot in last_rows:
+            ids.append(token)
+            positions.append(position)
+            slots.append(slot)
+        for seq in seqs:
+            ids.append(seq.token_ids[-1])  # or PLACEHOLDER
+            positions.append(len(seq) - 1)
+            slots.append(seq.slot)
+        n = len(ids)
         host = self._host[parity][0]
-        n = len(seqs)
-        host[INPUT_IDS, :n] = [s.token_ids[-1] for s in seqs]  # or PLACEHOLDER
-        host[POSITIONS, :n] = [len(s) - 1 for s in seqs]
-        host[SLOTS, :n] = [s.slot for s in seqs]
+        host[INPUT_IDS, :n] = ids
+        host[POSITIONS, :n] = positions
+        host[SLOTS, :n] = slots
         host[CONTEXT_LENS, :n] = host[POSITIONS, :n] + 1
+        host[OUT_SLOTS, :first] = self.null_row
+        host[OUT_SLOTS, first:n] = host[SLOTS, first:n]
         self.fill_padding(parity, n, num_rows)
+        return first, done
 
     def fill_padding(self, parity: int, start: int = 0, end: int | None = None) -> None:
         """Padding rows read and write only the null row's null block."""
         host = self._host[parity][0]
-        end = self.max_num_seqs if end is None else end
+        end = self.max_rows if end is None else end
         host[INPUT_IDS, start:end] = 0
         host[POSITIONS, start:end] = 0
         host[SLOTS, start:end] = self.null_row
         host[CONTEXT_LENS, start:end] = 1
+        host[OUT_SLOTS, start:end] = self.null_row
 
     def upload(
         self,

@@ -6,6 +6,14 @@ whose sequence's blocks changed (replica.decode_inputs). On CUDA, decode runs
 as a replay of a CUDA graph captured for the next bucketed batch size; padding
 rows point at a null table row whose blocks are all the reserved null block.
 
+Short prompt chunks ride in the decode step (mixed steps): when a step's prefill
+tokens number at most mixed_prefill_tokens, each becomes one more query row of the
+decode forward, with its own position and context length, instead of a separate
+prefill forward before it. One pass over the weights serves both, so a request
+that joins costs the running ones a few rows, not a whole forward (ITL). The
+mixed graphs append every row's K/V before attention reads any (a row reads its
+chunk's earlier tokens), where plain decode graphs fuse the append into attention.
+
 Steps overlap with the host: launch() enqueues a step and returns at once with
 a StepHandle. Sampled tokens stay on the device too (token_buf, one entry per
 table row), so the next step's decode reads a token the host has not seen yet
@@ -16,12 +24,21 @@ its copies may still be pending.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from replica.attention import AttentionMetadata, make_attention_backend
 from replica.config import EngineConfig
-from replica.decode_inputs import CONTEXT_LENS, INPUT_IDS, POSITIONS, SLOTS, DecodeInputs
+from replica.decode_inputs import (
+    CONTEXT_LENS,
+    INPUT_IDS,
+    OUT_SLOTS,
+    POSITIONS,
+    SLOTS,
+    DecodeInputs,
+)
 from replica.models import ModelConfig, load_model
 from replica.prefill_inputs import PrefillBucket, PrefillInputs
 from replica.sampler import SamplingBatch, sample
@@ -93,22 +110,30 @@ class ModelRunner:
         # On CUDA, eager decode pads to the same buckets as the graphs, so that graphs on and
         # off run identical shapes (cuBLAS tiling, split-KV choice) and give identical tokens.
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if device.type == "cuda" else []
+        self.mixed_prefill_tokens = config.mixed_prefill_tokens
+        max_rows = self.max_num_seqs + self.mixed_prefill_tokens
+        self.mixed_graph_sizes = (
+            graph_batch_sizes(max_rows) if self.graph_sizes and self.mixed_prefill_tokens else []
+        )
         pin = device.type == "cuda"
         rows = self.max_num_seqs + 1  # the last row is the null row for padding
         self.block_table = torch.zeros(
             (rows, self.max_blocks_per_seq), dtype=torch.int32, device=device
         )
         # Host staging, two copies each (see the module docstring); parity picks one per step.
-        self.step_inputs = DecodeInputs(self.max_num_seqs, self.max_blocks_per_seq, device, pin)
-        self.decode_inputs = self.step_inputs.inputs  # [4, max_num_seqs] on the device
+        self.step_inputs = DecodeInputs(
+            self.max_num_seqs, self.max_blocks_per_seq, device, pin, max_rows
+        )
+        self.decode_inputs = self.step_inputs.inputs  # [5, max_rows] on the device
         self.token_staging = torch.zeros((2, self.max_num_seqs), dtype=torch.int64, pin_memory=pin)
         self.parity = 0
         self.token_buf = torch.zeros(rows, dtype=torch.int64, device=device)  # last token per slot
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.request_generators: dict[str, torch.Generator] = {}
         self.kv_cache: torch.Tensor | None = None
-        # decode: (graph, (logits, greedy tokens)) per batch size
+        # decode: (graph, (logits, greedy tokens)) per batch size; mixed steps have their own
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.mixed_graphs: dict[int, tuple] = {}
         # Prefill pads to captured token buckets on CUDA whether graphs are on or off (same
         # shapes, same tokens); on CPU it runs the exact shape.
         self.prefill = PrefillInputs(
@@ -173,12 +198,16 @@ class ModelRunner:
         sequence's last token may be a PLACEHOLDER: it is read from token_buf.
         """
         self.parity ^= 1
-        num_decodes = len(batch.decode_seqs)
-        padded = self._graph_size(num_decodes) if self.graph_sizes else num_decodes
-        if num_decodes:
-            self.step_inputs.fill(self.parity, batch.decode_seqs, padded)
+        num_prefill = sum(batch.prefill_lens)
+        mixed = 0 < num_prefill <= self.mixed_prefill_tokens
+        chunks = list(zip(batch.prefill_seqs, batch.prefill_lens, strict=True)) if mixed else []
+        num_rows = len(batch.decode_seqs) + (num_prefill if mixed else 0)
+        padded = self._padded_rows(num_rows, mixed)
+        first, done = 0, []
+        if num_rows:
+            first, done = self.step_inputs.fill(self.parity, batch.decode_seqs, padded, chunks)
         self.step_inputs.upload(
-            self.parity, num_decodes > 0, block_table, dirty_slots, self.block_table
+            self.parity, num_rows > 0, block_table, dirty_slots, self.block_table
         )
         if batch.block_copies:
             src, dst = zip(*batch.block_copies, strict=True)
@@ -187,20 +216,22 @@ class ModelRunner:
                 torch.tensor(dst, device=self.device),
             )  # fmt: skip
         logits, slots, sampled_seqs = [], [], []
-        if batch.prefill_seqs:
-            prefill_logits, done, done_slots = self._run_prefill(
+        if batch.prefill_seqs and not mixed:
+            prefill_logits, prefill_done, done_slots = self._run_prefill(
                 batch.prefill_seqs, batch.prefill_lens
             )
-            if done:
+            if prefill_done:
                 logits.append(prefill_logits)
                 slots.append(done_slots)
-                sampled_seqs += done
+                sampled_seqs += prefill_done
         greedy = None
-        if batch.decode_seqs:
-            decode_logits, greedy = self._run_decode(num_decodes, padded)
-            logits.append(decode_logits)
-            slots.append(self.decode_inputs[SLOTS, :num_decodes])
-            sampled_seqs += batch.decode_seqs
+        if num_rows:
+            sampling_rows = slice(first, num_rows)  # mixed: chunks' last tokens, then decodes
+            decode_logits, greedy = self._run_decode(padded, mixed)
+            logits.append(decode_logits[sampling_rows])
+            greedy = greedy[sampling_rows]
+            slots.append(self.decode_inputs[SLOTS, sampling_rows])
+            sampled_seqs += done + batch.decode_seqs
         host = self.token_staging[self.parity, : len(sampled_seqs)]
         if not sampled_seqs:
             return StepHandle(host, None)
@@ -242,21 +273,22 @@ class ModelRunner:
         hidden = self.model(views["ids"], meta.positions, self.kv_cache, meta)
         return self.model.compute_logits(hidden[views["last_rows"]])
 
-    def _run_decode(self, num_seqs: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [num_seqs, vocab] and greedy tokens [num_seqs] of the uploaded decode
-        batch, run at padded rows."""
+    def _run_decode(self, padded: int, mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [padded, vocab] and greedy tokens [padded] of the uploaded"""
         if self.use_cuda_graphs:
-            graph, (logits, greedy) = self.graphs[padded]
+            graph, (logits, greedy) = (self.mixed_graphs if mixed else self.graphs)[padded]
             graph.replay()
-        else:
-            logits, greedy = self._decode_forward(padded)
-        return logits[:num_seqs], greedy[:num_seqs]
+            return logits, greedy
+        return self._decode_forward(padded, append_first=mixed)
 
-    def _decode_forward(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_forward(
+        self, num_rows: int, append_first: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [num_rows, vocab] and their argmax [num_rows], already in token_buf.
 
         Greedy sampling is part of the decode forward (and so of its CUDA graph): a
         greedy batch launches nothing after the graph but the tokens' copy to the host.
+        append_first: rows may share a sequence (a mixed step's prompt chunks).
         """
         inputs = self.decode_inputs[:, :num_rows]
         meta = AttentionMetadata(
@@ -265,6 +297,7 @@ class ModelRunner:
             slot_mapping=inputs[SLOTS],
             context_lens=inputs[CONTEXT_LENS],
             positions=inputs[POSITIONS],
+            append_first=append_first,
         )
         # A PLACEHOLDER (negative) id is the token the previous step sampled into token_buf.
         ids = inputs[INPUT_IDS]
@@ -272,37 +305,43 @@ class ModelRunner:
         hidden = self.model(ids, meta.positions, self.kv_cache, meta)
         logits = self.model.compute_logits(hidden)
         greedy = self.argmax_rows(logits)
-        self.token_buf.index_copy_(0, inputs[SLOTS], greedy)  # padding: the null row
+        self.token_buf.index_copy_(0, inputs[OUT_SLOTS], greedy)  # the null row: no sample
         return logits, greedy
 
     def decode_forward_eager(self, num_rows: int) -> torch.Tensor:  # [num_rows, vocab]
         """One decode forward outside any graph, on whatever the decode buffers hold (profiling)."""
         return self._decode_forward(num_rows)[0]
 
-    def _graph_size(self, num_seqs: int) -> int:
-        for size in self.graph_sizes:
-            if size >= num_seqs:
+    def _padded_rows(self, num_rows: int, mixed: bool) -> int:
+        """The captured size a step of num_rows runs at (on CUDA, graphs on or off)."""
+        sizes = self.mixed_graph_sizes if mixed else self.graph_sizes
+        if not sizes:
+            return num_rows
+        for size in sizes:
+            if size >= num_rows:
                 return size
-        raise AssertionError(f"batch of {num_seqs} exceeds max_num_seqs")
+        raise AssertionError(f"{num_rows} rows exceed the largest captured size {sizes[-1]}")
 
     def _capture_graphs(self) -> None:
-        """Decode graphs per batch size, prefill graphs per token bucket: one pool each.
+        """Decode and mixed graphs per row count, prefill graphs per token bucket.
 
         Two pools, because a step may replay a prefill graph and then a decode graph
         and sample from both outputs: graphs that share a pool share output memory.
+        A step replays a decode or a mixed graph, never both: those share one.
         """
         self.step_inputs.upload(self.parity, True, np.empty((0, 0), np.int32), [], self.block_table)
         self.prefill.fill_padding(self.parity)  # padding rows write only the null block
         buckets = [self.prefill.bucket(t, 0) for t in self.prefill.token_buckets]
+        mixed_forward = functools.partial(self._decode_forward, append_first=True)
         with torch.inference_mode():
-            self.graphs = self._capture(self.graph_sizes, self._decode_forward)
-            self.prefill_graphs = {
-                b.num_tokens: entry
-                for b, entry in self._capture(buckets, self._prefill_forward).items()
-            }
+            self.graphs, pool = self._capture(self.graph_sizes, self._decode_forward)
+            if self.mixed_graph_sizes:
+                self.mixed_graphs, _ = self._capture(self.mixed_graph_sizes, mixed_forward, pool)
+            prefill_graphs, _ = self._capture(buckets, self._prefill_forward)
+        self.prefill_graphs = {b.num_tokens: entry for b, entry in prefill_graphs.items()}
 
-    def _capture(self, shapes: list, forward) -> dict:
-        graphs, pool = {}, None
+    def _capture(self, shapes: list, forward, pool=None) -> tuple[dict, object]:
+        graphs = {}
         for shape in reversed(shapes):  # largest first, so smaller ones reuse its pool
             forward(shape)  # warm up: compile kernels, fill caches
             torch.cuda.synchronize(self.device)
@@ -316,7 +355,7 @@ class ModelRunner:
         for graph, _ in graphs.values():
             graph.replay()
         torch.cuda.synchronize(self.device)
-        return graphs
+        return graphs, pool
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.params for s in seqs]

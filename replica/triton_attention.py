@@ -21,11 +21,11 @@ class TritonAttention:
 
     Decode: paged_decode_attention, which appends the new K/V itself (positions are
     context_lens - 1 in a decode batch), or append_kv_slots first where
-    FUSE_DECODE_APPEND was off. Neither reads device data
-    on the host and the split count comes from shapes (the block table width),
-    so the decode branch can be captured in a CUDA graph. Prefill with a work
-    list (bucketed, capturable): append_kv_slots per token + the work-list form
-    of paged_prefill_attention. Prefill without one: append_kv_prefill +
+    FUSE_DECODE_APPEND was off or rows share a sequence (meta.append_first).
+    Neither reads device data on the host and the split count comes from shapes
+    (the block table width), so the decode branch can be captured in a CUDA graph.
+    Prefill with a work list (bucketed, capturable): append_kv_slots per token +
+    the work-list form of paged_prefill_attention. Prefill without one: append_kv_prefill +
     paged_prefill_attention, with grids sized by the host int meta.max_q_len.
     """
 
@@ -53,7 +53,7 @@ class TritonAttention:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if meta.is_decode:
-            if self.fuse_decode_append:
+            if self.fuse_decode_append and not meta.append_first:
                 return paged_decode_attention(
                     q, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.context_lens,
                     scale, num_splits=self.decode_num_splits, k_new=k, v_new=v,

@@ -53,6 +53,28 @@ def test_decode_pass(dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_pass_with_prompt_chunk_rows(dtype, device):
+    """A mixed step: rows of one sequence's prompt chunk (each reads the chunk's earlier
+    tokens, appended in the same pass) beside a decode row and a fresh one-block chunk."""
+    gen = torch.Generator().manual_seed(8)
+    num_seqs = 3
+    k_cache, v_cache, num_blocks = _caches(num_seqs, dtype, gen, device)
+    slots = shuffled_slots(num_seqs, gen, device)
+    row_seq = [0] * 6 + [1] + [2] * 5
+    positions = list(range(BLOCK_SIZE - 3, BLOCK_SIZE + 3)) + [2 * BLOCK_SIZE + 1] + list(range(5))
+    positions = torch.tensor(positions, dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        is_decode=True,
+        block_table=random_block_table(num_seqs, MAX_BLOCKS, num_blocks, gen, device),
+        slot_mapping=slots[torch.tensor(row_seq, device=device)],
+        context_lens=positions + 1,
+        positions=positions,
+        append_first=True,
+    )
+    _compare(meta, *_inputs(len(row_seq), dtype, gen, device), k_cache, v_cache, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_pass(dtype, device):
     gen = torch.Generator().manual_seed(7)
     q_lens, starts = [5, 17, 1], [0, 3, BLOCK_SIZE]  # fresh, prefix hit, one-token chunk

@@ -168,3 +168,19 @@ def test_misc_request_errors_are_named(engine: LLMEngine, expected: list[int]) -
 def test_out_of_int64_sampling_values_are_refused(fields: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=4, temperature=1.0, **fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"mixed_prefill_tokens": -1}, "mixed_prefill_tokens"),
+        ({"mixed_prefill_tokens": 2.5}, "mixed_prefill_tokens"),
+        ({"mixed_prefill_tokens": True}, "mixed_prefill_tokens"),
+        ({"block_size": 12}, "block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"enable_cuda_graphs": "yes"}, "enable_cuda_graphs"),
+    ],
+)
+def test_bad_engine_config_fields_are_named(fields: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model="gpt2-tiny", **fields)

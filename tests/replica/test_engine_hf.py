@@ -154,6 +154,67 @@ def test_chunked_prefill(checkpoint):
     assert_matches_hf(engine, hf_model, prompts)
 
 
+def run_staggered(engine, prompts, params, every: int = 2) -> list[list[int]]:
+    """Add one request every `every` steps while the earlier ones decode; tokens per prompt."""
+    tokens: list[list[int]] = [[] for _ in prompts]
+    pending = list(range(len(prompts)))
+    steps = 0
+    while pending or engine.has_unfinished():
+        if pending and steps % every == 0:
+            i = pending.pop(0)
+            engine.add_request(
+                f"r{i}", prompts[i], params[i] if isinstance(params, list) else params
+            )
+        for out in engine.step():
+            tokens[int(out.request_id[1:])] += out.new_token_ids
+        steps += 1
+    assert_no_leak(engine)
+    return tokens
+
+
+def count_prefill_forwards(engine) -> list[int]:
+    """Each call of the runner's separate prefill forward appends its sequence count."""
+    calls, run_prefill = [], engine.runner._run_prefill
+    engine.runner._run_prefill = lambda seqs, lens: (
+        calls.append(len(seqs)) or run_prefill(seqs, lens)
+    )
+    return calls
+
+
+def test_requests_joining_decode_steps_ride_in_them(checkpoint):
+    """Short prompts arriving while others decode run as rows of the decode forward (no
+    prefill forward at all), chunks of a longer prompt too; the tokens are HF's."""
+    path, hf_model = checkpoint
+    engine = make_engine(path, 16, max_num_batched_tokens=12)
+    prompts = random_prompts(13, [5, 16, 1, 9, 31, 12, 4])
+    prompts.append(prompts[1][:7] + [7, 8, 9])  # part cached: its chunk starts at a block's end
+    prompts.append(random_prompts(14, [40])[0])  # chunked: 12-token chunks, minus the decodes
+    calls = count_prefill_forwards(engine)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    tokens = run_staggered(engine, prompts, params)
+    assert calls == []
+    for prompt, got in zip(prompts, tokens, strict=True):
+        assert got == hf_greedy(hf_model, prompt, MAX_NEW), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_mixed_steps_on_and_off_give_the_same_tokens(checkpoint, temperature):
+    path, _ = checkpoint
+    prompts = random_prompts(15, [3, 20, 8, 33, 1, 14, 26, 6])
+    params = [
+        SamplingParams(max_tokens=12, temperature=temperature, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    results, prefills = [], []
+    for mixed in (32, 0):
+        engine = make_engine(path, 16, mixed_prefill_tokens=mixed)
+        prefills.append(count_prefill_forwards(engine))
+        results.append(run_staggered(engine, prompts, params, every=3))
+    assert results[0] == results[1]
+    assert prefills[0] == [1]  # only the 33-token prompt, past the mixed budget
+    assert prefills[1] == [1] * len(prompts)
+
+
 def test_streaming_interface_and_abort_free_blocks(checkpoint):
     path, hf_model = checkpoint
     engine = make_engine(path, 16)
@@ -208,6 +269,9 @@ def test_gpu_float32_matches_cpu_and_hf(checkpoint):
     small = make_engine(path, 16, device="cuda", num_blocks=6, max_num_batched_tokens=8)
     assert_matches_hf(small, hf_model, prompts)  # preemption and chunked prefill on the GPU
     assert small.stats().num_preempted_total > 0
+    # Requests joining running ones: their prompts ride in the decode steps (mixed graphs).
+    staggered = run_staggered(make_engine(path, 16, device="cuda"), prompts, params)
+    assert staggered == [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
 
 
 @pytest.mark.gpu
@@ -225,7 +289,8 @@ def test_cuda_graphs_on_and_off_give_identical_tokens(checkpoint, dtype):
         assert engine.runner.use_cuda_graphs == graphs
         results.append([o.token_ids for o in engine.generate(prompts, params)])
         assert_no_leak(engine)
-    assert results[0] == results[1]
+        results.append(run_staggered(engine, prompts, params))  # mixed steps
+    assert results[:2] == results[2:]
 
 
 @pytest.mark.gpu
