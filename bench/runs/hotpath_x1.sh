@@ -5,6 +5,8 @@
 #            bench.profile_step's timeline of 20 engine steps (GPU busy share, idle gaps)
 #   engine   bench.engine gpt2 fp16, batch 1 and 256, with HF and the ITL runs (REPEAT)
 #   ab       bench.engine gpt2 fp16 at 256 with each EXTRA_AB flag, then without (REPEAT)
+#   itl      bench.engine gpt2 fp16 ITL runs at batch 64 with each ITL_AB flag (default
+#            --mixed-prefill-tokens=0), then without (REPEAT)
 #   qwen3    bench.engine qwen3-0.6b bf16 with HF and the ITL runs
 #   tune     bench.kernels --tune of decode attention at the engine's contexts (TUNE_SHAPES,
 #            TUNE_CASES)
@@ -38,6 +40,13 @@ for part in ${PARTS:-diag}; do
       for flag in ${EXTRA_AB:-}; do
         engine gpt2 float16 "ab${flag}_r$rep" --batch 256 "$flag"
         engine gpt2 float16 "ab_default_r$rep" --batch 256
+      done
+    done ;;
+  itl)
+    for rep in $(seq "${REPEAT:-1}"); do
+      for flag in ${ITL_AB:---mixed-prefill-tokens=0}; do
+        engine gpt2 float16 "itl${flag}_r$rep" --batch 1 --itl-batch 64 "$flag"
+        engine gpt2 float16 "itl_default_r$rep" --batch 1 --itl-batch 64
       done
     done ;;
   qwen3)
