@@ -6,7 +6,8 @@ For each linear layer of a model (its weight layout and dtype: GPT-2's Conv1D
 [K, N] in fp16, a Llama-family nn.Linear [N, K] in bf16) and each batch of rows,
 it times torch (addmm / F.linear, plus the separate GELU where the model has one)
 and kernels.linear: the tile choose_tile picks, and the best of a sweep (tiles
-first at 4 warps / 4 stages, then warps x stages around the two best tiles).
+first at 4 warps / 4 stages, then split K over the four best, then warps x
+stages around the two best tiles).
 Times are CUDA-graph-timed over rotating copies of x and W that together exceed
 the L2 four times (bench.kernels.graph_time_us): in a decode step every weight
 comes from HBM. Every tile is checked against the float32 reference before it is
@@ -19,7 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,9 @@ GEMMS = {
         Gemm("qwen3-0.6b", "down_proj", 3072, 1024, torch.bfloat16, False),
     ],
 }
+
+
+SPLIT_KS = (2, 3, 4, 6)
 
 
 def _inputs(gemm: Gemm, rows: int, gen: torch.Generator) -> list[tuple]:
@@ -116,9 +120,14 @@ def bench_gemm(gemm: Gemm, rows: int, gen: torch.Generator) -> dict:
     for tile in _tiles(rows):
         if (us := _time_tile(gemm, tile, copies)) is not None:
             times[tile] = us
+    for base in sorted(times, key=times.get)[:4]:
+        for split_k in SPLIT_KS:
+            tile = replace(base, split_k=split_k)
+            if gemm.k >= split_k * base.block_k and (us := _time_tile(gemm, tile, copies)):
+                times[tile] = us
     for base in sorted(times, key=times.get)[:2]:
         for warps, stages in itertools.product((2, 4, 8), (2, 3, 4, 5)):
-            tile = Tile(base.block_m, base.block_n, base.block_k, warps, stages)
+            tile = replace(base, num_warps=warps, num_stages=stages)
             if tile not in times and (us := _time_tile(gemm, tile, copies)) is not None:
                 times[tile] = us
     best = min(times, key=times.get)

@@ -13,13 +13,26 @@ W is addressed through strides, so both layouts work: GPT-2's Conv1D stores
 (stride_wk = 1, stride_wn = K). The grid depends on shapes only and nothing is
 read on the host: every launch is CUDA-graph capturable.
 
+Split K (Tile.split_k > 1): a program's K loop is serial, a chain of dependent
+loads, so with few tiles per SM a small GEMM takes the latency of the whole
+chain. Split, each (tile, K slice) program writes its fp32 partial to a
+workspace and counts itself in on the tile's semaphore; the last one to arrive
+sums the partials in slice order (the same sum whatever the arrival order: the
+result is deterministic), applies bias and activation and writes the output,
+then resets the semaphore for the next launch. The semaphores live in one
+zeroed buffer per device, made on the first split launch, which must not be
+inside a CUDA graph capture (the model's warm-up forward runs first).
+
 `choose_tile(M, N, K)` is the tile table, measured on an H200 by bench.gemm;
 `linear` uses it unless a tile is given (the benchmark's sweep gives one). On
-Hopper the kernel takes part in the decode step's launch overlap (kernels.pdl).
+Hopper the kernel takes part in the decode step's launch overlap (kernels.pdl):
+the next kernel touches memory only after this grid completed, so a split
+launch's semaphores are back at zero for it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +52,14 @@ class Tile:
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # K slices, each its own program; the last to finish reduces
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k}/{self.num_warps}w/{self.num_stages}s"
+        split = f"/k{self.split_k}" if self.split_k > 1 else ""
+        return (
+            f"{self.block_m}x{self.block_n}x{self.block_k}/{self.num_warps}w/{self.num_stages}s"
+            + split
+        )
 
 
 @triton.jit
@@ -53,38 +71,72 @@ def _tanh(x):
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, semaphore_ptr,
     num_rows, N, K, stride_xm, stride_wk, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, GELU_TANH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
     # Programs along N are adjacent in launch order, so the x rows of one program
     # row stay in L2 while every column tile of W streams through once per row tile.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
+    # This program's K slice: whole BLOCK_K steps, so only the end of K is masked.
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    ks = k_begin + tl.arange(0, BLOCK_K)
     row_mask = rows < num_rows
     col_mask = cols < N
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
     w_ptrs = w_ptr + ks[:, None] * stride_wk + cols.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + ks) < K
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_mask = (k0 - k_begin + ks) < K
         a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT_K > 1:
+        partial_ptrs = partial_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(partial_ptrs + pid_k * num_rows * N, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        semaphore = semaphore_ptr + pid_m * tl.num_programs(0) + pid_n
+        last = tl.atomic_add(semaphore, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+        tl.debug_barrier()
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        out_mask = out_mask & last  # the others are done: only the last one goes on
+        for split in tl.static_range(SPLIT_K):  # slice order: a deterministic sum
+            acc += tl.load(
+                partial_ptrs + split * num_rows * N, mask=out_mask, other=0.0, cache_modifier=".cg"
+            )
+        tl.store(semaphore, 0, mask=last)  # zero again for the next launch
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if GELU_TANH:
         inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
         acc = 0.5 * acc * (1.0 + _tanh(inner))
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+MAX_SPLIT_TILES = 1 << 16  # output tiles of one split-K launch: one semaphore each
+
+
+@functools.cache
+def _semaphores(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "kernels.linear: the first split-K launch on a device makes its semaphores; "
+            "run it once outside CUDA graph capture (a warm-up forward) first"
+        )
+    return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
 
 MAX_ROWS = 256  # above this cuBLAS's large tiles have enough of them to fill the GPU
@@ -144,13 +196,19 @@ def linear(
     if num_rows == 0:
         return out
     tile = tile or choose_tile(num_rows, n, k) or Tile(64, 64, 64, 4, 4)
-    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(num_rows, tile.block_m))
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(num_rows, tile.block_m), tile.split_k)
+    partials = semaphores = out  # unused without split K
+    if tile.split_k > 1:
+        assert grid[0] * grid[1] <= MAX_SPLIT_TILES, "too many output tiles to split K"
+        partials = torch.empty(tile.split_k, num_rows, n, dtype=torch.float32, device=x.device)
+        semaphores = _semaphores(x.device)
     _linear_kernel[grid](
-        x, weight, bias if bias is not None else x, out,
+        x, weight, bias if bias is not None else x, out, partials, semaphores,
         num_rows, n, k, x.stride(0), stride_wk, stride_wn, out.stride(0),
         HAS_BIAS=bias is not None, GELU_TANH=activation == "gelu_tanh",
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_launch(x.device),
+        SPLIT_K=tile.split_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **pdl_launch(x.device),
     )  # fmt: skip
     return out
 

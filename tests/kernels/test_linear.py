@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.linear import MAX_ROWS, Tile, choose_tile, linear, linear_ref
+from kernels.linear import MAX_ROWS, Tile, _semaphores, choose_tile, linear, linear_ref
 
 DTYPES = [torch.float16, torch.bfloat16]
 # One rounding of an fp32 result whose magnitude stays below ~8.
@@ -41,7 +41,16 @@ def test_linear(rows, k, n, weight_is_kn, activation, dtype, device):
 
 
 @pytest.mark.parametrize(
-    "tile", [Tile(16, 32, 32, 2, 2), Tile(32, 64, 64, 4, 3), Tile(64, 32, 128, 4, 2)], ids=str
+    "tile",
+    [
+        Tile(16, 32, 32, 2, 2),
+        Tile(32, 64, 64, 4, 3),
+        Tile(64, 32, 128, 4, 2),
+        Tile(16, 32, 64, 2, 2, split_k=2),
+        Tile(32, 64, 32, 4, 2, split_k=3),
+        Tile(64, 32, 32, 4, 2, split_k=8),  # K = 200 in 32-wide slices: the last one is empty
+    ],
+    ids=str,
 )
 def test_every_tile_covers_the_same_product(tile, device):
     """Row, column and K tails that no tile divides: masks, not the tile, decide the result."""
@@ -49,6 +58,20 @@ def test_every_tile_covers_the_same_product(tile, device):
     got = linear(x, weight, bias, weight_is_kn=True, tile=tile)
     want = linear_ref(x, weight, bias, weight_is_kn=True)
     torch.testing.assert_close(got, want, **TOL[torch.float16])
+
+
+@pytest.mark.parametrize("activation", ["none", "gelu_tanh"])
+def test_split_k_is_deterministic_and_leaves_its_semaphores_at_zero(activation, device):
+    """The last slice to finish sums every slice's partial in slice order, so two launches
+    agree bit for bit; bias and GELU apply once, to the sum."""
+    x, weight, bias = _operands(70, 384, 96, False, torch.bfloat16, device, 9)
+    tile = Tile(32, 32, 32, 4, 2, split_k=4)
+    first = linear(x, weight, bias, weight_is_kn=False, activation=activation, tile=tile)
+    second = linear(x, weight, bias, weight_is_kn=False, activation=activation, tile=tile)
+    assert torch.equal(first, second)
+    want = linear_ref(x, weight, bias, weight_is_kn=False, activation=activation)
+    torch.testing.assert_close(first, want, **TOL[torch.bfloat16])
+    assert not _semaphores(torch.device(device)).any()
 
 
 def test_without_bias_and_the_reference_is_torch(device):
@@ -102,3 +125,20 @@ def test_linear_cuda_graph():
     torch.cuda.synchronize()
     want = linear_ref(x, weight, bias, weight_is_kn=True, activation="gelu_tanh")
     torch.testing.assert_close(out, want, **TOL[torch.float16])
+
+
+@pytest.mark.gpu
+def test_split_k_cuda_graph_replays():
+    x, weight, bias = _operands(256, 3072, 768, True, torch.float16, "cuda", 10)
+    tile = Tile(64, 64, 64, 4, 4, split_k=4)
+    out = linear(x, weight, bias, weight_is_kn=True, tile=tile)  # compile, make semaphores
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        linear(x, weight, bias, weight_is_kn=True, out=out, tile=tile)
+    for seed in (11, 12):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).half())
+        graph.replay()
+        torch.cuda.synchronize()
+        want = linear_ref(x, weight, bias, weight_is_kn=True)
+        torch.testing.assert_close(out, want, **TOL[torch.float16])
+    assert not _semaphores(torch.device("cuda")).any()
