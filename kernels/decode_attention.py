@@ -42,8 +42,12 @@ ONE_PASS_PROGRAMS_PER_SM = 2  # no split once batch * kv heads reaches this many
 # (bench.kernels --tune, 2026-11-22 and 2026-11-24) gpt2 (head_dim 64) at B=64, ctx 528
 # ran 1.31x faster in 2 splits (11.6 programs per SM) than in one pass (5.8), and at
 # B=256, ctx 192, one pass (23 per SM) was best; qwen3 (head_dim 128, twice the bytes a
-# program reads per token) at B=64 was best in one pass at 3.9 programs per SM.
-SPLIT_POLICY = {64: (8, 8)}
+# program reads per token) at B=64 was best in one pass at 3.9 programs per SM, with
+# every row at one context. In serving the rows' contexts differ and a one-pass
+# program's work is its row's whole context: qwen3's steady-state ITL at batch 64
+# (bench.itl, ages spread) was 2.40 ms in 3 splits against 2.85 in one pass, while
+# the lockstep cohort went 2.37 against 2.20-2.27. Serving decides: head_dim 128 splits.
+SPLIT_POLICY = {64: (8, 8), 128: (8, 8)}
 MIN_TOKENS_PER_SPLIT = 128  # two 64-token tiles: a split shorter than this is all latency
 MAX_SPLITS = 128
 MERGE_DIM_BLOCK = 32  # head_dim slice per merge program

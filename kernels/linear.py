@@ -145,21 +145,28 @@ MAX_ROWS = 256  # above this cuBLAS's large tiles have enough of them to fill th
 def choose_tile(num_rows: int, n: int, k: int) -> Tile | None:
     """The tile for an [num_rows, k] x [k, n] product, or None where cuBLAS is faster.
 
-    From bench.gemm on an H200 (2026-11-22), GPT-2's projections at M = 1..512:
-    this table's tiles are within ~6% of the sweep's best. Alone they match or
-    beat cuBLAS up to M = 64 and trail it by up to 12% above (c_attn at M = 256:
-    6.5 against 5.8 us); fc + GELU wins at every M, cuBLAS needing a separate GELU
+    From bench.gemm on an H200, GPT-2's projections. 2026-11-22 (M = 1..512): this
+    table's tiles were within ~6% of the sweep's best; alone they match or beat
+    cuBLAS up to M = 64 and trail it by up to 12% above (c_attn at M = 256: 6.5
+    against 5.8 us); fc + GELU wins at every M, cuBLAS needing a separate GELU
     kernel. In the engine they also join the launch overlap (kernels.pdl): the
-    gpt2 decode step at 256 rows took 0.925 ms against 0.977 with cuBLAS. None
-    for a long K over a narrow N (mlp.c_proj, K = 4N: 2-2.7 us slower at every M;
-    cuBLAS splits K) and above 256 rows.
+    gpt2 decode step at 256 rows took 0.925 ms against 0.977 with cuBLAS.
+    2026-11-24 (M = 64 and 256, split K in the sweep): 8 warps / 5 stages took
+    c_attn and fc at M = 64 from 5.3 / 5.8 us to 4.5 / 4.8, and attn.c_proj at
+    M = 256 from 5.0 to 4.2; mlp.c_proj (a long K over a narrow N) at M = 64 in
+    4 K slices took 6.6 us against cuBLAS's 7.5. At M = 256 cuBLAS keeps it (7.9
+    against 8.6 us split in 2), and every M > 256 (prefill).
     """
-    if num_rows > MAX_ROWS or k > 2 * n:
+    if num_rows > MAX_ROWS:
         return None
+    if k > 2 * n:
+        return Tile(64, 64, 128, 4, 4, split_k=4) if 16 < num_rows <= 64 else None
     if num_rows <= 16:
         return Tile(16, 32, 128, 4, 5)
-    if num_rows <= 64 or n < 2048:
-        return Tile(64, 32, 128, 4, 4)
+    if num_rows <= 64:
+        return Tile(64, 32, 128, 8, 5) if n >= 2048 else Tile(64, 32, 128, 4, 4)
+    if n < 2048:
+        return Tile(64, 32, 128, 8, 5)
     if num_rows <= 128:
         return Tile(64, 64, 128, 4, 4)
     return Tile(64, 64, 64, 4, 5)
