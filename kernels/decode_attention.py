@@ -161,8 +161,10 @@ def _decode_kernel(
     APPEND: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)  # kernels.pdl: the merge (or next) kernel launches while this one runs
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # The heads of one row are adjacent programs: a token's K (or V) for all kv heads is
+    # one contiguous run of the cache, so programs running together read it together.
+    kv_head = tl.program_id(0)
+    row = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(context_lens_ptr + row)
     slot = tl.load(slot_mapping_ptr + row).to(tl.int64)
@@ -221,7 +223,7 @@ def _decode_kernel(
         # Empty split: l_i == 0, m_i == -inf -> partial 0 with lse -inf.
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain
-        part_row = (row * tl.num_programs(1) * GROUP + head) * num_splits + split  # [GROUP_PAD]
+        part_row = (row * tl.num_programs(0) * GROUP + head) * num_splits + split  # [GROUP_PAD]
         tl.store(part_lse_ptr + part_row, lse, mask=g_mask)
         part_ptrs = part_out_ptr + part_row[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
         tl.store(part_ptrs, acc / l_safe[:, None], mask=g_mask[:, None])
@@ -318,7 +320,7 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out
     new = (k_new, v_new) if append else (q, q)
-    _decode_kernel[(num_rows, num_kv_heads, num_splits)](
+    _decode_kernel[(num_kv_heads, num_rows, num_splits)](
         q, k_cache, v_cache, block_table, slot_mapping, context_lens,
         out, part_out, part_lse, *new,
         scale * _LOG2E, num_splits,
