@@ -24,6 +24,7 @@ _ENTRY_POINTS = {
     "linear": "kernels.linear",
     "paged_decode_attention": "kernels.decode_attention",
     "paged_prefill_attention": "kernels.prefill_attention",
+    "resolve_placeholders": "kernels.argmax",
 }
 
 __all__ = [*_ENTRY_POINTS, "reference"]

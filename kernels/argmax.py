@@ -7,7 +7,13 @@ chunk to (max, first index of the max); `_merge_kernel`, one program per row,
 takes the largest partial, the lowest chunk on ties. So the result is exactly
 torch.argmax's for finite inputs: the first index of the row's maximum.
 
-The grid depends on shapes only and nothing is read on the host, so both
+Given token_buf and token_rows, the merge also writes each row's token to
+token_buf[token_rows[row]]: the decode step's feedback of its tokens to the next
+step, whose inputs name a token the host has not seen yet with a negative id
+that resolve_placeholders replaces from token_buf (one launch each way, where
+torch took an index_copy_, and a compare, a gather and a where).
+
+The grid depends on shapes only and nothing is read on the host, so all
 launches are CUDA-graph capturable; on Hopper they join the step's launch
 overlap (kernels.pdl). A NaN is skipped here (tl.max ignores it) where
 torch.argmax would return its index; logits of a healthy model hold none.
@@ -20,7 +26,10 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_launch, pdl_prologue
-from kernels.reference import argmax_rows_ref  # noqa: F401  (the torch reference, re-exported)
+from kernels.reference import (  # noqa: F401  (the torch references, re-exported)
+    argmax_rows_ref,
+    resolve_placeholders_ref,
+)
 
 CHUNK = 4096  # columns per partial program: 8 KiB of half logits in one load
 MAX_CHUNKS = 1024
@@ -45,8 +54,8 @@ def _partial_kernel(
 
 @triton.jit
 def _merge_kernel(
-    part_val_ptr, part_idx_ptr, out_ptr, num_chunks,
-    CHUNKS_PAD: tl.constexpr, PDL: tl.constexpr,
+    part_val_ptr, part_idx_ptr, out_ptr, token_buf_ptr, token_rows_ptr, num_chunks,
+    CHUNKS_PAD: tl.constexpr, SCATTER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
     row = tl.program_id(0)
@@ -54,15 +63,36 @@ def _merge_kernel(
     mask = c < num_chunks
     vals = tl.load(part_val_ptr + row * num_chunks + c, mask=mask, other=float("-inf"))
     best, chunk = tl.max(vals, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    index = tl.load(part_idx_ptr + row * num_chunks + chunk)
-    tl.store(out_ptr + row, index.to(tl.int64))
+    index = tl.load(part_idx_ptr + row * num_chunks + chunk).to(tl.int64)
+    tl.store(out_ptr + row, index)
+    if SCATTER:
+        tl.store(token_buf_ptr + tl.load(token_rows_ptr + row), index)
+
+
+@triton.jit
+def _resolve_kernel(
+    ids_ptr, token_buf_ptr, token_rows_ptr, out_ptr, num_rows,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_prologue(PDL)
+    row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = row < num_rows
+    ids = tl.load(ids_ptr + row, mask=mask, other=0)
+    placeholder = mask & (ids < 0)
+    token_row = tl.load(token_rows_ptr + row, mask=placeholder, other=0)
+    token = tl.load(token_buf_ptr + token_row, mask=placeholder, other=0)
+    tl.store(out_ptr + row, tl.where(placeholder, token, ids), mask=mask)
 
 
 def argmax_rows(
     x: torch.Tensor,  # [num_rows, num_cols], fp32 / fp16 / bf16; last dim contiguous
     out: torch.Tensor | None = None,  # [num_rows] int64
+    *,
+    token_buf: torch.Tensor | None = None,  # [buf_rows] int64
+    token_rows: torch.Tensor | None = None,  # [num_rows] int: where each row's token goes
 ) -> torch.Tensor:  # [num_rows] int64
-    """The first index of each row's maximum, as torch.argmax(x, dim=-1) for finite x."""
+    """The first index of each row's maximum, as torch.argmax(x, dim=-1) for finite x;
+    also written to token_buf[token_rows] when given (rows sharing a target: any one)."""
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [rows, cols], last dim contiguous"
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), "float logits only"
     num_rows, num_cols = x.shape
@@ -72,6 +102,10 @@ def argmax_rows(
     if out is None:
         out = torch.empty(num_rows, dtype=torch.int64, device=x.device)
     assert out.shape == (num_rows,) and out.dtype == torch.int64, "out must be [rows] int64"
+    scatter = token_buf is not None
+    if scatter:
+        assert token_rows is not None and token_rows.shape == (num_rows,), "token_rows: [rows]"
+        assert token_buf.dtype == torch.int64 and token_buf.dim() == 1, "token_buf: int64 [n]"
     if num_rows == 0:
         return out
     part_val = torch.empty(num_rows * num_chunks, dtype=torch.float32, device=x.device)
@@ -81,8 +115,31 @@ def argmax_rows(
         CHUNK=CHUNK, num_warps=8, **pdl_launch(x.device),
     )  # fmt: skip
     _merge_kernel[(num_rows,)](
-        part_val, part_idx, out, num_chunks,
-        CHUNKS_PAD=max(16, triton.next_power_of_2(num_chunks)), num_warps=1,
+        part_val, part_idx, out, token_buf if scatter else out,
+        token_rows if scatter else out, num_chunks,
+        CHUNKS_PAD=max(16, triton.next_power_of_2(num_chunks)), SCATTER=scatter, num_warps=1,
         **pdl_launch(x.device),
     )  # fmt: skip
+    return out
+
+
+RESOLVE_BLOCK = 128
+
+
+def resolve_placeholders(
+    ids: torch.Tensor,  # [num_rows] int64; negative: a placeholder
+    token_buf: torch.Tensor,  # [buf_rows] int64
+    token_rows: torch.Tensor,  # [num_rows] int: the token_buf row of each placeholder
+    out: torch.Tensor | None = None,  # [num_rows] int64; may be ids
+) -> torch.Tensor:
+    """ids with every negative entry replaced by token_buf[token_rows[row]]."""
+    assert ids.dim() == 1 and ids.dtype == torch.int64, "ids must be [rows] int64"
+    assert token_rows.shape == ids.shape and token_buf.dtype == torch.int64
+    out = torch.empty_like(ids) if out is None else out
+    num_rows = ids.shape[0]
+    if num_rows:
+        _resolve_kernel[(triton.cdiv(num_rows, RESOLVE_BLOCK),)](
+            ids, token_buf, token_rows, out, num_rows,
+            BLOCK=RESOLVE_BLOCK, num_warps=4, **pdl_launch(ids.device),
+        )  # fmt: skip
     return out

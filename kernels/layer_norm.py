@@ -11,6 +11,10 @@ x is [num_tokens, hidden] with any row stride; the last dim must be contiguous. 
 program owns ROWS rows of one BLOCK = next_pow2(hidden) tile each; the grid depends
 on shapes only and nothing is read on the host, so every launch is CUDA-graph
 capturable.
+
+embed_add_layer_norm is GPT-2's embedding stage and first LayerNorm in one launch:
+the same kernel gathers its two addends' rows from the position and token
+embedding tables instead of reading them in order.
 """
 
 from __future__ import annotations
@@ -29,24 +33,31 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def _layer_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr,
+    x_rows_ptr, res_rows_ptr, res_out_ptr,  # GATHER: row indices of x and residual; the sum
     num_rows, eps,
-    stride_x, stride_res, stride_out,
+    stride_x, stride_res, stride_out, stride_res_out,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     col = tl.arange(0, BLOCK)
     col_mask = col < HIDDEN
-    mask = (row < num_rows)[:, None] & col_mask[None, :]
+    row_mask = row < num_rows
+    mask = row_mask[:, None] & col_mask[None, :]
     row = row.to(tl.int64)
-    x = tl.load(x_ptr + (row * stride_x)[:, None] + col[None, :], mask=mask, other=0.0)
+    x_row = row
+    res_row = row
+    if GATHER:
+        x_row = tl.load(x_rows_ptr + row, mask=row_mask, other=0).to(tl.int64)
+        res_row = tl.load(res_rows_ptr + row, mask=row_mask, other=0).to(tl.int64)
+    x = tl.load(x_ptr + (x_row * stride_x)[:, None] + col[None, :], mask=mask, other=0.0)
     if ADD_RESIDUAL:
         # residual = x + residual, rounded to x.dtype as torch's add is.
-        res_ptrs = residual_ptr + (row * stride_res)[:, None] + col[None, :]
+        res_ptrs = residual_ptr + (res_row * stride_res)[:, None] + col[None, :]
         res = tl.load(res_ptrs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(res_ptrs, x, mask=mask)
+        tl.store(res_out_ptr + (row * stride_res_out)[:, None] + col[None, :], x, mask=mask)
     xf = x.to(tl.float32)
     mean = tl.sum(xf, axis=1) / HIDDEN  # [ROWS]
     centered = tl.where(col_mask[None, :], xf - mean[:, None], 0.0)
@@ -65,7 +76,10 @@ def _launch(
     eps: float,
     out: torch.Tensor | None,
     residual: torch.Tensor | None,
+    gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """gather: (x_rows, residual_rows, residual_out): rows are read at those indices of x
+    and residual, and the sum goes to residual_out, as out does, in order."""
     assert x.dim() == 2, "x must be [T, hidden]"
     assert x.dtype in _DTYPES and weight.dtype in _DTYPES, "fp32, fp16 or bf16 only"
     assert bias.dtype in _DTYPES, "fp32, fp16 or bf16 only"
@@ -73,24 +87,35 @@ def _launch(
     assert weight.shape == (hidden,) and weight.stride(0) == 1, "weight must be [hidden]"
     assert bias.shape == (hidden,) and bias.stride(0) == 1, "bias must be [hidden]"
     assert x.stride(1) == 1, "the normalised (last) dim of x must be contiguous"
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    assert out.shape == x.shape and out.stride(1) == 1, "out must match x, last dim contiguous"
-    assert out.dtype == x.dtype, f"out must be {x.dtype} (torch's layer_norm keeps x.dtype)"
-    if residual is not None:
+    num_rows = x.shape[0] if gather is None else gather[0].shape[0]
+    res_out = residual
+    if gather is not None:
+        x_rows, res_rows, res_out = gather
+        assert residual is not None and x_rows.shape == res_rows.shape == (num_rows,)
+        assert residual.shape[1] == hidden and residual.dtype == x.dtype, "residual must match x"
+        assert res_out.shape == (num_rows, hidden) and res_out.dtype == x.dtype
+        assert res_out.stride(1) == 1, "the last dim of residual_out must be contiguous"
+    elif residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, "residual must match x"
+    if residual is not None:
         assert residual.stride(1) == 1, "the last dim of residual must be contiguous"
-    num_rows = x.shape[0]
+    if out is None:
+        out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+    assert out.shape == (num_rows, hidden) and out.stride(1) == 1, "out: [T, hidden] contiguous"
+    assert out.dtype == x.dtype, f"out must be {x.dtype} (torch's layer_norm keeps x.dtype)"
     block, rows, num_warps = row_tiling(hidden, x.element_size())
     if num_rows == 0:
         return out
     res = residual if residual is not None else x
+    res_out = res_out if res_out is not None else x
+    x_rows, res_rows = gather[:2] if gather is not None else (x, x)
     _layer_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, res, weight, bias, out,
+        x_rows, res_rows, res_out,
         num_rows, eps,
-        x.stride(0), res.stride(0), out.stride(0),
+        x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         HIDDEN=hidden, BLOCK=block, ROWS=rows,
-        ADD_RESIDUAL=residual is not None,
+        ADD_RESIDUAL=residual is not None, GATHER=gather is not None,
         num_warps=num_warps, **pdl_launch(x.device),
     )  # fmt: skip
     return out
@@ -126,6 +151,35 @@ def fused_add_layer_norm(
     """
     normed = _launch(x, weight, bias, eps, out, residual=residual)
     return normed, residual
+
+
+def embed_add_layer_norm(
+    ids: torch.Tensor,  # [T] int: token rows of wte
+    positions: torch.Tensor,  # [T] int: rows of wpe
+    wte: torch.Tensor,  # [vocab, hidden], last dim contiguous
+    wpe: torch.Tensor,  # [max_positions, hidden], wte's dtype
+    weight: torch.Tensor,  # [hidden]
+    bias: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, residual), [T, hidden] each
+    """`residual = wpe[positions] + wte[ids]; normed = layer_norm(residual)` in one launch:
+    GPT-2's embedding sum and its first block's ln_1."""
+    residual = torch.empty((ids.shape[0], wte.shape[1]), dtype=wte.dtype, device=wte.device)
+    normed = _launch(wpe, weight, bias, eps, None, wte, gather=(positions, ids, residual))
+    return normed, residual
+
+
+def embed_add_layer_norm_ref(
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    wte: torch.Tensor,
+    wpe: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = wpe[positions] + wte[ids]
+    return layer_norm_ref(residual, weight, bias, eps), residual
 
 
 def layer_norm_ref(

@@ -164,6 +164,25 @@ def copy_blocks_ref(
     kv_cache[:, :, dst.long()] = kv_cache[:, :, src.long()]
 
 
-def argmax_rows_ref(x: torch.Tensor) -> torch.Tensor:  # [num_rows] int64
-    """The first index of each row's maximum (kernels.argmax's reference; greedy on CPU)."""
-    return x.argmax(dim=-1)
+def argmax_rows_ref(
+    x: torch.Tensor,  # [num_rows, num_cols]
+    out: torch.Tensor | None = None,
+    *,
+    token_buf: torch.Tensor | None = None,
+    token_rows: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_rows] int64
+    """The first index of each row's maximum (kernels.argmax's reference; greedy on CPU),
+    also written to token_buf[token_rows] when given."""
+    index = x.argmax(dim=-1)
+    if out is not None:
+        index = out.copy_(index)
+    if token_buf is not None:
+        token_buf.index_copy_(0, token_rows, index)
+    return index
+
+
+def resolve_placeholders_ref(
+    ids: torch.Tensor, token_buf: torch.Tensor, token_rows: torch.Tensor
+) -> torch.Tensor:
+    """ids with each negative entry replaced by token_buf[token_rows[row]]."""
+    return torch.where(ids >= 0, ids, token_buf[token_rows])

@@ -62,15 +62,16 @@ class StepHandle:
         return self.tokens
 
 
-def _argmax_rows_for(device: torch.device):
-    """Greedy sampling's argmax: the Triton kernel on CUDA, its torch reference on CPU."""
+def _token_kernels(device: torch.device):
+    """(argmax_rows, resolve_placeholders): greedy sampling into token_buf, and the next
+    step's read of it. Triton kernels on CUDA, their torch references on CPU."""
     if device.type == "cuda":
-        from kernels.argmax import argmax_rows
+        from kernels.argmax import argmax_rows, resolve_placeholders
 
-        return argmax_rows
-    from kernels.reference import argmax_rows_ref
+        return argmax_rows, resolve_placeholders
+    from kernels.reference import argmax_rows_ref, resolve_placeholders_ref
 
-    return argmax_rows_ref
+    return argmax_rows_ref, resolve_placeholders_ref
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -105,7 +106,7 @@ class ModelRunner:
             triton_linear=config.enable_triton_linear,
         )
         self.vocab_size = self.model_config.vocab_size
-        self.argmax_rows = _argmax_rows_for(device)
+        self.argmax_rows, self.resolve_placeholders = _token_kernels(device)
         self.use_cuda_graphs = device.type == "cuda" and config.enable_cuda_graphs
         # On CUDA, eager decode pads to the same buckets as the graphs, so that graphs on and
         # off run identical shapes (cuBLAS tiling, split-KV choice) and give identical tokens.
@@ -300,12 +301,11 @@ class ModelRunner:
             append_first=append_first,
         )
         # A PLACEHOLDER (negative) id is the token the previous step sampled into token_buf.
-        ids = inputs[INPUT_IDS]
-        ids = torch.where(ids >= 0, ids, self.token_buf[inputs[SLOTS]])
+        ids = self.resolve_placeholders(inputs[INPUT_IDS], self.token_buf, inputs[SLOTS])
         hidden = self.model(ids, meta.positions, self.kv_cache, meta)
         logits = self.model.compute_logits(hidden)
-        greedy = self.argmax_rows(logits)
-        self.token_buf.index_copy_(0, inputs[OUT_SLOTS], greedy)  # the null row: no sample
+        # token_buf[OUT_SLOTS] = greedy; the null row takes the rows that sample nothing
+        greedy = self.argmax_rows(logits, token_buf=self.token_buf, token_rows=inputs[OUT_SLOTS])
         return logits, greedy
 
     def decode_forward_eager(self, num_rows: int) -> torch.Tensor:  # [num_rows, vocab]

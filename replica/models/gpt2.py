@@ -7,6 +7,7 @@ import re
 import torch
 from torch import nn
 
+from kernels.layer_norm import embed_add_layer_norm
 from replica.attention import AttentionBackend, AttentionMetadata
 from replica.models.config import ModelConfig
 from replica.models.layers import Conv1D, LayerNorm, LMHead, gelu_new
@@ -87,7 +88,15 @@ class GPT2Block(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.ln_1.add_and_norm(x, residual)
+        return self.after_ln_1(*self.ln_1.add_and_norm(x, residual), kv_cache, meta)
+
+    def after_ln_1(
+        self,
+        h: torch.Tensor,  # [T, hidden_size]: ln_1's output
+        residual: torch.Tensor,  # [T, hidden_size]: the residual stream, x added
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.attn(h, kv_cache, meta)
         h, residual = self.ln_2.add_and_norm(h, residual)
         return self.mlp(h), residual
@@ -128,9 +137,18 @@ class GPT2LMHeadModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         t = self.transformer
-        # The embedding sum (HF: wte + wpe) is the first block's residual add.
-        x, residual = t.wpe(positions), t.wte(input_ids)
-        for block in t.h:
+        # The embedding sum (HF: wte + wpe) is the first block's residual add; fused, one
+        # kernel gathers both rows, adds them and runs ln_1.
+        first = t.h[0]
+        if self.fused:
+            ln = first.ln_1
+            h, residual = embed_add_layer_norm(
+                input_ids, positions, t.wte.weight, t.wpe.weight, ln.weight, ln.bias, ln.eps
+            )
+        else:
+            h, residual = first.ln_1.add_and_norm(t.wpe(positions), t.wte(input_ids))
+        x, residual = first.after_ln_1(h, residual, kv_cache, meta)
+        for block in t.h[1:]:
             x, residual = block(x, residual, kv_cache, meta)
         return t.ln_f.add_and_norm(x, residual)[0]
 

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.layer_norm import (
+    embed_add_layer_norm,
+    embed_add_layer_norm_ref,
     fused_add_layer_norm,
     fused_add_layer_norm_ref,
     layer_norm,
@@ -112,6 +114,32 @@ def test_fused_add_layer_norm(num_tokens, hidden, dtype, device):
     torch.testing.assert_close(normed, expect_normed, **norm_tol(dtype, device))
     assert torch.equal(bits(x_base), bits(x_before)), "x must not be written"
     assert res_base[:, :8].isnan().all() and res_base[:, 8 + hidden :].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embed_add_layer_norm_gathers_both_tables(dtype, device):
+    """GPT-2's embedding stage: rows of wte and wpe at each token's id and position, summed
+    (and kept as the residual), then normalised; the tables are only read."""
+    gen = torch.Generator().manual_seed(11)
+    vocab, max_positions, hidden = 50, 40, 200
+    wte = randn((vocab, hidden), dtype, gen, device, mean=MEAN)
+    wpe = randn((max_positions, hidden), dtype, gen, device)
+    tables = (wte.clone(), wpe.clone())
+    ids = torch.tensor([3, 49, 0, 3, 17, 8, 8], device=device)
+    positions = torch.tensor([0, 39, 5, 6, 1, 2, 2], device=device)
+    weight, bias = _weight_bias(hidden, dtype, gen, device)
+    expect_normed, expect_residual = embed_add_layer_norm_ref(
+        ids, positions, wte, wpe, weight, bias, EPS
+    )
+
+    normed, residual = embed_add_layer_norm(ids, positions, wte, wpe, weight, bias, EPS)
+
+    if dtype == torch.bfloat16 and device.type == "cpu":  # the interpreter truncates to bf16
+        torch.testing.assert_close(residual, expect_residual, atol=0, rtol=2**-7)
+    else:
+        assert torch.equal(bits(residual), bits(expect_residual))
+    torch.testing.assert_close(normed, expect_normed, **norm_tol(dtype, device))
+    assert torch.equal(wte, tables[0]) and torch.equal(wpe, tables[1])
 
 
 def test_fused_add_layer_norm_out_aliases_x(device):
