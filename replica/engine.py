@@ -157,7 +157,11 @@ class LLMEngine:
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
         vocab = self.model_config.vocab_size
-        for i, t in enumerate(prompt):
+        # The common case in C-level passes (a 256 x 128-token burst validated token by token
+        # in Python took ~10 ms of the host's time); anything else takes the loop below,
+        # which names the first bad entry.
+        valid = set(map(type, prompt)) == {int} and min(prompt) >= 0 and max(prompt) < vocab
+        for i, t in enumerate(() if valid else prompt):
             if not isinstance(t, int) or isinstance(t, bool):
                 raise ValueError(f"prompt_token_ids[{i}] must be an integer, got {t!r}")
             if not 0 <= t < vocab:

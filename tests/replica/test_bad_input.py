@@ -36,6 +36,8 @@ BAD_PROMPTS = [
     ([1] * 200, "max_model_len"),
     ([1, -1], r"prompt_token_ids\[1\]"),
     ([1, 512], r"prompt_token_ids\[1\]"),  # gpt2-tiny's vocabulary is 512
+    ([5] * 100 + [512], r"prompt_token_ids\[100\]"),  # the fast check fails, the loop names it
+    ([5] * 100 + [True], r"prompt_token_ids\[100\]"),
     ([1, 10**30], r"prompt_token_ids\[1\]"),
     ([1, True], r"prompt_token_ids\[1\]"),
     ([1, 2.0], r"prompt_token_ids\[1\]"),
