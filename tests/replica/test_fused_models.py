@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from kernels.linear import MAX_ROWS
 from replica.attention import AttentionMetadata, TorchAttention
 from replica.models import gpt2, layers, load_model
 from replica.models.config import ModelConfig
@@ -149,3 +150,28 @@ def test_gpt2_triton_linear_matches_cublas_path(dtype, monkeypatch):
 def test_triton_linear_is_off_in_float32():
     model, _ = load_model("gpt2-tiny", torch.float32, DEVICE, 3, TorchAttention(), True)
     assert not layers.uses_triton_linear(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_conv1d_gelu_beyond_the_tile_table_takes_the_gemm_epilogue(dtype, monkeypatch):
+    """Above kernels.linear's rows (prefill), the half-precision fc runs bias + tanh GELU
+    in the GEMM's epilogue: the addmm-then-GELU result, to half-precision rounding."""
+    gen = torch.Generator().manual_seed(4)
+    layer = layers.Conv1D(64, 256)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(64, 256, generator=gen) / 8)
+        layer.bias.copy_(torch.randn(256, generator=gen) * 0.1)
+    layer = layer.to(dtype)
+    x = torch.randn(MAX_ROWS + 3, 64, generator=gen).to(dtype)
+    expect = torch.nn.functional.gelu(torch.addmm(layer.bias, x, layer.weight), approximate="tanh")
+    layer.triton_linear = True
+    calls = []
+    epilogue = torch._addmm_activation
+    monkeypatch.setattr(
+        torch, "_addmm_activation", lambda *a, **k: calls.append(k) or epilogue(*a, **k)
+    )
+    with torch.no_grad():
+        got = layer(x, activation="gelu_tanh")
+    assert calls == [{"use_gelu": True}]
+    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.float16 else dict(atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(got, expect, **tol)
