@@ -126,12 +126,13 @@ class DecodeInputs:
         self,
         parity: int,
         with_inputs: bool,
-        block_table: np.ndarray,  # host [max_num_seqs + 1, max_blocks_per_seq]
-        dirty_slots: list[int],
-        device_block_table: torch.Tensor,  # the same shape, on the device
+        block_table: np.ndarray | None = None,  # host [max_num_seqs + 1, max_blocks_per_seq]
+        dirty_slots: Seq[int] = (),
+        device_block_table: torch.Tensor | None = None,  # the same shape, on the device
     ) -> None:
         """One copy of what this step needs: the staged inputs (with_inputs) and the rows
-        of dirty_slots, which then land in device_block_table. No copy if neither."""
+        of dirty_slots, which then land in device_block_table. No copy if neither.
+        Without dirty_slots the tables are not read."""
         n = len(dirty_slots)
         if n:
             _, row_ids, rows = self._host[parity]

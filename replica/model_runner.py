@@ -329,7 +329,7 @@ class ModelRunner:
         and sample from both outputs: graphs that share a pool share output memory.
         A step replays a decode or a mixed graph, never both: those share one.
         """
-        self.step_inputs.upload(self.parity, True, np.empty((0, 0), np.int32), [], self.block_table)
+        self.step_inputs.upload(self.parity, True)
         self.prefill.fill_padding(self.parity)  # padding rows write only the null block
         buckets = [self.prefill.bucket(t, 0) for t in self.prefill.token_buckets]
         mixed_forward = functools.partial(self._decode_forward, append_first=True)

@@ -58,7 +58,7 @@ def test_upload_without_inputs_or_rows_copies_nothing():
     di = DecodeInputs(max_num_seqs=2, max_blocks_per_seq=2, device=torch.device("cpu"), pin=False)
     di.device_bytes.fill_(0xAB)
     di.fill(0, [_seq([3], slot=1)], num_rows=2)
-    di.upload(0, False, np.zeros((3, 2), np.int32), [], torch.zeros(3, 2, dtype=torch.int32))
+    di.upload(0, False)
     assert (di.device_bytes == 0xAB).all()
 
 
