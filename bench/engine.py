@@ -222,6 +222,7 @@ def main() -> None:
             dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.dtype)
             hf = hf_checkpoint(model, dtype or torch.float32, tmp)
             model = tmp
+        start = time.perf_counter()
         engine = LLMEngine(
             EngineConfig(
                 model=model, dtype=args.dtype, block_size=args.block_size,
@@ -234,6 +235,7 @@ def main() -> None:
                    if args.mixed_prefill_tokens is not None else {}),
             )
         )  # fmt: skip
+        start_s = time.perf_counter() - start  # weights, KV cache, graph capture
         vocab = engine.model_config.vocab_size
         if args.no_gc:
             gc.disable()
@@ -281,6 +283,8 @@ def main() -> None:
           f" triton_linear={triton_linear}"
           f" pdl={kernels.pdl.use_pdl(engine.device)}"
           f" fused_append={not args.no_fused_append}"
+          f" mixed_prefill_tokens={engine.config.mixed_prefill_tokens}"
+          f" engine_start={start_s:.2f} s"
           + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else ""))  # fmt: skip
     print(markdown_table(rows, [c for c in columns if any(c in r for r in rows)]))
     for num_seqs, prof in profiles.items():
@@ -290,7 +294,7 @@ def main() -> None:
         print(format_itl(args.itl_batch, itl["cohort"], itl["steady"]))
     write_json(args.out, {"model": args.model or model, "prompt_len": prompt_len,
                           "max_new": max_new, "rows": rows, "step_profiles": profiles,
-                          "itl": itl})  # fmt: skip
+                          "itl": itl, "engine_start_s": start_s})  # fmt: skip
 
 
 def _max_positions(model: str) -> int:

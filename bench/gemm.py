@@ -150,15 +150,48 @@ def bench_gemm(gemm: Gemm, rows: int, gen: torch.Generator) -> dict:
     return row
 
 
+def bench_prefill_gelu(rows: int, gen: torch.Generator) -> dict:
+    """GPT-2's fc + GELU above kernels.linear's rows (prefill): addmm then a GELU kernel,
+    against cuBLASLt's bias + GELU epilogue (torch._addmm_activation, the model's path)."""
+    gemm = next(g for g in GEMMS["gpt2"] if g.activation == "gelu_tanh")
+    copies = _inputs(gemm, rows, gen)
+    separate = graph_time_us([_torch_fn(gemm, *c) for c in copies])
+    epilogue = graph_time_us(
+        [lambda x=x, w=w, b=b: torch._addmm_activation(b, x, w, use_gelu=True)
+         for x, w, b, _ in copies]
+    )  # fmt: skip
+    x, w, bias, _ = copies[0]
+    want = linear_ref(x, w, bias, weight_is_kn=True, activation="gelu_tanh").float()
+    err = [
+        (fn().float() - want).abs().max().item()
+        for fn in (_torch_fn(gemm, *copies[0]),
+                   lambda: torch._addmm_activation(bias, x, w, use_gelu=True))
+    ]  # fmt: skip
+    print_now(
+        f"  gpt2 c_fc+gelu M={rows}: addmm + GELU {separate:.1f} us, epilogue {epilogue:.1f} us;"
+        f" max error against fp32 {err[0]:.4f} / {err[1]:.4f}"
+    )
+    return {"M": rows, "addmm+gelu us": separate, "epilogue us": epilogue,
+            "max err addmm+gelu": err[0], "max err epilogue": err[1]}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="gpt2,qwen3-0.6b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 128, 256, 512])
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop sweeping after this")
+    parser.add_argument(
+        "--prefill-gelu", type=int, nargs="+", default=None, metavar="M",
+        help="only time fc + GELU at these (prefill) row counts: separate GELU vs epilogue",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     print_now(machine_description())
     gen = torch.Generator().manual_seed(0)
+    if args.prefill_gelu:
+        rows_out = [bench_prefill_gelu(m, gen) for m in args.prefill_gelu]
+        write_json(args.out, {"machine": machine_description(), "prefill_gelu": rows_out})
+        return
     start = time.monotonic()
     rows_out = []
     for model in args.models.split(","):

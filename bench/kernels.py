@@ -384,11 +384,44 @@ def run_sweep(args: argparse.Namespace, copy_gbps: float) -> dict:
     return {"append": append_rows, "decode": decode_rows}
 
 
+ARGMAX_SHAPE = (256, 50257)  # gpt2's logits at B=256, a view of the LM head's padded 50304
+
+
+def sweep_argmax() -> list[dict]:
+    """kernels.argmax over CHUNK x PARTIAL_WARPS, graph-timed from HBM, and torch.argmax."""
+    import kernels.argmax as am
+
+    rows, cols = ARGMAX_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    padded = -(-cols // 64) * 64
+    xs = [
+        torch.randn(rows, padded, generator=gen).half().to(DEVICE)[:, :cols]
+        for _ in range(num_copies(rows * padded * 2))
+    ]
+    want = xs[0].argmax(-1)
+    torch_us = graph_time_us([lambda x=x: x.argmax(-1) for x in xs])
+    print_now(f"argmax [{rows}, {cols}] half: torch.argmax {torch_us:.2f} us")
+    defaults, out = (am.CHUNK, am.PARTIAL_WARPS), []
+    try:
+        for chunk, warps in itertools.product((2048, 4096, 8192), (2, 4, 8)):
+            am.CHUNK, am.PARTIAL_WARPS = chunk, warps
+            assert torch.equal(am.argmax_rows(xs[0]), want)
+            us = graph_time_us([lambda x=x: am.argmax_rows(x) for x in xs])
+            out.append({"chunk": chunk, "warps": warps, "us": us, "torch_us": torch_us})
+            print_now(f"  chunk {chunk} / {warps} warps: {us:.2f} us")
+    finally:
+        am.CHUNK, am.PARTIAL_WARPS = defaults
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--quick", action="store_true", help="reduced sweep")
     parser.add_argument("--tune", action="store_true", help="decode launch-parameter sweep")
+    parser.add_argument(
+        "--argmax", action="store_true", help="kernels.argmax chunk x warps sweep only"
+    )
     parser.add_argument("--shapes", default=",".join(s.name for s in SHAPES), help="filter")
     parser.add_argument(
         "--tune-cases", default=",".join(f"{b}x{c}" for b, c in TUNE_CASES),
@@ -426,7 +459,9 @@ def main(argv: list[str] | None = None) -> None:
         "num_sms": sms,
         "pdl": not args.no_pdl,
     }
-    if args.tune:
+    if args.argmax:
+        payload["argmax"] = sweep_argmax()
+    elif args.tune:
         best_rows = tune_decode(copy_gbps, args.shapes, args.tune_cases)
         print_now("\n## Decode tuning: best config per case (graph-timed)\n")
         columns = ["shape", "B", "ctx", "splits", "tile", "us", "%copy", "merge_us",
