@@ -88,9 +88,8 @@ def _launch(
     assert bias.shape == (hidden,) and bias.stride(0) == 1, "bias must be [hidden]"
     assert x.stride(1) == 1, "the normalised (last) dim of x must be contiguous"
     num_rows = x.shape[0] if gather is None else gather[0].shape[0]
-    res_out = residual
+    x_rows, res_rows, res_out = (x, x, residual) if gather is None else gather
     if gather is not None:
-        x_rows, res_rows, res_out = gather
         assert residual is not None and x_rows.shape == res_rows.shape == (num_rows,)
         assert residual.shape[1] == hidden and residual.dtype == x.dtype, "residual must match x"
         assert res_out.shape == (num_rows, hidden) and res_out.dtype == x.dtype
@@ -108,7 +107,6 @@ def _launch(
         return out
     res = residual if residual is not None else x
     res_out = res_out if res_out is not None else x
-    x_rows, res_rows = gather[:2] if gather is not None else (x, x)
     _layer_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, res, weight, bias, out,
         x_rows, res_rows, res_out,

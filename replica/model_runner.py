@@ -238,7 +238,7 @@ class ModelRunner:
             return StepHandle(host, None)
         sampling = self._sampling_batch(sampled_seqs)
         if sampling.all_greedy and greedy is not None and len(logits) == 1:
-            tokens = greedy  # decode only: the forward took the argmax and wrote token_buf
+            tokens = greedy  # one forward (decode or mixed): it took the argmax, wrote token_buf
         else:
             cat = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)  # noqa: E731
             tokens = sample(cat(logits), sampling, self.generator)
@@ -275,7 +275,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[views["last_rows"]])
 
     def _run_decode(self, padded: int, mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [padded, vocab] and greedy tokens [padded] of the uploaded"""
+        """Logits [padded, vocab] and greedy tokens [padded] of the uploaded rows."""
         if self.use_cuda_graphs:
             graph, (logits, greedy) = (self.mixed_graphs if mixed else self.graphs)[padded]
             graph.replay()
