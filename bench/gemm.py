@@ -1,6 +1,7 @@
 """Decode-step GEMMs: kernels.linear's tiles against cuBLAS (torch), on one CUDA GPU.
 
     python -m bench.gemm [--models gpt2,qwen3-0.6b] [--rows 1 8 64 256] [--out gemm.json]
+    python -m bench.gemm --fold [--rows 1 64 256]
 
 For each linear layer of a model (its weight layout and dtype: GPT-2's Conv1D
 [K, N] in fp16, a Llama-family nn.Linear [N, K] in bf16) and each batch of rows,
@@ -13,6 +14,11 @@ the L2 four times (bench.kernels.graph_time_us): in a decode step every weight
 comes from HBM. Every tile is checked against the float32 reference before it is
 timed. The last table is choose_tile's: where it is slower than torch, the
 model keeps torch for that shape.
+
+--fold times GPT-2's sublayer boundaries instead (bench_fold): a projection, the
+residual add + LayerNorm kernel and the next projection, against the two
+projections with the add and the norm folded in, with and without the weight
+prefetch.
 """
 
 from __future__ import annotations
@@ -20,13 +26,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
+import kernels.linear
 from bench.common import machine_description, markdown_table, write_json
 from bench.kernels import graph_time_us, num_copies, print_now
+from kernels.layer_norm import fused_add_layer_norm
 from kernels.linear import Tile, choose_tile, linear, linear_ref
 
 
@@ -175,6 +184,70 @@ def bench_prefill_gelu(rows: int, gen: torch.Generator) -> dict:
             "max err addmm+gelu": err[0], "max err epilogue": err[1]}  # fmt: skip
 
 
+def _fold_copy(rows: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """One copy of a GPT-2 fp16 block's operands at a sublayer boundary."""
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).half().cuda()
+
+    hidden = 768
+    return {
+        "o": rand(rows, hidden), "f": rand(rows, 4 * hidden, scale=0.5),
+        "residual": rand(rows, hidden),
+        "c_proj": rand(hidden, hidden, scale=hidden**-0.5), "c_proj.b": rand(hidden, scale=0.1),
+        "fc": rand(hidden, 4 * hidden, scale=hidden**-0.5), "fc.b": rand(4 * hidden, scale=0.1),
+        "proj": rand(4 * hidden, hidden, scale=(4 * hidden) ** -0.5),
+        "proj.b": rand(hidden, scale=0.1),
+        "c_attn": rand(hidden, 3 * hidden, scale=hidden**-0.5),
+        "c_attn.b": rand(3 * hidden, scale=0.1),
+        "ln.w": 1 + rand(hidden, scale=0.1), "ln.b": rand(hidden, scale=0.1),
+    }  # fmt: skip
+
+
+def _boundary(c: dict, into_mlp: bool, folded: bool) -> Callable[[], object]:
+    """A sublayer's last projection, the residual add and norm, and the next sublayer's
+    first projection: c_proj -> ln_2 -> c_fc + GELU, or mlp.c_proj -> ln_1 -> c_attn."""
+    src, last, first, act = (
+        ("o", "c_proj", "fc", "gelu_tanh") if into_mlp else ("f", "proj", "c_attn", "none")
+    )
+    norm = (c["ln.w"], c["ln.b"], 1e-5)
+    last_w, last_b, first_w, first_b = c[last], c[f"{last}.b"], c[first], c[f"{first}.b"]
+
+    def apart():
+        y = linear(c[src], last_w, last_b, weight_is_kn=True)
+        normed, _ = fused_add_layer_norm(y, c["residual"], *norm)
+        return linear(normed, first_w, first_b, weight_is_kn=True, activation=act)
+
+    def fused():
+        r = c["residual"]
+        linear(c[src], last_w, last_b, weight_is_kn=True, residual=r, out=r)
+        return linear(r, first_w, first_b, weight_is_kn=True, activation=act, norm=norm)
+
+    return fused if folded else apart
+
+
+def bench_fold(rows: int, gen: torch.Generator) -> list[dict]:
+    """GPT-2's two sublayer boundaries as three launches (projection, add + LayerNorm,
+    projection) and as two (the add in the first's epilogue, the norm in the second's
+    prologue), each with and without (+pf) the L2 prefetch of W under PDL."""
+    copy_bytes = 2 * (rows * 5 * 768 + 2 * 768 * 768 + 2 * 768 * 3072 + 768 * 768 * 3)
+    copies = [_fold_copy(rows, gen) for _ in range(num_copies(copy_bytes))]
+    out = []
+    for into_mlp in (True, False):
+        row = {"M": rows, "boundary": "c_proj > ln_2 > c_fc" if into_mlp else
+               "mlp.c_proj > ln_1 > c_attn"}  # fmt: skip
+        for prefetch in (False, True):
+            kernels.linear.PREFETCH_WEIGHTS = prefetch
+            for folded in (False, True):
+                key = ("2 launches" if folded else "3 launches") + (" +pf" if prefetch else "")
+                row[f"{key} us"] = graph_time_us([_boundary(c, into_mlp, folded) for c in copies])
+        kernels.linear.PREFETCH_WEIGHTS = True
+        print_now("  " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                   for k, v in row.items()))  # fmt: skip
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="gpt2,qwen3-0.6b")
@@ -184,6 +257,10 @@ def main(argv: list[str] | None = None) -> None:
         "--prefill-gelu", type=int, nargs="+", default=None, metavar="M",
         help="only time fc + GELU at these (prefill) row counts: separate GELU vs epilogue",
     )  # fmt: skip
+    parser.add_argument(
+        "--fold", action="store_true",
+        help="only GPT-2's sublayer boundaries at --rows: norm and add apart or folded in",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     print_now(machine_description())
@@ -191,6 +268,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.prefill_gelu:
         rows_out = [bench_prefill_gelu(m, gen) for m in args.prefill_gelu]
         write_json(args.out, {"machine": machine_description(), "prefill_gelu": rows_out})
+        return
+    if args.fold:
+        rows_out = [r for m in args.rows for r in bench_fold(m, gen)]
+        print(markdown_table(rows_out, list(rows_out[0])))
+        write_json(args.out, {"machine": machine_description(), "fold": rows_out})
         return
     start = time.monotonic()
     rows_out = []

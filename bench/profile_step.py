@@ -17,7 +17,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import kernels.linear
 import kernels.pdl
+import replica.models.gpt2
 from bench.common import percentile
 from bench.engine import random_prompts
 from replica import EngineConfig, LLMEngine, SamplingParams
@@ -35,11 +37,19 @@ def main() -> None:
     parser.add_argument("--no-triton-linear", action="store_true", help="cuBLAS projections")
     parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
     parser.add_argument(
+        "--no-weight-prefetch", action="store_true", help="kernels.linear: no L2 prefetch of W"
+    )
+    parser.add_argument(
+        "--no-fold-norms", action="store_true", help="gpt2: LayerNorm + residual add kernels"
+    )
+    parser.add_argument(
         "--timeline-steps", type=int, default=20, help="engine steps traced for GPU idle time"
     )
     args = parser.parse_args()
 
     kernels.pdl.ENABLE_PDL = not args.no_pdl
+    kernels.linear.PREFETCH_WEIGHTS = not args.no_weight_prefetch
+    replica.models.gpt2.FOLD_NORMS = not args.no_fold_norms
     engine = LLMEngine(
         EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.batch,
                      max_model_len=min(2048, 1024 if args.model.startswith("gpt2") else 2048),

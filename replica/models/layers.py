@@ -105,9 +105,10 @@ class Conv1D(nn.Module):
     forward(x, activation) applies "gelu_tanh" (torch's tanh GELU) after the
     product when asked. With `triton_linear` set (use_triton_linear: the fused
     path in fp16 / bf16) a batch that kernels.linear's tile table covers runs that
-    kernel, activation fused; larger batches (prefill) run cuBLASLt with the GELU
-    in its epilogue (H200, fc at 8192 rows: 68 us against 90 for addmm + GELU);
-    the torch path runs addmm.
+    kernel, activation fused, and a LayerNorm before or a residual add after the
+    product with it; larger batches (prefill) run cuBLASLt with the GELU in its
+    epilogue (H200, fc at 8192 rows: 68 us against 90 for addmm + GELU); the torch
+    path runs addmm.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -119,18 +120,32 @@ class Conv1D(nn.Module):
         self.triton_linear = False
 
     def forward(
-        self, x: torch.Tensor, activation: str = "none"
-    ) -> torch.Tensor:  # [T, in_features] -> [T, out_features]
+        self,
+        x: torch.Tensor,  # [T, in_features]
+        activation: str = "none",
+        *,
+        norm: LayerNorm | None = None,
+        residual: torch.Tensor | None = None,  # [T, out_features], updated in place
+    ) -> torch.Tensor:  # [T, out_features]: residual itself when given
+        """act(norm(x) @ W + b), added to residual in place when one is given: in
+        kernels.linear's prologue and epilogue where it runs, apart otherwise."""
         if self.triton_linear:
             tile = choose_tile(x.shape[0], self.out_features, self.in_features)
             if tile is not None:
                 return linear(
-                    x, self.weight, self.bias, weight_is_kn=True, activation=activation, tile=tile
-                )
-            if activation == "gelu_tanh":  # cuBLASLt's bias + tanh-GELU epilogue, one kernel
-                return torch._addmm_activation(self.bias, x, self.weight, use_gelu=True)
-        y = torch.addmm(self.bias, x, self.weight)
-        return gelu_tanh_fused(y) if activation == "gelu_tanh" else y
+                    x, self.weight, self.bias, weight_is_kn=True, activation=activation,
+                    tile=tile, norm=None if norm is None else (norm.weight, norm.bias, norm.eps),
+                    residual=residual, out=residual,
+                )  # fmt: skip
+        if norm is not None:
+            x = norm(x)
+        if self.triton_linear and activation == "gelu_tanh":
+            # cuBLASLt's bias + tanh-GELU epilogue, one kernel
+            y = torch._addmm_activation(self.bias, x, self.weight, use_gelu=True)
+        else:
+            y = torch.addmm(self.bias, x, self.weight)
+            y = gelu_tanh_fused(y) if activation == "gelu_tanh" else y
+        return y if residual is None else residual.add_(y)
 
 
 def use_triton_linear(module: nn.Module) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.layer_norm import layer_norm
 from kernels.linear import MAX_ROWS, Tile, _semaphores, choose_tile, linear, linear_ref
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -38,6 +39,59 @@ def test_linear(rows, k, n, weight_is_kn, activation, dtype, device):
     want = linear_ref(x, weight, bias, weight_is_kn=weight_is_kn, activation=activation)
     torch.testing.assert_close(out, want, **TOL[dtype])
     assert out_base[:, :16].isnan().all(), "only out may be written"
+
+
+def _norm(k: int, dtype, device, seed: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    gen = torch.Generator().manual_seed(seed)
+    weight = (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype)
+    bias = (0.2 * torch.randn(k, generator=gen)).to(dtype)
+    return weight.to(device), bias.to(device), 1e-5
+
+
+@pytest.mark.parametrize(
+    "rows,k,n,tile",
+    [
+        (5, 128, 96, Tile(16, 32, 64, 2, 2)),
+        (33, 192, 64, Tile(32, 64, 128, 4, 2)),  # K = 1.5 chunks: a short last chunk
+        (70, 256, 160, Tile(64, 32, 64, 4, 3, split_k=2)),  # every K slice needs the whole row
+        (45, 200, 100, Tile(16, 32, 32, 2, 2, split_k=3)),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_prologue_and_residual_epilogue(rows, k, n, tile, dtype, device):
+    """norm(x) @ W + b + residual equals LayerNorm, product and add done apart, each
+    rounded; the rows are offset (mean 3) so that a one-pass E[x^2] - E[x]^2 would show."""
+    x, weight, bias = _operands(rows, k, n, True, dtype, device, rows + k)
+    x.add_(3.0)
+    norm = _norm(k, dtype, device, rows)
+    residual = torch.randn(rows, n, generator=torch.Generator().manual_seed(3)).to(dtype)
+    residual = residual.to(device)
+    want = linear_ref(
+        x, weight, bias, weight_is_kn=True, activation="gelu_tanh", norm=norm, residual=residual
+    )
+    # out is residual: the residual add in place
+    got = linear(
+        x, weight, bias, weight_is_kn=True, activation="gelu_tanh", tile=tile, norm=norm,
+        residual=residual, out=residual,
+    )  # fmt: skip
+    assert got is residual
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    normed = linear(x, weight, bias, weight_is_kn=True, tile=tile, norm=norm)
+    want_normed = linear_ref(x, weight, bias, weight_is_kn=True, norm=norm)
+    torch.testing.assert_close(normed, want_normed, **TOL[dtype])
+    plain = linear(x, weight, bias, weight_is_kn=True, tile=tile)
+    assert not torch.allclose(plain.float(), normed.float(), atol=0.1), "the norm was applied"
+
+
+def test_norm_prologue_equals_the_layer_norm_kernel_then_linear(device):
+    """The fused prologue hands the product what kernels.layer_norm would: same outputs
+    to one rounding of the final result."""
+    x, weight, bias = _operands(24, 256, 128, True, torch.float16, device, 21)
+    norm = _norm(256, torch.float16, device, 22)
+    apart = linear(layer_norm(x, *norm), weight, bias, weight_is_kn=True)
+    fused = linear(x, weight, bias, weight_is_kn=True, norm=norm)
+    torch.testing.assert_close(fused, apart, atol=4e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize(
@@ -102,6 +156,10 @@ def test_bad_arguments_are_named(device):
         linear(x, weight, bias, weight_is_kn=True, activation="relu")
     with pytest.raises(AssertionError, match="bias"):
         linear(x, weight, bias[:8], weight_is_kn=True)
+    with pytest.raises(AssertionError, match="norm weight"):
+        linear(x, weight, bias, weight_is_kn=True, norm=(bias, bias, 1e-5))
+    with pytest.raises(AssertionError, match="residual"):
+        linear(x, weight, bias, weight_is_kn=True, residual=x)
 
 
 def test_choose_tile_leaves_large_batches_and_long_k_to_cublas():

@@ -120,15 +120,18 @@ def test_gpt2_norms_run_the_chosen_path(fused, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpt2_triton_linear_matches_cublas_path(dtype, monkeypatch):
-    """Half precision: GPT-2's projections through kernels.linear (bias and GELU fused) give
-    the logits that addmm + GELU give, to half-precision rounding. c_attn, attn.c_proj and
-    c_fc run the kernel; mlp.c_proj (K = 4N) too in the 31-token prefill (split K), and
-    stays on cuBLAS in the 3-row decode, by the tile table."""
+    """Half precision: GPT-2's projections through kernels.linear (bias and GELU fused, and
+    in these decode-sized batches ln_1 / ln_2 in the prologues of c_attn / c_fc and the
+    residual adds in the epilogues of the two c_proj) give the logits that the separate
+    norm kernels and addmm + GELU give, to half-precision rounding. mlp.c_proj (K = 4N)
+    runs the kernel in the 31-token prefill (split K) and stays on cuBLAS in the 3-row
+    decode, by the tile table, its residual add apart."""
     calls = Counter()
     kernel = layers.linear
 
     def counted(*args, **kwargs):
-        calls[kwargs["activation"]] += 1
+        norm, residual = kwargs["norm"] is not None, kwargs["residual"] is not None
+        calls[kwargs["activation"], norm, residual] += 1
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(layers, "linear", counted)
@@ -138,13 +141,20 @@ def test_gpt2_triton_linear_matches_cublas_path(dtype, monkeypatch):
             "gpt2-tiny", dtype, DEVICE, 3, TorchAttention(), True, triton_linear=triton_linear
         )
         perturb_norms(model)
+        if triton_linear:
+            monkeypatch.setattr(layers, "fused_add_layer_norm", None)  # no separate add + norm
         logits.append(run_prefill_and_decode(model, config, [5, 17, 9]))
     (p0, d0), (p1, d1) = logits
     tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.float16 else dict(atol=0.15, rtol=0.1)
     torch.testing.assert_close(p1.float(), p0.float(), **tol)
     torch.testing.assert_close(d1.float(), d0.float(), **tol)
-    passes = 2 * config.num_layers  # prefill and decode
-    assert calls == {"none": 2 * passes + config.num_layers, "gelu_tanh": passes}
+    layers_after_first = config.num_layers - 1  # the first block's ln_1 runs with the embedding
+    assert calls == {
+        ("none", True, False): 2 * layers_after_first,  # c_attn, ln_1 folded in; two passes
+        ("none", False, False): 2,  # the first block's c_attn
+        ("none", False, True): 2 * config.num_layers + config.num_layers,  # the c_proj
+        ("gelu_tanh", True, False): 2 * config.num_layers,  # c_fc, ln_2 folded in
+    }
 
 
 def test_triton_linear_is_off_in_float32():
