@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kernels.linear
 import kernels.pdl
 import replica.models.gpt2
 import replica.triton_attention
@@ -198,9 +197,6 @@ def main() -> None:
     )
     parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
     parser.add_argument(
-        "--no-weight-prefetch", action="store_true", help="kernels.linear: no L2 prefetch of W"
-    )
-    parser.add_argument(
         "--no-fold-norms", action="store_true", help="gpt2: LayerNorm + residual add kernels"
     )
     parser.add_argument(
@@ -219,7 +215,6 @@ def main() -> None:
 
     on_gpu = torch.cuda.is_available()
     kernels.pdl.ENABLE_PDL = not args.no_pdl
-    kernels.linear.PREFETCH_WEIGHTS = not args.no_weight_prefetch
     replica.models.gpt2.FOLD_NORMS = not args.no_fold_norms
     replica.triton_attention.FUSE_DECODE_APPEND = not args.no_fused_append
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")

@@ -17,8 +17,7 @@ model keeps torch for that shape.
 
 --fold times GPT-2's sublayer boundaries instead (bench_fold): a projection, the
 residual add + LayerNorm kernel and the next projection, against the two
-projections with the add and the norm folded in, with and without the weight
-prefetch.
+projections with the add and the norm folded in (linear_add, linear_norm).
 """
 
 from __future__ import annotations
@@ -32,11 +31,18 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-import kernels.linear
 from bench.common import machine_description, markdown_table, write_json
 from bench.kernels import graph_time_us, num_copies, print_now
 from kernels.layer_norm import fused_add_layer_norm
-from kernels.linear import Tile, choose_tile, linear, linear_ref
+from kernels.linear import (
+    Tile,
+    choose_tile,
+    fold_layer_norm,
+    linear,
+    linear_add,
+    linear_norm,
+    linear_ref,
+)
 
 
 @dataclass(frozen=True)
@@ -212,6 +218,7 @@ def _boundary(c: dict, into_mlp: bool, folded: bool) -> Callable[[], object]:
     )
     norm = (c["ln.w"], c["ln.b"], 1e-5)
     last_w, last_b, first_w, first_b = c[last], c[f"{last}.b"], c[first], c[f"{first}.b"]
+    folded_norm = fold_layer_norm(*norm, first_w, first_b)
 
     def apart():
         y = linear(c[src], last_w, last_b, weight_is_kn=True)
@@ -219,30 +226,33 @@ def _boundary(c: dict, into_mlp: bool, folded: bool) -> Callable[[], object]:
         return linear(normed, first_w, first_b, weight_is_kn=True, activation=act)
 
     def fused():
-        r = c["residual"]
-        linear(c[src], last_w, last_b, weight_is_kn=True, residual=r, out=r)
-        return linear(r, first_w, first_b, weight_is_kn=True, activation=act, norm=norm)
+        stats = linear_add(c[src], last_w, last_b, c["residual"])
+        return linear_norm(c["residual"], folded_norm, stats, activation=act)
 
     return fused if folded else apart
 
 
 def bench_fold(rows: int, gen: torch.Generator) -> list[dict]:
     """GPT-2's two sublayer boundaries as three launches (projection, add + LayerNorm,
-    projection) and as two (the add in the first's epilogue, the norm in the second's
-    prologue), each with and without (+pf) the L2 prefetch of W under PDL."""
+    projection) and as two (linear_add, then linear_norm with the norm folded in)."""
     copy_bytes = 2 * (rows * 5 * 768 + 2 * 768 * 768 + 2 * 768 * 3072 + 768 * 768 * 3)
     copies = [_fold_copy(rows, gen) for _ in range(num_copies(copy_bytes))]
     out = []
     for into_mlp in (True, False):
-        row = {"M": rows, "boundary": "c_proj > ln_2 > c_fc" if into_mlp else
-               "mlp.c_proj > ln_1 > c_attn"}  # fmt: skip
-        for prefetch in (False, True):
-            kernels.linear.PREFETCH_WEIGHTS = prefetch
-            for folded in (False, True):
-                key = ("2 launches" if folded else "3 launches") + (" +pf" if prefetch else "")
-                row[f"{key} us"] = graph_time_us([_boundary(c, into_mlp, folded) for c in copies])
-        kernels.linear.PREFETCH_WEIGHTS = True
-        print_now("  " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+        c = copies[0]
+        residual = c["residual"].clone()
+        want = _boundary(c, into_mlp, False)()
+        c["residual"].copy_(residual)
+        err = (_boundary(c, into_mlp, True)().float() - want.float()).abs().max().item()
+        c["residual"].copy_(residual)
+        row = {
+            "M": rows,
+            "boundary": "c_proj > ln_2 > c_fc" if into_mlp else "mlp.c_proj > ln_1 > c_attn",
+            "3 launches us": graph_time_us([_boundary(c, into_mlp, False) for c in copies]),
+            "2 launches us": graph_time_us([_boundary(c, into_mlp, True) for c in copies]),
+            "max abs diff": err,
+        }
+        print_now("  " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                    for k, v in row.items()))  # fmt: skip
         out.append(row)
     return out

@@ -17,7 +17,6 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import kernels.linear
 import kernels.pdl
 import replica.models.gpt2
 from bench.common import percentile
@@ -37,9 +36,6 @@ def main() -> None:
     parser.add_argument("--no-triton-linear", action="store_true", help="cuBLAS projections")
     parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
     parser.add_argument(
-        "--no-weight-prefetch", action="store_true", help="kernels.linear: no L2 prefetch of W"
-    )
-    parser.add_argument(
         "--no-fold-norms", action="store_true", help="gpt2: LayerNorm + residual add kernels"
     )
     parser.add_argument(
@@ -48,7 +44,6 @@ def main() -> None:
     args = parser.parse_args()
 
     kernels.pdl.ENABLE_PDL = not args.no_pdl
-    kernels.linear.PREFETCH_WEIGHTS = not args.no_weight_prefetch
     replica.models.gpt2.FOLD_NORMS = not args.no_fold_norms
     engine = LLMEngine(
         EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.batch,

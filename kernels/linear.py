@@ -23,17 +23,18 @@ then resets the semaphore for the next launch. The semaphores live in one
 zeroed buffer per device, made on the first split launch, which must not be
 inside a CUDA graph capture (the model's warm-up forward runs first).
 
-The decode step's norms and residual adds ride on the projections around them:
-`norm` LayerNorms x's rows over K in the prologue (one unrolled pass of row
-statistics, then each loaded x tile normalised before its product) and
-`residual` adds the rounded result to the residual stream in the epilogue, in
-place. A GPT-2 block is then c_attn, attention, c_proj, c_fc and mlp.c_proj:
-five launches where a separate LayerNorm + residual-add kernel made seven.
+The decode step's LayerNorms and residual adds ride on the projections around
+them. `linear_add` adds its product to the residual stream in the epilogue, in
+place, and writes the new rows' LayerNorm statistics, per column tile (mean and
+centred sum of squares: `RowStats`). `linear_norm` is the projection after the
+norm, with the norm folded in (`fold_layer_norm`, once, at load):
 
-Under PDL each program prefetches its slice of W into L2 (prefetch.global.L2, one
-address per 128-byte line) after it lets its dependents launch and before it
-waits for its predecessor: the weights are the step's constants, so their HBM
-latency overlaps the previous kernel instead of heading this one's K loop.
+    layer_norm(x) @ W + b = rstd * (x @ (gamma * W) - mean * colsum) + (b + beta @ W)
+
+with colsum the column sums of gamma * W, and mean and rstd merged from the
+producer's partials in the epilogue. The K loop is the plain one over x as the
+residual stream holds it. A GPT-2 block is then c_attn, attention, c_proj, c_fc
+and mlp.c_proj: five launches where a separate add + LayerNorm kernel made seven.
 
 `choose_tile(M, N, K)` is the tile table, measured on an H200 by bench.gemm;
 `linear` uses it unless a tile is given (the benchmark's sweep gives one). On
@@ -48,17 +49,12 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.pdl import pdl_launch
+from kernels.pdl import pdl_launch, pdl_prologue
 
 _DTYPES = (torch.float16, torch.bfloat16)
-# A launch under PDL prefetches its slice of W into L2 before waiting on its predecessor
-# (bench --no-weight-prefetch turns it off for A/B runs).
-PREFETCH_WEIGHTS = True
 ACTIVATIONS = ("none", "gelu_tanh")
 
 
@@ -87,25 +83,17 @@ def _tanh(x):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    # Fire and forget: the line holding each address is brought into L2. The dummy
-    # output is what inline asm needs; is_pure=False keeps the instruction.
-    tl.inline_asm_elementwise(
-        "mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, semaphore_ptr,
-    norm_w_ptr, norm_b_ptr, residual_ptr, eps,
+    residual_ptr, stats_out_ptr, stats_in_ptr, colsum_ptr, eps,
     num_rows, N, K, stride_xm, stride_wk, stride_wn, stride_om, stride_rm,
-    HAS_BIAS: tl.constexpr, GELU_TANH: tl.constexpr,
-    NORM_K: tl.constexpr, ADD_RESIDUAL: tl.constexpr, PREFETCH_LINES_N: tl.constexpr,
+    num_norm_tiles, norm_tile_cols,
+    HAS_BIAS: tl.constexpr, GELU_TANH: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    STATS_OUT: tl.constexpr, NORM_TILES_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(PDL)
     # Programs along N are adjacent in launch order, so the x rows of one program
     # row stay in L2 while every column tile of W streams through once per row tile.
     pid_n = tl.program_id(0)
@@ -113,42 +101,19 @@ def _linear_kernel(
     pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < num_rows
+    col_mask = cols < N
+    if NORM_TILES_P2 > 0:  # loaded here, used after the K loop: their latency overlaps it
+        tiles = tl.arange(0, NORM_TILES_P2)
+        stats_mask = row_mask[:, None] & (tiles < num_norm_tiles)[None, :]
+        stats_ptrs = stats_in_ptr + (rows.to(tl.int64) * num_norm_tiles * 2)[:, None] + tiles * 2
+        tile_mean = tl.load(stats_ptrs, mask=stats_mask, other=0.0)
+        tile_m2 = tl.load(stats_ptrs + 1, mask=stats_mask, other=0.0)
+        colsum = tl.load(colsum_ptr + cols, mask=col_mask, other=0.0)
     # This program's K slice: whole BLOCK_K steps, so only the end of K is masked.
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    if PDL:
-        gdc_launch_dependents()
-        if PREFETCH_LINES_N > 0:
-            # The weights are constants of the step: this program's slice of W (rows of
-            # W [K, N], one address per 128-byte line) goes to L2 while the previous
-            # kernel still runs, so the K loop below starts on L2 hits, not HBM misses.
-            lines = pid_n * BLOCK_N + tl.arange(0, PREFETCH_LINES_N) * (128 // 2)
-            lines = tl.minimum(lines, N - 1)
-            for k0 in range(k_begin, k_end, BLOCK_K):
-                k_rows = tl.minimum(k0 + tl.arange(0, BLOCK_K), K - 1)
-                _prefetch_l2(w_ptr + k_rows.to(tl.int64)[:, None] * stride_wk + lines[None, :])
-        gdc_wait()  # the predecessor finished: x (and residual) are written
-    row_mask = rows < num_rows
-    col_mask = cols < N
-    if NORM_K > 0:
-        # LayerNorm of x's rows over all of K (every K slice needs the whole row):
-        # one pass, each BLOCK_K chunk's mean and centred sum of squares merged into
-        # the running ones (Chan et al.), unrolled so that the loads overlap.
-        mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        m2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for c0 in tl.static_range(0, NORM_K, BLOCK_K):
-            count = tl.minimum(NORM_K - c0, BLOCK_K).to(tl.float32)  # the last may be short
-            ks = c0 + tl.arange(0, BLOCK_K)
-            chunk_mask = row_mask[:, None] & (ks < NORM_K)[None, :]
-            chunk_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
-            chunk = tl.load(chunk_ptrs, mask=chunk_mask, other=0.0).to(tl.float32)
-            chunk_mean = tl.sum(chunk, axis=1) / count
-            centred = tl.where(chunk_mask, chunk - chunk_mean[:, None], 0.0)
-            delta = chunk_mean - mean
-            mean += delta * (count / (c0 + count))
-            m2 += tl.sum(centred * centred, axis=1) + delta * delta * (c0 * count / (c0 + count))
-        rstd = tl.math.rsqrt(m2 / NORM_K + eps)
     ks = k_begin + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
     w_ptrs = w_ptr + ks[:, None] * stride_wk + cols.to(tl.int64)[None, :] * stride_wn
@@ -156,31 +121,38 @@ def _linear_kernel(
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_mask = (k0 - k_begin + ks) < K
         a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if NORM_K > 0:  # rounded to x's dtype, as the norm's output would be
-            gamma = tl.load(norm_w_ptr + k0 - k_begin + ks, mask=k_mask, other=0.0)
-            beta = tl.load(norm_b_ptr + k0 - k_begin + ks, mask=k_mask, other=0.0)
-            normed = (a.to(tl.float32) - mean[:, None]) * rstd[:, None]
-            normed = normed * gamma.to(tl.float32)[None, :] + beta.to(tl.float32)[None, :]
-            a = normed.to(x_ptr.dtype.element_ty)
         b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    out_mask = row_mask[:, None] & col_mask[None, :]
+    writes = row_mask  # the rows this program writes: all, or none but for split K's last
     if SPLIT_K > 1:
         partial_ptrs = partial_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
-        tl.store(partial_ptrs + pid_k * num_rows * N, acc, mask=out_mask)
+        tl.store(partial_ptrs + pid_k * num_rows * N, acc, mask=row_mask[:, None] & col_mask)
         tl.debug_barrier()  # every thread's partial is written before the release below
         semaphore = semaphore_ptr + pid_m * tl.num_programs(0) + pid_n
         last = tl.atomic_add(semaphore, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
         tl.debug_barrier()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        out_mask = out_mask & last  # the others are done: only the last one goes on
+        writes = writes & last  # the others are done: only the last one goes on
         for split in tl.static_range(SPLIT_K):  # slice order: a deterministic sum
             acc += tl.load(
-                partial_ptrs + split * num_rows * N, mask=out_mask, other=0.0, cache_modifier=".cg"
-            )
+                partial_ptrs + split * num_rows * N, mask=writes[:, None] & col_mask[None, :],
+                other=0.0, cache_modifier=".cg",
+            )  # fmt: skip
         tl.store(semaphore, 0, mask=last)  # zero again for the next launch
+    out_mask = writes[:, None] & col_mask[None, :]
+    if NORM_TILES_P2 > 0:
+        # The row's mean and variance, merged from the producer's column tiles (Chan et
+        # al.: each tile's centred sum of squares plus its count times its mean's
+        # squared distance from the row's), then the folded norm's epilogue.
+        counts = tl.minimum(norm_tile_cols, K - tiles * norm_tile_cols).to(tl.float32)
+        counts = tl.where(tiles < num_norm_tiles, counts, 0.0)
+        mean = tl.sum(tile_mean * counts[None, :], axis=1) / K
+        spread = tile_mean - mean[:, None]
+        m2 = tl.sum(tile_m2 + counts[None, :] * spread * spread, axis=1)
+        rstd = tl.math.rsqrt(m2 / K + eps)
+        acc = rstd[:, None] * (acc - mean[:, None] * colsum[None, :])
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if GELU_TANH:
@@ -193,6 +165,14 @@ def _linear_kernel(
         y = (y.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(out_ptrs, y, mask=out_mask)
+    if STATS_OUT:  # this tile's share of the rows' LayerNorm statistics, as stored
+        yf = tl.where(out_mask, y.to(tl.float32), 0.0)
+        tile_cols = tl.minimum(N - pid_n * BLOCK_N, BLOCK_N).to(tl.float32)
+        tile_mean = tl.sum(yf, axis=1) / tile_cols
+        centred = tl.where(out_mask, yf - tile_mean[:, None], 0.0)
+        stats_ptrs = stats_out_ptr + rows.to(tl.int64) * tl.num_programs(0) * 2 + pid_n * 2
+        tl.store(stats_ptrs, tile_mean, mask=writes)
+        tl.store(stats_ptrs + 1, tl.sum(centred * centred, axis=1), mask=writes)
 
 
 MAX_SPLIT_TILES = 1 << 16  # output tiles of one split-K launch: one semaphore each
@@ -248,27 +228,54 @@ def choose_tile(num_rows: int, n: int, k: int) -> Tile | None:
     return Tile(64, 64, 64, 4, 5)
 
 
-def linear(
-    x: torch.Tensor,  # [M, K], fp16 or bf16; row stride arbitrary, last dim contiguous
-    weight: torch.Tensor,  # [K, N] when weight_is_kn, else [N, K] (nn.Linear); x.dtype
-    bias: torch.Tensor | None = None,  # [N]
-    *,
-    weight_is_kn: bool,
-    activation: str = "none",
-    out: torch.Tensor | None = None,  # [M, N], x.dtype; last dim contiguous
-    tile: Tile | None = None,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # LayerNorm (weight, bias, eps)
-    residual: torch.Tensor | None = None,  # [M, N], x.dtype; last dim contiguous
-) -> torch.Tensor:
-    """act(norm(x) @ W + bias) + residual in one launch; returns out.
+@dataclass(frozen=True)
+class RowStats:
+    """LayerNorm statistics of the rows of a [M, N] linear_add result, per column tile:
+    partials[m, t] = (mean, centred sum of squares) of row m over tile t's tile_cols
+    columns (the last tile may be narrower)."""
 
-    The product is accumulated in fp32 and rounded once. With `norm`, x's rows are
-    LayerNorm'd over K first, in fp32 and rounded to x.dtype: what a separate norm
-    kernel would hand the GEMM. With `residual`, the rounded result is added to it
-    and rounded again, as a separate add would; out may be residual itself (each
-    element is read and written by the same program), which makes it an in-place
-    residual add.
-    """
+    partials: torch.Tensor  # [M, num_tiles, 2], float32
+    tile_cols: int
+
+
+@dataclass(frozen=True)
+class FoldedLayerNorm:
+    """A LayerNorm (gamma, beta, eps) folded into the [K, N] linear (W, b) after it."""
+
+    weight: torch.Tensor  # [K, N], W's dtype: gamma[:, None] * W
+    bias: torch.Tensor  # [N], float32: b + beta @ W
+    colsum: torch.Tensor  # [N], float32: weight's column sums, as rounded
+    eps: float
+
+
+def fold_layer_norm(
+    norm_weight: torch.Tensor,  # [K]: gamma
+    norm_bias: torch.Tensor,  # [K]: beta
+    eps: float,
+    weight: torch.Tensor,  # [K, N]: W (GPT-2's Conv1D layout)
+    bias: torch.Tensor | None,  # [N]
+) -> FoldedLayerNorm:
+    """The operands of linear_norm for `linear(layer_norm(x, gamma, beta, eps), W, b)`."""
+    k = weight.shape[0]
+    assert weight.dim() == 2 and norm_weight.shape == norm_bias.shape == (k,), "W is [K, N]"
+    w = weight.float()
+    folded = (norm_weight.float()[:, None] * w).to(weight.dtype)
+    folded_bias = norm_bias.float() @ w + (bias.float() if bias is not None else 0.0)
+    return FoldedLayerNorm(folded, folded_bias, folded.float().sum(0), eps)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_is_kn: bool,
+    activation: str,
+    out: torch.Tensor | None,
+    tile: Tile | None,
+    residual: torch.Tensor | None = None,
+    stats_out: bool = False,
+    norm: tuple[FoldedLayerNorm, RowStats] | None = None,
+) -> tuple[torch.Tensor, RowStats | None]:
     assert x.dim() == 2 and weight.dim() == 2, "x and weight must be 2-D"
     assert x.dtype in _DTYPES and weight.dtype == x.dtype, "fp16 or bf16 only, one dtype"
     assert x.stride(1) == 1, "the last dim of x must be contiguous"
@@ -282,43 +289,86 @@ def linear(
         n, stride_wk, stride_wn = weight.shape[0], weight.stride(1), weight.stride(0)
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous(), "bias must be [N], contiguous"
-    norm_weight, norm_bias, eps = norm if norm is not None else (x, x, 0.0)
-    if norm is not None:
-        for name, t in (("norm weight", norm_weight), ("norm bias", norm_bias)):
-            assert t.shape == (k,) and t.is_contiguous(), f"{name} must be [K], contiguous"
-    if residual is not None:
-        assert residual.shape == (num_rows, n) and residual.dtype == x.dtype, (
-            "residual: [M, N], x.dtype"
-        )
-        assert residual.stride(1) == 1, "the last dim of residual must be contiguous"
     if out is None:
         out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     assert out.shape == (num_rows, n) and out.dtype == x.dtype, "out: [M, N], x.dtype"
     assert out.stride(1) == 1, "the last dim of out must be contiguous"
-    if num_rows == 0:
-        return out
     tile = tile or choose_tile(num_rows, n, k) or Tile(64, 64, 64, 4, 4)
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(num_rows, tile.block_m), tile.split_k)
+    stats = None
+    if stats_out:
+        partials = torch.empty(num_rows, grid[0], 2, dtype=torch.float32, device=x.device)
+        stats = RowStats(partials, tile.block_n)
+    if num_rows == 0:
+        return out, stats
     partials = semaphores = out  # unused without split K
     if tile.split_k > 1:
         assert grid[0] * grid[1] <= MAX_SPLIT_TILES, "too many output tiles to split K"
         partials = torch.empty(tile.split_k, num_rows, n, dtype=torch.float32, device=x.device)
         semaphores = _semaphores(x.device)
-    # W's rows are prefetched (the [K, N] layout, one address per 128-byte line of a row).
-    prefetch_lines_n = max(1, tile.block_n // 64) if PREFETCH_WEIGHTS and stride_wn == 1 else 0
-    res = residual if residual is not None else out
+    folded, stats_in = norm if norm is not None else (None, None)
+    num_norm_tiles = stats_in.partials.shape[1] if stats_in is not None else 0
     _linear_kernel[grid](
         x, weight, bias if bias is not None else x, out, partials, semaphores,
-        norm_weight, norm_bias, res, eps,
-        num_rows, n, k, x.stride(0), stride_wk, stride_wn, out.stride(0), res.stride(0),
+        residual if residual is not None else out, stats.partials if stats else out,
+        stats_in.partials if stats_in else out, folded.colsum if folded else out,
+        folded.eps if folded else 0.0,
+        num_rows, n, k, x.stride(0), stride_wk, stride_wn, out.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        num_norm_tiles, stats_in.tile_cols if stats_in else 0,
         HAS_BIAS=bias is not None, GELU_TANH=activation == "gelu_tanh",
-        NORM_K=k if norm is not None else 0, ADD_RESIDUAL=residual is not None,
-        PREFETCH_LINES_N=prefetch_lines_n,
+        ADD_RESIDUAL=residual is not None, STATS_OUT=stats_out,
+        NORM_TILES_P2=triton.next_power_of_2(num_norm_tiles) if num_norm_tiles else 0,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         SPLIT_K=tile.split_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
         **pdl_launch(x.device),
     )  # fmt: skip
-    return out
+    return out, stats
+
+
+def linear(
+    x: torch.Tensor,  # [M, K], fp16 or bf16; row stride arbitrary, last dim contiguous
+    weight: torch.Tensor,  # [K, N] when weight_is_kn, else [N, K] (nn.Linear); x.dtype
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    weight_is_kn: bool,
+    activation: str = "none",
+    out: torch.Tensor | None = None,  # [M, N], x.dtype; last dim contiguous
+    tile: Tile | None = None,
+) -> torch.Tensor:
+    """act(x @ W + bias) in one launch, accumulated in fp32 and rounded once; returns out."""
+    return _launch(x, weight, bias, weight_is_kn, activation, out, tile)[0]
+
+
+def linear_add(
+    x: torch.Tensor,  # [M, K], fp16 or bf16; last dim contiguous
+    weight: torch.Tensor,  # [K, N], x.dtype
+    bias: torch.Tensor | None,  # [N]
+    residual: torch.Tensor,  # [M, N], x.dtype, last dim contiguous; updated in place
+    *,
+    tile: Tile | None = None,
+) -> RowStats:
+    """`residual += x @ W + bias` in one launch, the product rounded to x.dtype before the
+    add, as two torch ops round; returns the new rows' statistics for linear_norm."""
+    assert residual.shape == (x.shape[0], weight.shape[1]), "residual must be [M, N]"
+    return _launch(x, weight, bias, True, "none", residual, tile, residual, stats_out=True)[1]
+
+
+def linear_norm(
+    x: torch.Tensor,  # [M, K], fp16 or bf16; last dim contiguous: the rows stats describes
+    folded: FoldedLayerNorm,  # the norm and the linear, folded (K x N)
+    stats: RowStats,  # x's rows, from the linear_add that wrote them
+    *,
+    activation: str = "none",
+    out: torch.Tensor | None = None,  # [M, N], x.dtype
+    tile: Tile | None = None,
+) -> torch.Tensor:
+    """act(layer_norm(x) @ W + b) in one launch, the norm folded into W and b (the module
+    docstring's identity), from the statistics of x's rows; returns out."""
+    assert stats.partials.shape[0] == x.shape[0], "stats must describe x's rows"
+    assert stats.partials.shape[1] * stats.tile_cols >= x.shape[1], "stats must cover K"
+    norm = (folded, stats)
+    return _launch(x, folded.weight, folded.bias, True, activation, out, tile, norm=norm)[0]
 
 
 def linear_ref(
@@ -328,19 +378,12 @@ def linear_ref(
     *,
     weight_is_kn: bool,
     activation: str = "none",
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same in float32, rounded to x.dtype where the kernel rounds (the norm's
-    output, the product, the residual sum)."""
-    if norm is not None:
-        w, b, eps = norm
-        x = F.layer_norm(x.float(), (x.shape[1],), w.float(), b.float(), eps).to(x.dtype)
+    """The same product in float32, rounded once to x.dtype."""
     w = weight.float() if weight_is_kn else weight.float().t()
     y = x.float() @ w
     if bias is not None:
         y = y + bias.float()
     if activation == "gelu_tanh":
-        y = F.gelu(y, approximate="tanh")
-    y = y.to(x.dtype)
-    return y if residual is None else (y.float() + residual.float()).to(x.dtype)
+        y = torch.nn.functional.gelu(y, approximate="tanh")
+    return y.to(x.dtype)

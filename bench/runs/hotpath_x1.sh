@@ -10,8 +10,8 @@
 #   qwen3    bench.engine qwen3-0.6b bf16 with HF and the ITL runs
 #   tune     bench.kernels --tune of decode attention at the engine's contexts (TUNE_SHAPES,
 #            TUNE_CASES)
-#   fold     bench.gemm --fold: GPT-2's sublayer boundaries, norm and add apart or folded
-#            into the projections, with and without the weight prefetch
+#   fold     bench.gemm --fold: GPT-2's sublayer boundaries, add + norm apart or folded
+#            into the projections
 #   tests    the gpu tests of the engine and the kernels
 #   kernels  every kernel test, natively
 # Usage: PARTS="diag engine" bash bench/runs/hotpath_x1.sh OUT_DIR
@@ -57,7 +57,7 @@ for part in ${PARTS:-diag}; do
     timeout 300 python -m bench.kernels --tune --shapes "${TUNE_SHAPES:-gpt2}" \
       --tune-cases "${TUNE_CASES:-256x192,64x528}" --out "$out/tune.json" 2>&1 | grep -v -i warning | sed -n '/best config/,$p' ;;
   fold)
-    timeout 200 python -m bench.gemm --fold --rows 1 64 256 --out "$out/gemm_fold.json" \
+    timeout 200 python -m bench.gemm --fold --rows 32 64 128 256 --out "$out/gemm_fold.json" \
       2>&1 | grep -v -i warning | tail -12 ;;
   tests)
     timeout 300 python -m pytest -q -p no:cacheprovider -m gpu tests/replica tests/kernels \

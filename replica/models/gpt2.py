@@ -8,15 +8,15 @@ import torch
 from torch import nn
 
 from kernels.layer_norm import embed_add_layer_norm
-from kernels.linear import MAX_ROWS
+from kernels.linear import RowStats
 from replica.attention import AttentionBackend, AttentionMetadata
 from replica.models.config import ModelConfig
 from replica.models.layers import Conv1D, LayerNorm, LMHead, gelu_new, uses_triton_linear
 
 # Legacy checkpoints carry the causal-mask buffers `h.N.attn.bias` / `h.N.attn.masked_bias`.
 _MASK_BUFFER = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$")
-# Decode-sized batches run the norms and residual adds inside kernels.linear (where the
-# model uses it); bench --no-fold-norms turns that off for A/B runs, before the engine starts.
+# Decode-sized batches fold ln_1 / ln_2 and the residual adds into kernels.linear where the
+# model runs it; bench --no-fold-norms turns that off for A/B runs, before the engine starts.
 FOLD_NORMS = True
 
 
@@ -36,17 +36,23 @@ class GPT2Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden_size]
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_heads, head_dim]
         meta: AttentionMetadata,
-        norm: LayerNorm | None = None,  # applied to x first (folded into c_attn)
-        residual: torch.Tensor | None = None,  # [T, hidden_size]: the output is added to it
     ) -> torch.Tensor:  # [T, hidden_size]
-        num_tokens = x.shape[0]
+        return self.c_proj(self.attend(self.c_attn(x), kv_cache, meta))
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # [T, 3 * hidden_size]: c_attn's output
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden_size]: the heads' outputs, before c_proj
+        num_tokens = qkv.shape[0]
         shape = (num_tokens, self.num_heads, self.head_dim)
-        q, k, v = self.c_attn(x, norm=norm).chunk(3, dim=-1)  # 3 x [T, hidden], strided views
+        q, k, v = qkv.chunk(3, dim=-1)  # 3 x [T, hidden_size], strided views
         q, k, v = q.view(shape), k.view(shape), v.view(shape)  # the kernels take row strides
         out = self.backend.forward(
             q, k, v, kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1], meta, self.scale
         )  # [T, num_heads, head_dim]
-        return self.c_proj(out.reshape(num_tokens, -1), residual=residual)
+        return out.reshape(num_tokens, -1)
 
 
 class GPT2MLP(nn.Module):
@@ -58,21 +64,16 @@ class GPT2MLP(nn.Module):
         self.c_proj = Conv1D(config.intermediate_size, config.hidden_size)
         self._fc_act = _fc_gelu_fused if fused else _fc_gelu_torch
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden_size]
-        norm: LayerNorm | None = None,  # applied to x first (folded into c_fc)
-        residual: torch.Tensor | None = None,  # [T, hidden_size]: the output is added to it
-    ) -> torch.Tensor:  # [T, hidden_size]
-        return self.c_proj(self._fc_act(self.c_fc, x, norm), residual=residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden_size]
+        return self.c_proj(self._fc_act(self.c_fc, x))
 
 
-def _fc_gelu_torch(c_fc: Conv1D, x: torch.Tensor, norm: LayerNorm | None) -> torch.Tensor:
-    return gelu_new(c_fc(x, norm=norm))
+def _fc_gelu_torch(c_fc: Conv1D, x: torch.Tensor) -> torch.Tensor:
+    return gelu_new(c_fc(x))
 
 
-def _fc_gelu_fused(c_fc: Conv1D, x: torch.Tensor, norm: LayerNorm | None) -> torch.Tensor:
-    return c_fc(x, activation="gelu_tanh", norm=norm)
+def _fc_gelu_fused(c_fc: Conv1D, x: torch.Tensor) -> torch.Tensor:
+    return c_fc(x, activation="gelu_tanh")
 
 
 class GPT2Block(nn.Module):
@@ -115,18 +116,29 @@ class GPT2Block(nn.Module):
     def forward_folded(
         self,
         residual: torch.Tensor,  # [T, hidden_size]: the residual stream, updated in place
+        stats: RowStats | None,  # residual's row statistics, from the previous block
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        normed: torch.Tensor | None = None,  # ln_1(residual), where the caller made it
-    ) -> torch.Tensor:  # residual, both sublayers added
-        """The block in kernels.linear's rows: ln_1 and ln_2 run in the prologues of
-        c_attn and c_fc, and each sublayer's last projection adds its output to the
-        residual stream in its epilogue. Five launches (attention included) for seven."""
-        if normed is None:
-            self.attn(residual, kv_cache, meta, norm=self.ln_1, residual=residual)
-        else:
-            self.attn(normed, kv_cache, meta, residual=residual)
-        return self.mlp(residual, norm=self.ln_2, residual=residual)
+        normed: torch.Tensor | None = None,  # ln_1(residual) where the caller made it
+    ) -> RowStats:  # of residual, both sublayers added
+        """The block where kernels.linear runs every projection: ln_1 and ln_2 are folded
+        into c_attn and c_fc, and both c_proj add their output to residual in place. Five
+        launches, attention's included, where the separate add + norm kernels made seven."""
+        attn, mlp = self.attn, self.mlp
+        qkv = attn.c_attn(normed) if normed is not None else attn.c_attn.normed(residual, stats)
+        stats = attn.c_proj.add_to(attn.attend(qkv, kv_cache, meta), residual)
+        h = mlp.c_fc.normed(residual, stats, activation="gelu_tanh")
+        return mlp.c_proj.add_to(h, residual)
+
+    def fold_norms(self) -> None:
+        """ln_1 into c_attn and ln_2 into c_fc, for forward_folded (after weight loading)."""
+        self.attn.c_attn.fold_norm(self.ln_1)
+        self.mlp.c_fc.fold_norm(self.ln_2)
+
+    def runs_folded(self, num_tokens: int) -> bool:
+        """Whether kernels.linear runs all four projections for num_tokens rows."""
+        projections = (self.attn.c_attn, self.attn.c_proj, self.mlp.c_fc, self.mlp.c_proj)
+        return all(p.triton_tile(num_tokens) is not None for p in projections)
 
 
 class GPT2Transformer(nn.Module):
@@ -155,7 +167,7 @@ class GPT2LMHeadModel(nn.Module):
         self.config = config
         self.fused = fused
         self.transformer = GPT2Transformer(config, backend, fused)
-        self.fold_norms = False  # finalize() decides, once use_triton_linear has run
+        self.fold_norms = False  # finalize() decides, once the weights are in
 
     def forward(
         self,
@@ -175,10 +187,10 @@ class GPT2LMHeadModel(nn.Module):
             )
         else:
             h, residual = first.ln_1.add_and_norm(t.wpe(positions), t.wte(input_ids))
-        if self.fold_norms and input_ids.shape[0] <= MAX_ROWS:  # decode-sized: 5 launches a block
-            residual = first.forward_folded(residual, kv_cache, meta, normed=h)
+        if self.fold_norms and first.runs_folded(input_ids.shape[0]):
+            stats = first.forward_folded(residual, None, kv_cache, meta, normed=h)
             for block in t.h[1:]:
-                residual = block.forward_folded(residual, kv_cache, meta)
+                stats = block.forward_folded(residual, stats, kv_cache, meta)
             return t.ln_f(residual)
         x, residual = first.after_ln_1(h, residual, kv_cache, meta)
         for block in t.h[1:]:
@@ -193,6 +205,9 @@ class GPT2LMHeadModel(nn.Module):
         wte = self.transformer.wte.weight
         self.logits_head = LMHead(wte, self.config.vocab_size, self.fused)
         self.fold_norms = FOLD_NORMS and uses_triton_linear(self)
+        if self.fold_norms:
+            for block in self.transformer.h:
+                block.fold_norms()
 
     def checkpoint_name(self, hf_name: str) -> str | None:
         if hf_name == "lm_head.weight" or _MASK_BUFFER.search(hf_name):

@@ -9,7 +9,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.layer_norm import fused_add_layer_norm, layer_norm
-from kernels.linear import choose_tile, linear
+from kernels.linear import (
+    FoldedLayerNorm,
+    RowStats,
+    Tile,
+    choose_tile,
+    fold_layer_norm,
+    linear,
+    linear_add,
+    linear_norm,
+)
 from kernels.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_ref
 
 
@@ -105,10 +114,13 @@ class Conv1D(nn.Module):
     forward(x, activation) applies "gelu_tanh" (torch's tanh GELU) after the
     product when asked. With `triton_linear` set (use_triton_linear: the fused
     path in fp16 / bf16) a batch that kernels.linear's tile table covers runs that
-    kernel, activation fused, and a LayerNorm before or a residual add after the
-    product with it; larger batches (prefill) run cuBLASLt with the GELU in its
-    epilogue (H200, fc at 8192 rows: 68 us against 90 for addmm + GELU); the torch
-    path runs addmm.
+    kernel, activation fused; larger batches (prefill) run cuBLASLt with the GELU
+    in its epilogue (H200, fc at 8192 rows: 68 us against 90 for addmm + GELU);
+    the torch path runs addmm.
+
+    Where kernels.linear runs, a decode-sized GPT-2 block also calls add_to (the
+    residual add in the epilogue) and normed (the LayerNorm before the layer,
+    folded into a copy of its weights by fold_norm).
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -118,34 +130,52 @@ class Conv1D(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features))
         self.triton_linear = False
+        self.folded_norm: FoldedLayerNorm | None = None  # fold_norm's
 
     def forward(
-        self,
-        x: torch.Tensor,  # [T, in_features]
-        activation: str = "none",
-        *,
-        norm: LayerNorm | None = None,
-        residual: torch.Tensor | None = None,  # [T, out_features], updated in place
-    ) -> torch.Tensor:  # [T, out_features]: residual itself when given
-        """act(norm(x) @ W + b), added to residual in place when one is given: in
-        kernels.linear's prologue and epilogue where it runs, apart otherwise."""
-        if self.triton_linear:
-            tile = choose_tile(x.shape[0], self.out_features, self.in_features)
-            if tile is not None:
-                return linear(
-                    x, self.weight, self.bias, weight_is_kn=True, activation=activation,
-                    tile=tile, norm=None if norm is None else (norm.weight, norm.bias, norm.eps),
-                    residual=residual, out=residual,
-                )  # fmt: skip
-        if norm is not None:
-            x = norm(x)
+        self, x: torch.Tensor, activation: str = "none"
+    ) -> torch.Tensor:  # [T, in_features] -> [T, out_features]
+        tile = self.triton_tile(x.shape[0])
+        if tile is not None:
+            return linear(
+                x, self.weight, self.bias, weight_is_kn=True, activation=activation, tile=tile
+            )
         if self.triton_linear and activation == "gelu_tanh":
             # cuBLASLt's bias + tanh-GELU epilogue, one kernel
-            y = torch._addmm_activation(self.bias, x, self.weight, use_gelu=True)
-        else:
-            y = torch.addmm(self.bias, x, self.weight)
-            y = gelu_tanh_fused(y) if activation == "gelu_tanh" else y
-        return y if residual is None else residual.add_(y)
+            return torch._addmm_activation(self.bias, x, self.weight, use_gelu=True)
+        y = torch.addmm(self.bias, x, self.weight)
+        return gelu_tanh_fused(y) if activation == "gelu_tanh" else y
+
+    def triton_tile(self, num_rows: int) -> Tile | None:
+        """kernels.linear's tile for num_rows rows, or None where cuBLAS runs them."""
+        if not self.triton_linear:
+            return None
+        return choose_tile(num_rows, self.out_features, self.in_features)
+
+    def add_to(
+        self,
+        x: torch.Tensor,  # [T, in_features]
+        residual: torch.Tensor,  # [T, out_features], updated in place
+    ) -> RowStats:  # of residual's new rows
+        """`residual += self(x)` in one kernels.linear launch, where it runs T rows."""
+        tile = self.triton_tile(x.shape[0])
+        assert tile is not None, "add_to: kernels.linear does not run this many rows"
+        return linear_add(x, self.weight, self.bias, residual, tile=tile)
+
+    def fold_norm(self, norm: nn.LayerNorm) -> None:
+        """Fold the LayerNorm before this layer into a copy of its weights (for normed)."""
+        self.folded_norm = fold_layer_norm(norm.weight, norm.bias, norm.eps, self.weight, self.bias)
+
+    def normed(
+        self,
+        x: torch.Tensor,  # [T, in_features]
+        stats: RowStats,  # x's rows (from the add_to that wrote them)
+        activation: str = "none",
+    ) -> torch.Tensor:  # [T, out_features]
+        """`self(norm(x), activation)` in one launch, norm being the folded one."""
+        tile = self.triton_tile(x.shape[0])
+        assert self.folded_norm is not None and tile is not None, "normed: fold_norm first"
+        return linear_norm(x, self.folded_norm, stats, activation=activation, tile=tile)
 
 
 def use_triton_linear(module: nn.Module) -> None:

@@ -5,8 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.layer_norm import layer_norm
-from kernels.linear import MAX_ROWS, Tile, _semaphores, choose_tile, linear, linear_ref
+from kernels.layer_norm import layer_norm, layer_norm_ref
+from kernels.linear import (
+    MAX_ROWS,
+    Tile,
+    _semaphores,
+    choose_tile,
+    fold_layer_norm,
+    linear,
+    linear_add,
+    linear_norm,
+    linear_ref,
+)
 
 DTYPES = [torch.float16, torch.bfloat16]
 # One rounding of an fp32 result whose magnitude stays below ~8.
@@ -41,57 +51,72 @@ def test_linear(rows, k, n, weight_is_kn, activation, dtype, device):
     assert out_base[:, :16].isnan().all(), "only out may be written"
 
 
-def _norm(k: int, dtype, device, seed: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+def _layer_norm_params(k: int, dtype, device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     weight = (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype)
     bias = (0.2 * torch.randn(k, generator=gen)).to(dtype)
-    return weight.to(device), bias.to(device), 1e-5
+    return weight.to(device), bias.to(device)
 
 
 @pytest.mark.parametrize(
-    "rows,k,n,tile",
+    "rows,k,n,add_tile,norm_tile",
     [
-        (5, 128, 96, Tile(16, 32, 64, 2, 2)),
-        (33, 192, 64, Tile(32, 64, 128, 4, 2)),  # K = 1.5 chunks: a short last chunk
-        (70, 256, 160, Tile(64, 32, 64, 4, 3, split_k=2)),  # every K slice needs the whole row
-        (45, 200, 100, Tile(16, 32, 32, 2, 2, split_k=3)),
+        (5, 128, 96, Tile(16, 32, 64, 2, 2), Tile(16, 32, 64, 2, 2)),
+        (33, 200, 64, Tile(32, 64, 32, 4, 2), Tile(32, 32, 64, 4, 2)),  # a 8-column last tile
+        (70, 256, 160, Tile(64, 32, 64, 4, 3, split_k=2), Tile(64, 64, 64, 4, 3)),
+        (45, 96, 100, Tile(16, 32, 32, 2, 2, split_k=3), Tile(16, 32, 32, 2, 2, split_k=2)),
     ],
     ids=str,
 )
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norm_prologue_and_residual_epilogue(rows, k, n, tile, dtype, device):
-    """norm(x) @ W + b + residual equals LayerNorm, product and add done apart, each
-    rounded; the rows are offset (mean 3) so that a one-pass E[x^2] - E[x]^2 would show."""
-    x, weight, bias = _operands(rows, k, n, True, dtype, device, rows + k)
-    x.add_(3.0)
-    norm = _norm(k, dtype, device, rows)
-    residual = torch.randn(rows, n, generator=torch.Generator().manual_seed(3)).to(dtype)
+def test_linear_add_then_linear_norm(rows, k, n, add_tile, norm_tile, dtype, device):
+    """A sublayer boundary: `residual += o @ W1 + b1`, then `gelu(layer_norm(residual) @ W2
+    + b2)` with the norm folded into W2 and the statistics from the first launch, against
+    the add, LayerNorm and product done apart in fp32, rounded where the ops round. The
+    residual rows are offset (mean 3) so that a lost mean term would show."""
+    o, w1, b1 = _operands(rows, k, k, True, dtype, device, rows + k)
+    _, w2, b2 = _operands(rows, k, n, True, dtype, device, rows + n)
+    gamma, beta = _layer_norm_params(k, dtype, device, rows)
+    residual = (torch.randn(rows, k, generator=torch.Generator().manual_seed(3)) + 3).to(dtype)
     residual = residual.to(device)
-    want = linear_ref(
-        x, weight, bias, weight_is_kn=True, activation="gelu_tanh", norm=norm, residual=residual
-    )
-    # out is residual: the residual add in place
-    got = linear(
-        x, weight, bias, weight_is_kn=True, activation="gelu_tanh", tile=tile, norm=norm,
-        residual=residual, out=residual,
-    )  # fmt: skip
-    assert got is residual
+    want_residual = (linear_ref(o, w1, b1, weight_is_kn=True).float() + residual.float()).to(dtype)
+    normed = layer_norm_ref(want_residual, gamma, beta, 1e-5)
+    want = linear_ref(normed, w2, b2, weight_is_kn=True, activation="gelu_tanh")
+
+    stats = linear_add(o, w1, b1, residual, tile=add_tile)
+    folded = fold_layer_norm(gamma, beta, 1e-5, w2, b2)
+    got = linear_norm(residual, folded, stats, activation="gelu_tanh", tile=norm_tile)
+
+    torch.testing.assert_close(residual, want_residual, **TOL[dtype])
+    assert stats.partials.shape == (rows, -(-k // add_tile.block_n), 2)
     torch.testing.assert_close(got, want, **TOL[dtype])
-    normed = linear(x, weight, bias, weight_is_kn=True, tile=tile, norm=norm)
-    want_normed = linear_ref(x, weight, bias, weight_is_kn=True, norm=norm)
-    torch.testing.assert_close(normed, want_normed, **TOL[dtype])
-    plain = linear(x, weight, bias, weight_is_kn=True, tile=tile)
-    assert not torch.allclose(plain.float(), normed.float(), atol=0.1), "the norm was applied"
+    plain = linear(residual, w2, b2, weight_is_kn=True, activation="gelu_tanh")
+    assert not torch.allclose(plain.float(), got.float(), atol=0.1), "the norm was applied"
 
 
-def test_norm_prologue_equals_the_layer_norm_kernel_then_linear(device):
-    """The fused prologue hands the product what kernels.layer_norm would: same outputs
-    to one rounding of the final result."""
-    x, weight, bias = _operands(24, 256, 128, True, torch.float16, device, 21)
-    norm = _norm(256, torch.float16, device, 22)
-    apart = linear(layer_norm(x, *norm), weight, bias, weight_is_kn=True)
-    fused = linear(x, weight, bias, weight_is_kn=True, norm=norm)
-    torch.testing.assert_close(fused, apart, atol=4e-3, rtol=2e-3)
+def test_row_stats_are_each_column_tiles_mean_and_centred_sum_of_squares(device):
+    o, w, b = _operands(9, 64, 80, True, torch.float16, device, 30)
+    residual = torch.randn(9, 80, generator=torch.Generator().manual_seed(31)).half().to(device)
+    stats = linear_add(o, w, b, residual, tile=Tile(16, 32, 64, 2, 2))
+    assert stats.tile_cols == 32
+    for t, cols in enumerate((slice(0, 32), slice(32, 64), slice(64, 80))):
+        part = residual[:, cols].float()
+        mean = part.mean(1)
+        torch.testing.assert_close(stats.partials[:, t, 0], mean)
+        torch.testing.assert_close(stats.partials[:, t, 1], ((part - mean[:, None]) ** 2).sum(1))
+
+
+def test_linear_norm_equals_the_layer_norm_kernel_then_linear(device):
+    """The folded norm hands back what kernels.layer_norm and then the product give, to
+    half-precision rounding of the result."""
+    o, w1, b1 = _operands(24, 256, 256, True, torch.float16, device, 21)
+    _, w2, b2 = _operands(24, 256, 128, True, torch.float16, device, 22)
+    gamma, beta = _layer_norm_params(256, torch.float16, device, 23)
+    residual = torch.zeros(24, 256, dtype=torch.float16, device=device)
+    stats = linear_add(o, w1, b1, residual)
+    apart = linear(layer_norm(residual, gamma, beta, 1e-5), w2, b2, weight_is_kn=True)
+    fused = linear_norm(residual, fold_layer_norm(gamma, beta, 1e-5, w2, b2), stats)
+    torch.testing.assert_close(fused, apart, atol=8e-3, rtol=4e-3)
 
 
 @pytest.mark.parametrize(
@@ -156,10 +181,12 @@ def test_bad_arguments_are_named(device):
         linear(x, weight, bias, weight_is_kn=True, activation="relu")
     with pytest.raises(AssertionError, match="bias"):
         linear(x, weight, bias[:8], weight_is_kn=True)
-    with pytest.raises(AssertionError, match="norm weight"):
-        linear(x, weight, bias, weight_is_kn=True, norm=(bias, bias, 1e-5))
-    with pytest.raises(AssertionError, match="residual"):
-        linear(x, weight, bias, weight_is_kn=True, residual=x)
+    with pytest.raises(AssertionError, match="residual must be"):
+        linear_add(x, weight, bias, x)
+    stats = linear_add(x, torch.eye(64, dtype=x.dtype, device=device), None, x.clone())
+    folded = fold_layer_norm(bias.new_ones(64), bias.new_zeros(64), 1e-5, weight, bias)
+    with pytest.raises(AssertionError, match="stats must describe"):
+        linear_norm(x[:2], folded, stats)
 
 
 def test_choose_tile_leaves_large_batches_and_long_k_to_cublas():

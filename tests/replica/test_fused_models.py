@@ -58,8 +58,8 @@ def perturb_norms(model: nn.Module) -> None:
 
 
 def run_prefill_and_decode(
-    model: nn.Module, config: ModelConfig, lengths: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:  # prefill and decode logits
+    model: nn.Module, config: ModelConfig, lengths: list[int], decode: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # prefill and decode logits
     blocks_per_seq = 4
     block_table = torch.arange(len(lengths) * blocks_per_seq, device=DEVICE).view(len(lengths), -1)
     shape = (config.num_layers, 2, block_table.numel(), BLOCK_SIZE,
@@ -71,6 +71,8 @@ def run_prefill_and_decode(
     with torch.inference_mode():
         meta = prefill_meta(lengths, block_table)
         prefill = model.compute_logits(model(ids, meta.positions, kv_cache, meta))
+        if not decode:
+            return prefill, None
         next_ids = prefill[torch.tensor(lengths, device=DEVICE).cumsum(0) - 1].argmax(-1)
         meta = decode_meta(lengths, block_table)
         decode = model.compute_logits(model(next_ids, meta.positions, kv_cache, meta))
@@ -120,41 +122,48 @@ def test_gpt2_norms_run_the_chosen_path(fused, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpt2_triton_linear_matches_cublas_path(dtype, monkeypatch):
-    """Half precision: GPT-2's projections through kernels.linear (bias and GELU fused, and
-    in these decode-sized batches ln_1 / ln_2 in the prologues of c_attn / c_fc and the
-    residual adds in the epilogues of the two c_proj) give the logits that the separate
-    norm kernels and addmm + GELU give, to half-precision rounding. mlp.c_proj (K = 4N)
-    runs the kernel in the 31-token prefill (split K) and stays on cuBLAS in the 3-row
-    decode, by the tile table, its residual add apart."""
+    """Half precision: GPT-2's projections through kernels.linear (bias and GELU fused)
+    give the logits that addmm + GELU give, to half-precision rounding. In the 31-token
+    prefill kernels.linear runs all four projections (mlp.c_proj, K = 4N, in split K), so
+    the block runs folded: ln_1 / ln_2 inside c_attn / c_fc (linear_norm) and the residual
+    adds inside both c_proj (linear_add), no add + norm kernel. In the 3-row decode the
+    tile table leaves mlp.c_proj to cuBLAS, and the block runs its norms apart."""
     calls = Counter()
-    kernel = layers.linear
 
-    def counted(*args, **kwargs):
-        norm, residual = kwargs["norm"] is not None, kwargs["residual"] is not None
-        calls[kwargs["activation"], norm, residual] += 1
-        return kernel(*args, **kwargs)
+    def count(name: str) -> None:
+        fn = getattr(layers, name)
+        monkeypatch.setattr(layers, name, lambda *a, **k: calls.update([name]) or fn(*a, **k))
 
-    monkeypatch.setattr(layers, "linear", counted)
-    logits = []
+    for name in ("linear", "linear_add", "linear_norm", "fused_add_layer_norm"):
+        count(name)
+    logits, counts = [], []
     for triton_linear in (False, True):
         model, config = load_model(
             "gpt2-tiny", dtype, DEVICE, 3, TorchAttention(), True, triton_linear=triton_linear
         )
         perturb_norms(model)
-        if triton_linear:
-            monkeypatch.setattr(layers, "fused_add_layer_norm", None)  # no separate add + norm
-        logits.append(run_prefill_and_decode(model, config, [5, 17, 9]))
+        if model.fold_norms:  # folded at load, before the perturbation: fold again
+            for block in model.transformer.h:
+                block.fold_norms()
+        calls.clear()
+        prefill = run_prefill_and_decode(model, config, [5, 17, 9], decode=False)[0]
+        counts.append(calls.copy())
+        calls.clear()
+        logits.append((prefill, run_prefill_and_decode(model, config, [5, 17, 9])[1]))
+        counts.append(calls.copy())
     (p0, d0), (p1, d1) = logits
     tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.float16 else dict(atol=0.15, rtol=0.1)
     torch.testing.assert_close(p1.float(), p0.float(), **tol)
     torch.testing.assert_close(d1.float(), d0.float(), **tol)
-    layers_after_first = config.num_layers - 1  # the first block's ln_1 runs with the embedding
-    assert calls == {
-        ("none", True, False): 2 * layers_after_first,  # c_attn, ln_1 folded in; two passes
-        ("none", False, False): 2,  # the first block's c_attn
-        ("none", False, True): 2 * config.num_layers + config.num_layers,  # the c_proj
-        ("gelu_tanh", True, False): 2 * config.num_layers,  # c_fc, ln_2 folded in
+    layers_ = config.num_layers
+    assert counts[2] == {  # prefill, folded
+        "linear": 1,  # the first block's c_attn, its ln_1 run with the embedding
+        "linear_norm": 2 * layers_ - 1,  # the other c_attn, and every c_fc
+        "linear_add": 2 * layers_,  # both c_proj
     }
+    # decode (after a prefill, folded again): three projections a block in the kernel
+    assert counts[3] == counts[2] + Counter(linear=3 * layers_, fused_add_layer_norm=2 * layers_)
+    assert counts[0] == {"fused_add_layer_norm": 2 * layers_}  # cuBLAS: add + norm kernels
 
 
 def test_triton_linear_is_off_in_float32():
