@@ -1,7 +1,7 @@
 """Decode-step GEMMs: kernels.linear's tiles against cuBLAS (torch), on one CUDA GPU.
 
     python -m bench.gemm [--models gpt2,qwen3-0.6b] [--rows 1 8 64 256] [--out gemm.json]
-    python -m bench.gemm --fold [--rows 1 64 256]
+    python -m bench.gemm --fold [--fold-sweep] [--rows 32 64 128 256]
 
 For each linear layer of a model (its weight layout and dtype: GPT-2's Conv1D
 [K, N] in fp16, a Llama-family nn.Linear [N, K] in bf16) and each batch of rows,
@@ -17,7 +17,8 @@ model keeps torch for that shape.
 
 --fold times GPT-2's sublayer boundaries instead (bench_fold): a projection, the
 residual add + LayerNorm kernel and the next projection, against the two
-projections with the add and the norm folded in (linear_add, linear_norm).
+projections with the add and the norm folded in (linear_add, linear_norm);
+--fold-sweep times the folded pair over a few tiles of each launch.
 """
 
 from __future__ import annotations
@@ -210,9 +211,12 @@ def _fold_copy(rows: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     }  # fmt: skip
 
 
-def _boundary(c: dict, into_mlp: bool, folded: bool) -> Callable[[], object]:
+def _boundary(
+    c: dict, into_mlp: bool, folded: bool, tiles: tuple[Tile | None, Tile | None] = (None, None)
+) -> Callable[[], object]:
     """A sublayer's last projection, the residual add and norm, and the next sublayer's
-    first projection: c_proj -> ln_2 -> c_fc + GELU, or mlp.c_proj -> ln_1 -> c_attn."""
+    first projection: c_proj -> ln_2 -> c_fc + GELU, or mlp.c_proj -> ln_1 -> c_attn.
+    tiles: the two projections' (choose_tile's where None)."""
     src, last, first, act = (
         ("o", "c_proj", "fc", "gelu_tanh") if into_mlp else ("f", "proj", "c_attn", "none")
     )
@@ -226,8 +230,8 @@ def _boundary(c: dict, into_mlp: bool, folded: bool) -> Callable[[], object]:
         return linear(normed, first_w, first_b, weight_is_kn=True, activation=act)
 
     def fused():
-        stats = linear_add(c[src], last_w, last_b, c["residual"])
-        return linear_norm(c["residual"], folded_norm, stats, activation=act)
+        stats = linear_add(c[src], last_w, last_b, c["residual"], tile=tiles[0])
+        return linear_norm(c["residual"], folded_norm, stats, activation=act, tile=tiles[1])
 
     return fused if folded else apart
 
@@ -258,6 +262,46 @@ def bench_fold(rows: int, gen: torch.Generator) -> list[dict]:
     return out
 
 
+# Candidate tiles of the folded boundary's two launches (--fold-sweep).
+FOLD_PRODUCER_TILES = [
+    Tile(64, 32, 128, 8, 5), Tile(64, 64, 128, 4, 4), Tile(64, 64, 128, 8, 5),
+    Tile(64, 64, 128, 4, 5, split_k=2), Tile(32, 64, 128, 4, 4),
+]  # fmt: skip
+FOLD_CONSUMER_TILES = [
+    Tile(64, 64, 64, 4, 5), Tile(64, 64, 128, 4, 4), Tile(64, 128, 64, 4, 4),
+    Tile(64, 128, 128, 8, 4), Tile(128, 64, 64, 8, 4), Tile(64, 32, 128, 8, 5),
+    Tile(32, 64, 128, 4, 4),
+]  # fmt: skip
+
+
+def bench_fold_sweep(rows: int, gen: torch.Generator) -> list[dict]:
+    """The folded boundaries over FOLD_PRODUCER_TILES x FOLD_CONSUMER_TILES (tiles that
+    split K only where the producer is mlp.c_proj), against choose_tile's pair."""
+    copy_bytes = 2 * (rows * 5 * 768 + 2 * 768 * 768 + 2 * 768 * 3072 + 768 * 768 * 3)
+    copies = [_fold_copy(rows, gen) for _ in range(num_copies(copy_bytes))]
+    out = []
+    for into_mlp in (True, False):
+        name = "c_proj > ln_2 > c_fc" if into_mlp else "mlp.c_proj > ln_1 > c_attn"
+        times = {}
+        for pair in itertools.product([None, *FOLD_PRODUCER_TILES], [None, *FOLD_CONSUMER_TILES]):
+            if into_mlp and pair[0] is not None and pair[0].split_k > 1:
+                continue
+            try:
+                times[pair] = graph_time_us([_boundary(c, into_mlp, True, pair) for c in copies])
+            except Exception as exc:  # out of shared memory for this tile: not a candidate
+                print_now(f"    {pair}: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+        best = min(times, key=times.get)
+        row = {"M": rows, "boundary": name, "chosen us": times[(None, None)],
+               "best us": times[best], "best producer": str(best[0] or "chosen"),
+               "best consumer": str(best[1] or "chosen")}  # fmt: skip
+        ranked = sorted(times.items(), key=lambda kv: kv[1])[:5]
+        print_now(f"  M={rows} {name}: chosen {times[(None, None)]:.2f} us; best: "
+                  + "; ".join(f"{p or 'chosen'} + {q or 'chosen'} {us:.2f}"
+                              for (p, q), us in ranked))  # fmt: skip
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="gpt2,qwen3-0.6b")
@@ -271,6 +315,9 @@ def main(argv: list[str] | None = None) -> None:
         "--fold", action="store_true",
         help="only GPT-2's sublayer boundaries at --rows: norm and add apart or folded in",
     )  # fmt: skip
+    parser.add_argument(
+        "--fold-sweep", action="store_true", help="the folded boundaries' tiles, swept at --rows"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     print_now(machine_description())
@@ -279,8 +326,9 @@ def main(argv: list[str] | None = None) -> None:
         rows_out = [bench_prefill_gelu(m, gen) for m in args.prefill_gelu]
         write_json(args.out, {"machine": machine_description(), "prefill_gelu": rows_out})
         return
-    if args.fold:
-        rows_out = [r for m in args.rows for r in bench_fold(m, gen)]
+    if args.fold or args.fold_sweep:
+        bench = bench_fold_sweep if args.fold_sweep else bench_fold
+        rows_out = [r for m in args.rows for r in bench(m, gen)]
         print(markdown_table(rows_out, list(rows_out[0])))
         write_json(args.out, {"machine": machine_description(), "fold": rows_out})
         return

@@ -191,8 +191,9 @@ def _semaphores(device: torch.device) -> torch.Tensor:
 MAX_ROWS = 256  # above this cuBLAS's large tiles have enough of them to fill the GPU
 
 
-def choose_tile(num_rows: int, n: int, k: int) -> Tile | None:
+def choose_tile(num_rows: int, n: int, k: int, row_stats: bool = False) -> Tile | None:
     """The tile for an [num_rows, k] x [k, n] product, or None where cuBLAS is faster.
+    row_stats: the launch is a linear_add, writing RowStats for a linear_norm.
 
     From bench.gemm on an H200, GPT-2's projections. 2026-11-22 (M = 1..512): this
     table's tiles were within ~6% of the sweep's best; alone they match or beat
@@ -207,7 +208,10 @@ def choose_tile(num_rows: int, n: int, k: int) -> Tile | None:
     slices against cuBLAS's 7.9 alone, yet the engine's step was 0.2-0.7% shorter
     with it (three paired runs): a Triton kernel keeps the launch overlap going.
     cuBLAS keeps mlp.c_proj at M <= 16 (not measured split) and every M > 256
-    (prefill).
+    (prefill). 2026-11-24 (bench.gemm --fold-sweep, the folded sublayer boundary):
+    attn.c_proj as a linear_add at M = 256 in 64-column tiles (12 statistics tiles
+    for the next launch to merge, not 24) took the boundary from 13.8 to 12.7 us;
+    at M <= 128 the tiles here were within 0.1 us of the sweep's best.
     """
     if num_rows > MAX_ROWS:
         return None
@@ -222,7 +226,7 @@ def choose_tile(num_rows: int, n: int, k: int) -> Tile | None:
     if num_rows <= 64:
         return Tile(64, 32, 128, 8, 5) if n >= 2048 else Tile(64, 32, 128, 4, 4)
     if n < 2048:
-        return Tile(64, 32, 128, 8, 5)
+        return Tile(64, 64, 128, 4, 4) if row_stats and num_rows > 128 else Tile(64, 32, 128, 8, 5)
     if num_rows <= 128:
         return Tile(64, 64, 128, 4, 4)
     return Tile(64, 64, 64, 4, 5)
@@ -351,6 +355,7 @@ def linear_add(
     """`residual += x @ W + bias` in one launch, the product rounded to x.dtype before the
     add, as two torch ops round; returns the new rows' statistics for linear_norm."""
     assert residual.shape == (x.shape[0], weight.shape[1]), "residual must be [M, N]"
+    tile = tile or choose_tile(x.shape[0], weight.shape[1], x.shape[1], row_stats=True)
     return _launch(x, weight, bias, True, "none", residual, tile, residual, stats_out=True)[1]
 
 

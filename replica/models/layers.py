@@ -146,11 +146,12 @@ class Conv1D(nn.Module):
         y = torch.addmm(self.bias, x, self.weight)
         return gelu_tanh_fused(y) if activation == "gelu_tanh" else y
 
-    def triton_tile(self, num_rows: int) -> Tile | None:
-        """kernels.linear's tile for num_rows rows, or None where cuBLAS runs them."""
+    def triton_tile(self, num_rows: int, row_stats: bool = False) -> Tile | None:
+        """kernels.linear's tile for num_rows rows (of add_to where row_stats), or None
+        where cuBLAS runs them."""
         if not self.triton_linear:
             return None
-        return choose_tile(num_rows, self.out_features, self.in_features)
+        return choose_tile(num_rows, self.out_features, self.in_features, row_stats)
 
     def add_to(
         self,
@@ -158,7 +159,7 @@ class Conv1D(nn.Module):
         residual: torch.Tensor,  # [T, out_features], updated in place
     ) -> RowStats:  # of residual's new rows
         """`residual += self(x)` in one kernels.linear launch, where it runs T rows."""
-        tile = self.triton_tile(x.shape[0])
+        tile = self.triton_tile(x.shape[0], row_stats=True)
         assert tile is not None, "add_to: kernels.linear does not run this many rows"
         return linear_add(x, self.weight, self.bias, residual, tile=tile)
 

@@ -197,6 +197,7 @@ def test_choose_tile_leaves_large_batches_and_long_k_to_cublas():
     for rows in (1, 8, 24, 64, 128, MAX_ROWS):
         for n, k in ((2304, 768), (768, 768), (3072, 768)):
             tile = choose_tile(rows, n, k)
+            assert choose_tile(rows, n, k, row_stats=True) is not None, "linear_add runs too"
             assert tile is not None and tile.block_m <= 64 and tile.block_k <= k, (rows, n, k)
 
 
