@@ -305,6 +305,7 @@ def bench_fold_sweep(rows: int, gen: torch.Generator) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="gpt2,qwen3-0.6b")
+    parser.add_argument("--gemms", default=None, help="only these names (comma-separated)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 128, 256, 512])
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop sweeping after this")
     parser.add_argument(
@@ -335,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.monotonic()
     rows_out = []
     for model in args.models.split(","):
-        for rows, gemm in itertools.product(args.rows, GEMMS[model]):
+        gemms = [g for g in GEMMS[model] if not args.gemms or g.name in args.gemms.split(",")]
+        for rows, gemm in itertools.product(args.rows, gemms):
             if time.monotonic() - start > args.budget_s:
                 print_now(f"budget of {args.budget_s:.0f} s spent: stopping the sweep")
                 break

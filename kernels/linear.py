@@ -38,7 +38,8 @@ and mlp.c_proj: five launches where a separate add + LayerNorm kernel made seven
 
 `choose_tile(M, N, K)` is the tile table, measured on an H200 by bench.gemm;
 `linear` uses it unless a tile is given (the benchmark's sweep gives one). On
-Hopper the kernel takes part in the decode step's launch overlap (kernels.pdl):
+Hopper the kernel takes part in the decode step's launch overlap (kernels.pdl),
+but for a split launch of 16 rows or fewer (measured slower there: `_launch`):
 the next kernel touches memory only after this grid completed, so a split
 launch's semaphores are back at zero for it.
 """
@@ -207,17 +208,18 @@ def choose_tile(num_rows: int, n: int, k: int, row_stats: bool = False) -> Tile 
     4 K slices took 6.6 us against cuBLAS's 7.5. At M = 256 it is 8.6 us in 2
     slices against cuBLAS's 7.9 alone, yet the engine's step was 0.2-0.7% shorter
     with it (three paired runs): a Triton kernel keeps the launch overlap going.
-    cuBLAS keeps mlp.c_proj at M <= 16 (not measured split) and every M > 256
-    (prefill). 2026-11-24 (bench.gemm --fold-sweep, the folded sublayer boundary):
-    attn.c_proj as a linear_add at M = 256 in 64-column tiles (12 statistics tiles
-    for the next launch to merge, not 24) took the boundary from 13.8 to 12.7 us;
-    at M <= 128 the tiles here were within 0.1 us of the sweep's best.
+    cuBLAS keeps every M > 256 (prefill). 2026-11-24 (bench.gemm --fold-sweep, the
+    folded sublayer boundary): attn.c_proj as a linear_add at M = 256 in 64-column
+    tiles (12 statistics tiles for the next launch to merge, not 24) took the
+    boundary from 13.8 to 12.7 us; at M <= 128 the tiles here were within 0.1 us of
+    the sweep's best. mlp.c_proj at M = 1 and 16 in 6 K slices of 16x32x64: 4.6 and
+    5.1 us against cuBLAS's 6.7 and 7.2 (launched without PDL: see _launch).
     """
     if num_rows > MAX_ROWS:
         return None
     if k > 2 * n:
         if num_rows <= 16:
-            return None
+            return Tile(16, 32, 64, 2, 4, split_k=6)
         if num_rows <= 64:
             return Tile(64, 64, 128, 4, 4, split_k=4)
         return Tile(64, 64, 128, 4, 5, split_k=2)
@@ -310,6 +312,11 @@ def _launch(
         assert grid[0] * grid[1] <= MAX_SPLIT_TILES, "too many output tiles to split K"
         partials = torch.empty(tile.split_k, num_rows, n, dtype=torch.float32, device=x.device)
         semaphores = _semaphores(x.device)
+    # A split-K launch of a few rows ends the launch overlap (kernels.pdl) instead of
+    # joining it: under PDL the gpt2 decode step at batch 1 took 0.41 ms with these
+    # launches against 0.32 without (bench.engine, H200), while at 17-256 rows the
+    # split launches are faster in the overlap (0.54 against 0.56 ms at batch 64).
+    pdl = pdl_launch(x.device) if tile.split_k == 1 or num_rows > 16 else {"PDL": False}
     folded, stats_in = norm if norm is not None else (None, None)
     num_norm_tiles = stats_in.partials.shape[1] if stats_in is not None else 0
     _linear_kernel[grid](
@@ -324,8 +331,7 @@ def _launch(
         ADD_RESIDUAL=residual is not None, STATS_OUT=stats_out,
         NORM_TILES_P2=triton.next_power_of_2(num_norm_tiles) if num_norm_tiles else 0,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        SPLIT_K=tile.split_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **pdl_launch(x.device),
+        SPLIT_K=tile.split_k, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl,
     )  # fmt: skip
     return out, stats
 

@@ -189,13 +189,13 @@ def test_bad_arguments_are_named(device):
         linear_norm(x[:2], folded, stats)
 
 
-def test_choose_tile_leaves_large_batches_and_long_k_to_cublas():
+def test_choose_tile_leaves_large_batches_to_cublas_and_splits_long_k():
     assert choose_tile(MAX_ROWS + 1, 768, 768) is None
-    assert choose_tile(8, 768, 3072) is None  # K = 4N at few rows: cuBLAS
-    assert choose_tile(64, 768, 3072).split_k > 1  # K = 4N: split K
+    assert choose_tile(8, 768, 3072).split_k > 1  # K = 4N: split K
+    assert choose_tile(64, 768, 3072).split_k > 1
     assert choose_tile(256, 768, 3072).split_k > 1
     for rows in (1, 8, 24, 64, 128, MAX_ROWS):
-        for n, k in ((2304, 768), (768, 768), (3072, 768)):
+        for n, k in ((2304, 768), (768, 768), (3072, 768), (768, 3072)):
             tile = choose_tile(rows, n, k)
             assert choose_tile(rows, n, k, row_stats=True) is not None, "linear_add runs too"
             assert tile is not None and tile.block_m <= 64 and tile.block_k <= k, (rows, n, k)
