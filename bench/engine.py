@@ -40,6 +40,8 @@ class EngineRun:
     # block-table row changed in it (a block rollover, in these runs).
     decode_phases_s: list[tuple[float, float, float, float, float]] = field(default_factory=list)
     decode_boundary: list[bool] = field(default_factory=list)
+    decode_batch: list[int] = field(default_factory=list)  # sequences in the step
+    decode_finished: list[int] = field(default_factory=list)  # requests its outputs finished
 
     @property
     def decode_step_s(self) -> list[float]:
@@ -86,6 +88,8 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_new: int) -> Eng
                 (now - last, timings.schedule_s, timings.launch_s, timings.wait_s, timings.drain_s)
             )
             run.decode_boundary.append(timings.num_table_rows > 0)
+            run.decode_batch.append(timings.num_decode_seqs)
+            run.decode_finished.append(sum(o.finished for o in outputs))
         last = now
     run.wall_s = time.perf_counter() - start
     engine.check_invariants()
@@ -118,6 +122,8 @@ def step_profile(run: EngineRun, slow_factor: float = 1.25) -> dict:
         "excess_share": sum(w - median for w in walls if w > median) / sum(walls),
         "slow_phases_ms": phases_ms(slow), "normal_phases_ms": phases_ms(normal),
         "slow_indices": slow,
+        "slow_batch": [run.decode_batch[i] for i in slow],
+        "slow_finished": [run.decode_finished[i] for i in slow],
     }  # fmt: skip
 
 
@@ -131,7 +137,15 @@ def format_step_profile(batch: int, prof: dict) -> str:
         f" {prof['num_slow_at_rollover']} of them block rollovers"
         f" ({prof['num_rollover_steps']} rollover steps in all); time above p50:"
         f" {100 * prof['excess_share']:.1f}% of the decode walls\n"
-        f"  slow steps, mean ms: {fmt(prof['slow_phases_ms'])}\n"
+        f"  slow steps, mean ms: {fmt(prof['slow_phases_ms'])}; step (batch, requests"
+        " finished): "
+        + ", ".join(
+            f"{i} ({b}, {f})"
+            for i, b, f in zip(
+                prof["slow_indices"], prof["slow_batch"], prof["slow_finished"], strict=True
+            )
+        )  # fmt: skip
+        + "\n"
         f"  other steps, mean ms: {fmt(prof['normal_phases_ms'])}"
     )
 
