@@ -35,15 +35,8 @@ import torch.nn.functional as F
 from bench.common import machine_description, markdown_table, write_json
 from bench.kernels import graph_time_us, num_copies, print_now
 from kernels.layer_norm import fused_add_layer_norm
-from kernels.linear import (
-    Tile,
-    choose_tile,
-    fold_layer_norm,
-    linear,
-    linear_add,
-    linear_norm,
-    linear_ref,
-)
+from kernels.linear import fold_layer_norm, linear, linear_add, linear_norm, linear_ref
+from kernels.linear_tiles import Tile, choose_tile
 
 
 @dataclass(frozen=True)

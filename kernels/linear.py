@@ -36,8 +36,8 @@ producer's partials in the epilogue. The K loop is the plain one over x as the
 residual stream holds it. A GPT-2 block is then c_attn, attention, c_proj, c_fc
 and mlp.c_proj: five launches where a separate add + LayerNorm kernel made seven.
 
-`choose_tile(M, N, K)` is the tile table, measured on an H200 by bench.gemm;
-`linear` uses it unless a tile is given (the benchmark's sweep gives one). On
+`choose_tile(M, N, K)` (kernels.linear_tiles) is the tile table, measured on an
+H200 by bench.gemm; `linear` uses it unless a tile is given (the benchmark's sweep gives one). On
 Hopper the kernel takes part in the decode step's launch overlap (kernels.pdl),
 but for a split launch of 16 rows or fewer (measured slower there: `_launch`):
 the next kernel touches memory only after this grid completed, so a split
@@ -53,27 +53,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.linear_tiles import Tile, choose_tile
 from kernels.pdl import pdl_launch, pdl_prologue
 
 _DTYPES = (torch.float16, torch.bfloat16)
 ACTIVATIONS = ("none", "gelu_tanh")
-
-
-@dataclass(frozen=True)
-class Tile:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    split_k: int = 1  # K slices, each its own program; the last to finish reduces
-
-    def __str__(self) -> str:
-        split = f"/k{self.split_k}" if self.split_k > 1 else ""
-        return (
-            f"{self.block_m}x{self.block_n}x{self.block_k}/{self.num_warps}w/{self.num_stages}s"
-            + split
-        )
 
 
 @triton.jit
@@ -187,51 +171,6 @@ def _semaphores(device: torch.device) -> torch.Tensor:
             "run it once outside CUDA graph capture (a warm-up forward) first"
         )
     return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-
-
-MAX_ROWS = 256  # above this cuBLAS's large tiles have enough of them to fill the GPU
-
-
-def choose_tile(num_rows: int, n: int, k: int, row_stats: bool = False) -> Tile | None:
-    """The tile for an [num_rows, k] x [k, n] product, or None where cuBLAS is faster.
-    row_stats: the launch is a linear_add, writing RowStats for a linear_norm.
-
-    From bench.gemm on an H200, GPT-2's projections. 2026-11-22 (M = 1..512): this
-    table's tiles were within ~6% of the sweep's best; alone they match or beat
-    cuBLAS up to M = 64 and trail it by up to 12% above (c_attn at M = 256: 6.5
-    against 5.8 us); fc + GELU wins at every M, cuBLAS needing a separate GELU
-    kernel. In the engine they also join the launch overlap (kernels.pdl): the
-    gpt2 decode step at 256 rows took 0.925 ms against 0.977 with cuBLAS.
-    2026-11-24 (M = 64 and 256, split K in the sweep): 8 warps / 5 stages took
-    c_attn and fc at M = 64 from 5.3 / 5.8 us to 4.5 / 4.8, and attn.c_proj at
-    M = 256 from 5.0 to 4.2; mlp.c_proj (a long K over a narrow N) at M = 64 in
-    4 K slices took 6.6 us against cuBLAS's 7.5. At M = 256 it is 8.6 us in 2
-    slices against cuBLAS's 7.9 alone, yet the engine's step was 0.2-0.7% shorter
-    with it (three paired runs): a Triton kernel keeps the launch overlap going.
-    cuBLAS keeps every M > 256 (prefill). 2026-11-24 (bench.gemm --fold-sweep, the
-    folded sublayer boundary): attn.c_proj as a linear_add at M = 256 in 64-column
-    tiles (12 statistics tiles for the next launch to merge, not 24) took the
-    boundary from 13.8 to 12.7 us; at M <= 128 the tiles here were within 0.1 us of
-    the sweep's best. mlp.c_proj at M = 1 and 16 in 6 K slices of 16x32x64: 4.6 and
-    5.1 us against cuBLAS's 6.7 and 7.2 (launched without PDL: see _launch).
-    """
-    if num_rows > MAX_ROWS:
-        return None
-    if k > 2 * n:
-        if num_rows <= 16:
-            return Tile(16, 32, 64, 2, 4, split_k=6)
-        if num_rows <= 64:
-            return Tile(64, 64, 128, 4, 4, split_k=4)
-        return Tile(64, 64, 128, 4, 5, split_k=2)
-    if num_rows <= 16:
-        return Tile(16, 32, 128, 4, 5)
-    if num_rows <= 64:
-        return Tile(64, 32, 128, 8, 5) if n >= 2048 else Tile(64, 32, 128, 4, 4)
-    if n < 2048:
-        return Tile(64, 64, 128, 4, 4) if row_stats and num_rows > 128 else Tile(64, 32, 128, 8, 5)
-    if num_rows <= 128:
-        return Tile(64, 64, 128, 4, 4)
-    return Tile(64, 64, 64, 4, 5)
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,12 @@ from kernels.layer_norm import fused_add_layer_norm, layer_norm
 from kernels.linear import (
     FoldedLayerNorm,
     RowStats,
-    Tile,
-    choose_tile,
     fold_layer_norm,
     linear,
     linear_add,
     linear_norm,
 )
+from kernels.linear_tiles import Tile, choose_tile
 from kernels.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_ref
 
 

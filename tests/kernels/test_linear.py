@@ -6,17 +6,8 @@ import pytest
 import torch
 
 from kernels.layer_norm import layer_norm, layer_norm_ref
-from kernels.linear import (
-    MAX_ROWS,
-    Tile,
-    _semaphores,
-    choose_tile,
-    fold_layer_norm,
-    linear,
-    linear_add,
-    linear_norm,
-    linear_ref,
-)
+from kernels.linear import _semaphores, fold_layer_norm, linear, linear_add, linear_norm, linear_ref
+from kernels.linear_tiles import MAX_ROWS, Tile, choose_tile
 
 DTYPES = [torch.float16, torch.bfloat16]
 # One rounding of an fp32 result whose magnitude stays below ~8.

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.linear import MAX_ROWS
+from kernels.linear_tiles import MAX_ROWS
 from replica.attention import AttentionMetadata, TorchAttention
 from replica.models import gpt2, layers, load_model
 from replica.models.config import ModelConfig
