@@ -204,6 +204,13 @@ def _fold_copy(rows: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     }  # fmt: skip
 
 
+def _fold_copies(rows: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Enough copies of the boundary's operands to rotate over (bench.kernels.num_copies)."""
+    first = _fold_copy(rows, gen)
+    copy_bytes = sum(t.numel() * t.element_size() for t in first.values())
+    return [first] + [_fold_copy(rows, gen) for _ in range(num_copies(copy_bytes) - 1)]
+
+
 def _boundary(
     c: dict, into_mlp: bool, folded: bool, tiles: tuple[Tile | None, Tile | None] = (None, None)
 ) -> Callable[[], object]:
@@ -232,8 +239,7 @@ def _boundary(
 def bench_fold(rows: int, gen: torch.Generator) -> list[dict]:
     """GPT-2's two sublayer boundaries as three launches (projection, add + LayerNorm,
     projection) and as two (linear_add, then linear_norm with the norm folded in)."""
-    copy_bytes = 2 * (rows * 5 * 768 + 2 * 768 * 768 + 2 * 768 * 3072 + 768 * 768 * 3)
-    copies = [_fold_copy(rows, gen) for _ in range(num_copies(copy_bytes))]
+    copies = _fold_copies(rows, gen)
     out = []
     for into_mlp in (True, False):
         c = copies[0]
@@ -270,8 +276,7 @@ FOLD_CONSUMER_TILES = [
 def bench_fold_sweep(rows: int, gen: torch.Generator) -> list[dict]:
     """The folded boundaries over FOLD_PRODUCER_TILES x FOLD_CONSUMER_TILES (tiles that
     split K only where the producer is mlp.c_proj), against choose_tile's pair."""
-    copy_bytes = 2 * (rows * 5 * 768 + 2 * 768 * 768 + 2 * 768 * 3072 + 768 * 768 * 3)
-    copies = [_fold_copy(rows, gen) for _ in range(num_copies(copy_bytes))]
+    copies = _fold_copies(rows, gen)
     out = []
     for into_mlp in (True, False):
         name = "c_proj > ln_2 > c_fc" if into_mlp else "mlp.c_proj > ln_1 > c_attn"

@@ -174,7 +174,8 @@ class Conv1D(nn.Module):
     ) -> torch.Tensor:  # [T, out_features]
         """`self(norm(x), activation)` in one launch, norm being the folded one."""
         tile = self.triton_tile(x.shape[0])
-        assert self.folded_norm is not None and tile is not None, "normed: fold_norm first"
+        assert self.folded_norm is not None, "normed: fold_norm first"
+        assert tile is not None, "normed: kernels.linear does not run this many rows"
         return linear_norm(x, self.folded_norm, stats, activation=activation, tile=tile)
 
 
