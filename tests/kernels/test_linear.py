@@ -141,7 +141,7 @@ def test_split_k_is_deterministic_and_leaves_its_semaphores_at_zero(activation, 
     assert torch.equal(first, second)
     want = linear_ref(x, weight, bias, weight_is_kn=False, activation=activation)
     torch.testing.assert_close(first, want, **TOL[torch.bfloat16])
-    assert not _semaphores(torch.device(device), 0).any()
+    assert not _semaphores(torch.device(device)).any()
 
 
 def test_without_bias_and_the_reference_is_torch(device):
@@ -220,4 +220,4 @@ def test_split_k_cuda_graph_replays():
         torch.cuda.synchronize()
         want = linear_ref(x, weight, bias, weight_is_kn=True)
         torch.testing.assert_close(out, want, **TOL[torch.float16])
-    assert not _semaphores(torch.device("cuda"), 0).any()
+    assert not _semaphores(torch.device("cuda")).any()
