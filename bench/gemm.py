@@ -140,7 +140,7 @@ def bench_gemm(gemm: Gemm, rows: int, gen: torch.Generator) -> dict:
             if tile not in times and (us := _time_tile(gemm, tile, copies)) is not None:
                 times[tile] = us
     best = min(times, key=times.get)
-    chosen = choose_tile(rows, gemm.n, gemm.k)
+    chosen = choose_tile(rows, gemm.n, gemm.k, weight_is_kn=gemm.weight_is_kn)
     if chosen not in times:
         times[chosen] = _time_tile(gemm, chosen, copies) or float("nan")
     weight_bytes = gemm.k * gemm.n * 2

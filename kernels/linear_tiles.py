@@ -32,9 +32,12 @@ class Tile:
 MAX_ROWS = 256  # above this cuBLAS's large tiles have enough of them to fill the GPU
 
 
-def choose_tile(num_rows: int, n: int, k: int, row_stats: bool = False) -> Tile | None:
+def choose_tile(
+    num_rows: int, n: int, k: int, row_stats: bool = False, weight_is_kn: bool = True
+) -> Tile | None:
     """The tile for an [num_rows, k] x [k, n] product, or None where cuBLAS is faster.
     row_stats: the launch is a linear_add, writing RowStats for a linear_norm.
+    weight_is_kn False: an nn.Linear weight ([N, K], the Llama family), _nk_tile's table.
 
     From bench.gemm on an H200, GPT-2's projections. 2026-11-22 (M = 1..512): this
     table's tiles were within ~6% of the sweep's best; alone they match or beat
@@ -55,6 +58,8 @@ def choose_tile(num_rows: int, n: int, k: int, row_stats: bool = False) -> Tile 
     the sweep's best. mlp.c_proj at M = 1 and 16 in 6 K slices of 16x32x64: 4.6 and
     5.1 us against cuBLAS's 6.7 and 7.2 (launched without PDL: see kernels.linear._launch).
     """
+    if not weight_is_kn:
+        return _nk_tile(num_rows, n, k)
     if num_rows > MAX_ROWS:
         return None
     if k > 2 * n:
@@ -72,3 +77,30 @@ def choose_tile(num_rows: int, n: int, k: int, row_stats: bool = False) -> Tile 
     if num_rows <= 128:
         return Tile(64, 64, 128, 4, 4)
     return Tile(64, 64, 64, 4, 5)
+
+
+MAX_ROWS_NK = 64  # [N, K] weights: above this cuBLAS was as fast or faster
+
+
+def _nk_tile(num_rows: int, n: int, k: int) -> Tile | None:
+    """nn.Linear weights ([N, K]), from bench.gemm on an H200, qwen3-0.6b's projections
+    in bf16 (2026-11-24, M = 1, 16, 64, 256; best of the sweep against cuBLAS, us):
+
+        M = 1   qkv 5.5 / 5.4, o_proj 4.8 / 13.2, gate_up 6.6 / 6.6, down 5.4 / 6.9
+        M = 64  qkv 5.2 / 5.8, o_proj 6.2 / 6.1,  gate_up 6.4 / 6.7, down 7.0 / 7.6
+        M = 256 qkv 8.1 / 7.1, o_proj 7.4 / 7.0,  gate_up 11.0 / 8.2, down 8.8 / 8.6
+
+    At few rows every best tile splits K: one row's K loop is a chain of dependent
+    loads, and the slices run it in parallel. Above 64 rows cuBLAS keeps the shape.
+    """
+    if num_rows > MAX_ROWS_NK:
+        return None
+    if num_rows <= 16:
+        if k >= 3 * n:  # down_proj
+            return Tile(16, 32, 128, 2, 4, split_k=6)
+        if k >= 2 * n:  # o_proj
+            return Tile(16, 32, 64, 2, 5, split_k=6)
+        return Tile(16, 64, 64, 4, 4, split_k=4)  # qkv, gate_up
+    if k >= 2 * n:
+        return Tile(64, 64, 128, 4, 4, split_k=4)
+    return Tile(64, 64, 128, 4, 5) if n >= 6144 else Tile(64, 32, 128, 4, 5)

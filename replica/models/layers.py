@@ -179,16 +179,44 @@ class Conv1D(nn.Module):
         return linear_norm(x, self.folded_norm, stats, activation=activation, tile=tile)
 
 
+class Linear(nn.Linear):
+    """nn.Linear (weight [out_features, in_features]) for the Llama family's projections.
+
+    With `triton_linear` set (use_triton_linear: the fused path in fp16 / bf16) a
+    batch that kernels.linear's [N, K] tile table covers (decode sizes) runs that
+    kernel, which joins the decode step's launch overlap; other batches and the
+    torch path run F.linear.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs) -> None:
+        super().__init__(in_features, out_features, bias, **kwargs)
+        self.triton_linear = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        tile = self.triton_tile(x.shape[0]) if x.dim() == 2 else None
+        if tile is None:
+            return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, weight_is_kn=False, tile=tile)
+
+    def triton_tile(self, num_rows: int) -> Tile | None:
+        """kernels.linear's tile for num_rows rows, or None where cuBLAS runs them."""
+        if not self.triton_linear:
+            return None
+        return choose_tile(num_rows, self.out_features, self.in_features, weight_is_kn=False)
+
+
 def use_triton_linear(module: nn.Module) -> None:
-    """Every Conv1D in module runs kernels.linear for the batches its tile table covers."""
+    """Every Conv1D and Linear in module runs kernels.linear for the batches its tile
+    table covers."""
     for layer in module.modules():
-        if isinstance(layer, Conv1D):
+        if isinstance(layer, Conv1D | Linear):
             layer.triton_linear = True
 
 
 def uses_triton_linear(module: nn.Module) -> bool:
-    """Whether use_triton_linear was applied: some Conv1D in module runs kernels.linear."""
-    return any(isinstance(m, Conv1D) and m.triton_linear for m in module.modules())
+    """Whether use_triton_linear was applied: some Conv1D or Linear in module runs
+    kernels.linear."""
+    return any(isinstance(m, Conv1D | Linear) and m.triton_linear for m in module.modules())
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:

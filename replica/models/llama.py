@@ -14,7 +14,7 @@ from kernels.activation import silu_and_mul
 from kernels.rotary import apply_rotary
 from replica.attention import AttentionBackend, AttentionMetadata
 from replica.models.config import ModelConfig
-from replica.models.layers import LMHead, RMSNorm
+from replica.models.layers import Linear, LMHead, RMSNorm
 from replica.models.rope import RotaryEmbedding
 
 
@@ -38,10 +38,10 @@ class LlamaAttention(nn.Module):
         self.backend = backend
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_proj = Linear(config.hidden_size, q_size, bias=config.qkv_bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
@@ -55,10 +55,11 @@ class LlamaAttention(nn.Module):
         projections = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([p.weight for p in projections])
         bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             weight.shape[1], weight.shape[0], bias=bias is not None,
             device=weight.device, dtype=weight.dtype,
         ).requires_grad_(False)  # fmt: skip
+        self.qkv_proj.triton_linear = self.q_proj.triton_linear
         self.qkv_proj.weight.copy_(weight)
         if bias is not None:
             self.qkv_proj.bias.copy_(bias)
@@ -114,19 +115,20 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, fused: bool) -> None:
         super().__init__()
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, inter, bias=bias)
+        self.up_proj = Linear(hidden, inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
         self._act = _mlp_fused if fused else _mlp_torch
 
     def finalize(self) -> None:
         """Fused path: one projection over the concatenated gate and up weights."""
         weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
         has_bias = self.gate_proj.bias is not None
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device,
             dtype=weight.dtype,
         ).requires_grad_(False)  # fmt: skip
+        self.gate_up_proj.triton_linear = self.gate_proj.triton_linear
         self.gate_up_proj.weight.copy_(weight)
         if has_bias:
             self.gate_up_proj.bias.copy_(torch.cat([self.gate_proj.bias, self.up_proj.bias]))

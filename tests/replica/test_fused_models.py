@@ -166,6 +166,35 @@ def test_gpt2_triton_linear_matches_cublas_path(dtype, monkeypatch):
     assert counts[1] == counts[0] + counts[0]
 
 
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_llama_triton_linear_matches_cublas_path(preset, dtype, monkeypatch):
+    """Half precision: the Llama family's projections ([N, K] weights) through
+    kernels.linear give the logits that F.linear gives, to half-precision rounding. The
+    31-token prefill and the 3-row decode are within the [N, K] tile table, so every
+    projection of every layer (qkv, o, gate_up, down) runs it, split K at 3 rows."""
+    calls = []
+    fn = layers.linear
+    monkeypatch.setattr(layers, "linear", lambda *a, **k: calls.append(k["tile"]) or fn(*a, **k))
+    logits, counts = [], []
+    for triton_linear in (False, True):
+        model, config = load_model(
+            preset, dtype, DEVICE, 3, TorchAttention(), True, triton_linear=triton_linear
+        )
+        perturb_norms(model)
+        calls.clear()
+        logits.append(run_prefill_and_decode(model, config, [5, 17, 9]))
+        counts.append(list(calls))
+    (p0, d0), (p1, d1) = logits
+    tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.float16 else dict(atol=0.15, rtol=0.1)
+    torch.testing.assert_close(p1.float(), p0.float(), **tol)
+    torch.testing.assert_close(d1.float(), d0.float(), **tol)
+    assert counts[0] == []
+    assert len(counts[1]) == 2 * 4 * config.num_layers  # prefill and decode
+    decode_tiles = counts[1][4 * config.num_layers :]
+    assert all(tile.split_k > 1 and tile.block_m == 16 for tile in decode_tiles)
+
+
 def test_triton_linear_is_off_in_float32():
     model, _ = load_model("gpt2-tiny", torch.float32, DEVICE, 3, TorchAttention(), True)
     assert not layers.uses_triton_linear(model)
