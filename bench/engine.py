@@ -22,6 +22,7 @@ import torch
 
 import kernels.pdl
 import replica.models.gpt2
+import replica.models.llama
 import replica.triton_attention
 from bench.common import copy_bandwidth_gbps, markdown_table, percentile, write_json
 from bench.itl import cohort_itl, format_itl, steady_itl
@@ -211,7 +212,9 @@ def main() -> None:
     )
     parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
     parser.add_argument(
-        "--no-fold-norms", action="store_true", help="gpt2: LayerNorm + residual add kernels"
+        "--no-fold-norms",
+        action="store_true",
+        help="norm + residual add kernels, not folded into the projections",
     )
     parser.add_argument(
         "--no-fused-append", action="store_true", help="decode KV append as its own launch"
@@ -230,6 +233,7 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     kernels.pdl.ENABLE_PDL = not args.no_pdl
     replica.models.gpt2.FOLD_NORMS = not args.no_fold_norms
+    replica.models.llama.FOLD_NORMS = not args.no_fold_norms
     replica.triton_attention.FUSE_DECODE_APPEND = not args.no_fused_append
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)

@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import kernels.pdl
 import replica.models.gpt2
+import replica.models.llama
 from bench.common import percentile
 from bench.engine import random_prompts
 from replica import EngineConfig, LLMEngine, SamplingParams
@@ -36,7 +37,9 @@ def main() -> None:
     parser.add_argument("--no-triton-linear", action="store_true", help="cuBLAS projections")
     parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
     parser.add_argument(
-        "--no-fold-norms", action="store_true", help="gpt2: LayerNorm + residual add kernels"
+        "--no-fold-norms",
+        action="store_true",
+        help="norm + residual add kernels, not folded into the projections",
     )
     parser.add_argument(
         "--timeline-steps", type=int, default=20, help="engine steps traced for GPU idle time"
@@ -45,6 +48,7 @@ def main() -> None:
 
     kernels.pdl.ENABLE_PDL = not args.no_pdl
     replica.models.gpt2.FOLD_NORMS = not args.no_fold_norms
+    replica.models.llama.FOLD_NORMS = not args.no_fold_norms
     engine = LLMEngine(
         EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.batch,
                      max_model_len=min(2048, 1024 if args.model.startswith("gpt2") else 2048),

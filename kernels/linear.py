@@ -35,6 +35,9 @@ with colsum the column sums of gamma * W, and mean and rstd merged from the
 producer's partials in the epilogue. The K loop is the plain one over x as the
 residual stream holds it. A GPT-2 block is then c_attn, attention, c_proj, c_fc
 and mlp.c_proj: five launches where a separate add + LayerNorm kernel made seven.
+An RMSNorm (the Llama family) folds the same way with neither mean term nor beta
+(`fold_rms_norm`): rms_norm(x) @ W + b = rstd * (x @ (gamma * W)) + b, its rstd from
+the mean square, which is the merged variance plus the squared mean.
 
 `choose_tile(M, N, K)` (kernels.linear_tiles) is the tile table, measured on an
 H200 by bench.gemm; `linear` uses it unless a tile is given (the benchmark's sweep gives one). On
@@ -74,7 +77,7 @@ def _linear_kernel(
     num_rows, N, K, stride_xm, stride_wk, stride_wn, stride_om, stride_rm,
     num_norm_tiles, norm_tile_cols,
     HAS_BIAS: tl.constexpr, GELU_TANH: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-    STATS_OUT: tl.constexpr, NORM_TILES_P2: tl.constexpr,
+    STATS_OUT: tl.constexpr, NORM_TILES_P2: tl.constexpr, RMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -94,7 +97,8 @@ def _linear_kernel(
         stats_ptrs = stats_in_ptr + (rows.to(tl.int64) * num_norm_tiles * 2)[:, None] + tiles * 2
         tile_mean = tl.load(stats_ptrs, mask=stats_mask, other=0.0)
         tile_m2 = tl.load(stats_ptrs + 1, mask=stats_mask, other=0.0)
-        colsum = tl.load(colsum_ptr + cols, mask=col_mask, other=0.0)
+        if not RMS:
+            colsum = tl.load(colsum_ptr + cols, mask=col_mask, other=0.0)
     # This program's K slice: whole BLOCK_K steps, so only the end of K is masked.
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_begin = pid_k * k_per_split
@@ -136,8 +140,11 @@ def _linear_kernel(
         mean = tl.sum(tile_mean * counts[None, :], axis=1) / K
         spread = tile_mean - mean[:, None]
         m2 = tl.sum(tile_m2 + counts[None, :] * spread * spread, axis=1)
-        rstd = tl.math.rsqrt(m2 / K + eps)
-        acc = rstd[:, None] * (acc - mean[:, None] * colsum[None, :])
+        if RMS:  # the mean square is the variance plus the squared mean
+            acc = tl.math.rsqrt(m2 / K + mean * mean + eps)[:, None] * acc
+        else:
+            rstd = tl.math.rsqrt(m2 / K + eps)
+            acc = rstd[:, None] * (acc - mean[:, None] * colsum[None, :])
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if GELU_TANH:
@@ -184,13 +191,19 @@ class RowStats:
 
 
 @dataclass(frozen=True)
-class FoldedLayerNorm:
-    """A LayerNorm (gamma, beta, eps) folded into the [K, N] linear (W, b) after it."""
+class FoldedNorm:
+    """A norm folded into the linear after it: LayerNorm (gamma, beta, eps) into a [K, N]
+    weight, or RMSNorm (gamma, eps) into either layout."""
 
-    weight: torch.Tensor  # [K, N], W's dtype: gamma[:, None] * W
-    bias: torch.Tensor  # [N], float32: b + beta @ W
-    colsum: torch.Tensor  # [N], float32: weight's column sums, as rounded
+    weight: torch.Tensor  # W's layout and dtype: gamma * W along K
+    bias: torch.Tensor | None  # [N], float32: b + beta @ W (LayerNorm), b (RMSNorm)
+    colsum: torch.Tensor | None  # [N], float32: weight's column sums (LayerNorm only)
     eps: float
+    weight_is_kn: bool = True
+
+    @property
+    def rms(self) -> bool:
+        return self.colsum is None
 
 
 def fold_layer_norm(
@@ -199,14 +212,32 @@ def fold_layer_norm(
     eps: float,
     weight: torch.Tensor,  # [K, N]: W (GPT-2's Conv1D layout)
     bias: torch.Tensor | None,  # [N]
-) -> FoldedLayerNorm:
+) -> FoldedNorm:
     """The operands of linear_norm for `linear(layer_norm(x, gamma, beta, eps), W, b)`."""
     k = weight.shape[0]
     assert weight.dim() == 2 and norm_weight.shape == norm_bias.shape == (k,), "W is [K, N]"
     w = weight.float()
     folded = (norm_weight.float()[:, None] * w).to(weight.dtype)
     folded_bias = norm_bias.float() @ w + (bias.float() if bias is not None else 0.0)
-    return FoldedLayerNorm(folded, folded_bias, folded.float().sum(0), eps)
+    return FoldedNorm(folded, folded_bias, folded.float().sum(0), eps)
+
+
+def fold_rms_norm(
+    norm_weight: torch.Tensor,  # [K]: gamma
+    eps: float,
+    weight: torch.Tensor,  # [K, N] when weight_is_kn, else [N, K] (nn.Linear)
+    bias: torch.Tensor | None,  # [N]
+    *,
+    weight_is_kn: bool,
+) -> FoldedNorm:
+    """The operands of linear_norm for `linear(rms_norm(x, gamma, eps), W, b)`:
+    rms_norm(x) @ W + b = rstd * (x @ (gamma * W)) + b."""
+    k = weight.shape[0] if weight_is_kn else weight.shape[1]
+    assert weight.dim() == 2 and norm_weight.shape == (k,), "gamma must match W's K"
+    gamma = norm_weight.float()[:, None] if weight_is_kn else norm_weight.float()[None, :]
+    folded = (gamma * weight.float()).to(weight.dtype)
+    folded_bias = bias.float() if bias is not None else None
+    return FoldedNorm(folded, folded_bias, None, eps, weight_is_kn)
 
 
 def _launch(
@@ -219,7 +250,7 @@ def _launch(
     tile: Tile | None,
     residual: torch.Tensor | None = None,
     stats_out: bool = False,
-    norm: tuple[FoldedLayerNorm, RowStats] | None = None,
+    norm: tuple[FoldedNorm, RowStats] | None = None,
 ) -> tuple[torch.Tensor, RowStats | None]:
     assert x.dim() == 2 and weight.dim() == 2, "x and weight must be 2-D"
     assert x.dtype in _DTYPES and weight.dtype == x.dtype, "fp16 or bf16 only, one dtype"
@@ -261,7 +292,8 @@ def _launch(
     _linear_kernel[grid](
         x, weight, bias if bias is not None else x, out, partials, semaphores,
         residual if residual is not None else out, stats.partials if stats else out,
-        stats_in.partials if stats_in else out, folded.colsum if folded else out,
+        stats_in.partials if stats_in else out,
+        folded.colsum if folded and not folded.rms else out,
         folded.eps if folded else 0.0,
         num_rows, n, k, x.stride(0), stride_wk, stride_wn, out.stride(0),
         residual.stride(0) if residual is not None else 0,
@@ -269,6 +301,7 @@ def _launch(
         HAS_BIAS=bias is not None, GELU_TANH=activation == "gelu_tanh",
         ADD_RESIDUAL=residual is not None, STATS_OUT=stats_out,
         NORM_TILES_P2=triton.next_power_of_2(num_norm_tiles) if num_norm_tiles else 0,
+        RMS=folded is not None and folded.rms,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         SPLIT_K=tile.split_k, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl,
     )  # fmt: skip
@@ -291,34 +324,41 @@ def linear(
 
 def linear_add(
     x: torch.Tensor,  # [M, K], fp16 or bf16; last dim contiguous
-    weight: torch.Tensor,  # [K, N], x.dtype
+    weight: torch.Tensor,  # [K, N] when weight_is_kn, else [N, K]; x.dtype
     bias: torch.Tensor | None,  # [N]
     residual: torch.Tensor,  # [M, N], x.dtype, last dim contiguous; updated in place
     *,
+    weight_is_kn: bool = True,
     tile: Tile | None = None,
 ) -> RowStats:
     """`residual += x @ W + bias` in one launch, the product rounded to x.dtype before the
     add, as two torch ops round; returns the new rows' statistics for linear_norm."""
-    assert residual.shape == (x.shape[0], weight.shape[1]), "residual must be [M, N]"
-    tile = tile or choose_tile(x.shape[0], weight.shape[1], x.shape[1], row_stats=True)
-    return _launch(x, weight, bias, True, "none", residual, tile, residual, stats_out=True)[1]
+    n = weight.shape[1] if weight_is_kn else weight.shape[0]
+    assert residual.shape == (x.shape[0], n), "residual must be [M, N]"
+    tile = tile or choose_tile(x.shape[0], n, x.shape[1], True, weight_is_kn)
+    return _launch(x, weight, bias, weight_is_kn, "none", residual, tile, residual, stats_out=True)[
+        1
+    ]
 
 
 def linear_norm(
     x: torch.Tensor,  # [M, K], fp16 or bf16; last dim contiguous: the rows stats describes
-    folded: FoldedLayerNorm,  # the norm and the linear, folded (K x N)
+    folded: FoldedNorm,  # the norm and the linear, folded
     stats: RowStats,  # x's rows, from the linear_add that wrote them
     *,
     activation: str = "none",
     out: torch.Tensor | None = None,  # [M, N], x.dtype
     tile: Tile | None = None,
 ) -> torch.Tensor:
-    """act(layer_norm(x) @ W + b) in one launch, the norm folded into W and b (the module
-    docstring's identity), from the statistics of x's rows; returns out."""
+    """act(norm(x) @ W + b) in one launch, the norm (LayerNorm or RMSNorm) folded into W
+    and b (the module docstring's identities), from the statistics of x's rows; returns
+    out."""
     assert stats.partials.shape[0] == x.shape[0], "stats must describe x's rows"
     assert stats.partials.shape[1] * stats.tile_cols >= x.shape[1], "stats must cover K"
     norm = (folded, stats)
-    return _launch(x, folded.weight, folded.bias, True, activation, out, tile, norm=norm)[0]
+    return _launch(
+        x, folded.weight, folded.bias, folded.weight_is_kn, activation, out, tile, norm=norm
+    )[0]
 
 
 def linear_ref(

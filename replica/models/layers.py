@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -10,9 +11,10 @@ from torch import nn
 
 from kernels.layer_norm import fused_add_layer_norm, layer_norm
 from kernels.linear import (
-    FoldedLayerNorm,
+    FoldedNorm,
     RowStats,
     fold_layer_norm,
+    fold_rms_norm,
     linear,
     linear_add,
     linear_norm,
@@ -107,7 +109,58 @@ class LayerNorm(nn.LayerNorm):
         return self._add_norm(x, residual, self.weight, self.bias, self.eps)
 
 
-class Conv1D(nn.Module):
+class Projection:
+    """What Conv1D and Linear share where kernels.linear runs their rows: the tile, the
+    residual add in the epilogue (add_to) and the norm before them folded in (normed).
+
+    A model runs a block this way only where every projection of the block has a tile
+    for its rows (a decode step, a short prefill); other rows run the plain forward.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    in_features: int
+    out_features: int
+    weight_is_kn: bool  # [K, N] (Conv1D) or [N, K] (nn.Linear)
+    triton_linear: bool
+    folded_norm: FoldedNorm | None
+
+    def triton_tile(self, num_rows: int, row_stats: bool = False) -> Tile | None:
+        """kernels.linear's tile for num_rows rows (of add_to where row_stats), or None
+        where cuBLAS runs them."""
+        if not self.triton_linear:
+            return None
+        return choose_tile(
+            num_rows, self.out_features, self.in_features, row_stats, self.weight_is_kn
+        )
+
+    def add_to(
+        self,
+        x: torch.Tensor,  # [T, in_features]
+        residual: torch.Tensor,  # [T, out_features], updated in place
+    ) -> RowStats:  # of residual's new rows
+        """`residual += self(x)` in one kernels.linear launch, where it runs T rows."""
+        tile = self.triton_tile(x.shape[0], row_stats=True)
+        assert tile is not None, "add_to: kernels.linear does not run this many rows"
+        return linear_add(
+            x, self.weight, self.bias, residual, weight_is_kn=self.weight_is_kn, tile=tile
+        )
+
+    def normed(
+        self,
+        x: torch.Tensor,  # [T, in_features]
+        stats: RowStats,  # x's rows (from the add_to that wrote them)
+        activation: str = "none",
+    ) -> torch.Tensor:  # [T, out_features]
+        """`self(norm(x), activation)` in one launch, norm being the folded one."""
+        tile = self.triton_tile(x.shape[0])
+        if self.folded_norm is None or tile is None:
+            why = "fold_norm first" if tile else "kernels.linear does not run this many rows"
+            raise AssertionError(f"normed: {why}")
+        return linear_norm(x, self.folded_norm, stats, activation=activation, tile=tile)
+
+
+class Conv1D(Projection, nn.Module):
     """GPT-2's linear layer: weight stored [in_features, out_features], y = b + x @ W.
 
     forward(x, activation) applies "gelu_tanh" (torch's tanh GELU) after the
@@ -122,6 +175,8 @@ class Conv1D(nn.Module):
     folded into a copy of its weights by fold_norm).
     """
 
+    weight_is_kn = True
+
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.in_features = in_features
@@ -129,7 +184,7 @@ class Conv1D(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features))
         self.triton_linear = False
-        self.folded_norm: FoldedLayerNorm | None = None  # fold_norm's
+        self.folded_norm = None  # fold_norm's
 
     def forward(
         self, x: torch.Tensor, activation: str = "none"
@@ -145,52 +200,27 @@ class Conv1D(nn.Module):
         y = torch.addmm(self.bias, x, self.weight)
         return gelu_tanh_fused(y) if activation == "gelu_tanh" else y
 
-    def triton_tile(self, num_rows: int, row_stats: bool = False) -> Tile | None:
-        """kernels.linear's tile for num_rows rows (of add_to where row_stats), or None
-        where cuBLAS runs them."""
-        if not self.triton_linear:
-            return None
-        return choose_tile(num_rows, self.out_features, self.in_features, row_stats)
-
-    def add_to(
-        self,
-        x: torch.Tensor,  # [T, in_features]
-        residual: torch.Tensor,  # [T, out_features], updated in place
-    ) -> RowStats:  # of residual's new rows
-        """`residual += self(x)` in one kernels.linear launch, where it runs T rows."""
-        tile = self.triton_tile(x.shape[0], row_stats=True)
-        assert tile is not None, "add_to: kernels.linear does not run this many rows"
-        return linear_add(x, self.weight, self.bias, residual, tile=tile)
-
     def fold_norm(self, norm: nn.LayerNorm) -> None:
         """Fold the LayerNorm before this layer into a copy of its weights (for normed)."""
         self.folded_norm = fold_layer_norm(norm.weight, norm.bias, norm.eps, self.weight, self.bias)
 
-    def normed(
-        self,
-        x: torch.Tensor,  # [T, in_features]
-        stats: RowStats,  # x's rows (from the add_to that wrote them)
-        activation: str = "none",
-    ) -> torch.Tensor:  # [T, out_features]
-        """`self(norm(x), activation)` in one launch, norm being the folded one."""
-        tile = self.triton_tile(x.shape[0])
-        assert self.folded_norm is not None, "normed: fold_norm first"
-        assert tile is not None, "normed: kernels.linear does not run this many rows"
-        return linear_norm(x, self.folded_norm, stats, activation=activation, tile=tile)
 
-
-class Linear(nn.Linear):
+class Linear(Projection, nn.Linear):
     """nn.Linear (weight [out_features, in_features]) for the Llama family's projections.
 
     With `triton_linear` set (use_triton_linear: the fused path in fp16 / bf16) a
     batch that kernels.linear's [N, K] tile table covers (decode sizes) runs that
     kernel, which joins the decode step's launch overlap; other batches and the
-    torch path run F.linear.
+    torch path run F.linear. Such a batch's block also runs add_to and normed, the
+    RMSNorm before the layer folded into its weight (fold_norm, in place).
     """
+
+    weight_is_kn = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs) -> None:
         super().__init__(in_features, out_features, bias, **kwargs)
         self.triton_linear = False
+        self.folded_norm = None  # fold_norm's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         tile = self.triton_tile(x.shape[0]) if x.dim() == 2 else None
@@ -198,11 +228,15 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias, weight_is_kn=False, tile=tile)
 
-    def triton_tile(self, num_rows: int) -> Tile | None:
-        """kernels.linear's tile for num_rows rows, or None where cuBLAS runs them."""
-        if not self.triton_linear:
-            return None
-        return choose_tile(num_rows, self.out_features, self.in_features, weight_is_kn=False)
+    def fold_norm(self, norm: RMSNorm) -> None:
+        """Fold the RMSNorm before this layer into this layer's weight, in place, and set
+        the norm's weight to ones. Both paths then compute rms_norm(x) @ (gamma * W).T:
+        normed from the residual's statistics, and forward after the (now plain) norm.
+        No copy of W is kept; folding again folds the new gamma (ones after a fold)."""
+        folded = fold_rms_norm(norm.weight, norm.eps, self.weight, self.bias, weight_is_kn=False)
+        self.weight.copy_(folded.weight)
+        norm.weight.fill_(1.0)
+        self.folded_norm = dataclasses.replace(folded, weight=self.weight)
 
 
 def use_triton_linear(module: nn.Module) -> None:

@@ -11,11 +11,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import silu_and_mul
+from kernels.linear import RowStats
 from kernels.rotary import apply_rotary
 from replica.attention import AttentionBackend, AttentionMetadata
 from replica.models.config import ModelConfig
-from replica.models.layers import Linear, LMHead, RMSNorm
+from replica.models.layers import Linear, LMHead, RMSNorm, uses_triton_linear
 from replica.models.rope import RotaryEmbedding
+
+# Decode-sized batches fold both RMSNorms and the residual adds into kernels.linear where
+# the model runs it; bench --no-fold-norms turns that off for A/B runs, before the engine
+# starts.
+FOLD_NORMS = True
 
 
 class LlamaAttention(nn.Module):
@@ -73,12 +79,35 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
-        num_tokens = x.shape[0]
-        q, k, v = self._qkv(self, x, positions, rotary)
+        return self.o_proj(self.attend(*self._qkv(self, x, positions, rotary), kv_cache, meta))
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim], normed and rotated
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads * head_dim]: the heads' outputs, before o_proj
         out = self.backend.forward(
             q, k, v, kv_cache[self.layer_idx, 0], kv_cache[self.layer_idx, 1], meta, self.scale
-        )  # [T, num_heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, -1))
+        )
+        return out.reshape(q.shape[0], -1)
+
+    def heads(
+        self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused path: q, k, v from qkv_proj's output [T, (heads + 2 kv heads) * head_dim],
+        q/k norm (Qwen3) and RoPE in one kernel."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.sizes, dim=-1)  # strided views of one matmul
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q_w = self.q_norm.weight if self.qk_norm else None
+        k_w = self.k_norm.weight if self.qk_norm else None
+        q, k = apply_rotary(q, k, rotary.cos, rotary.sin, positions, q_w, k_w, self.norm_eps)
+        return q, k, v
 
 
 def _qkv_torch(
@@ -98,15 +127,7 @@ def _qkv_torch(
 def _qkv_fused(
     attn: LlamaAttention, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    num_tokens = x.shape[0]
-    q, k, v = attn.qkv_proj(x).split(attn.sizes, dim=-1)  # strided views of one matmul
-    q = q.view(num_tokens, attn.num_heads, attn.head_dim)
-    k = k.view(num_tokens, attn.num_kv_heads, attn.head_dim)
-    v = v.view(num_tokens, attn.num_kv_heads, attn.head_dim)
-    q_w = attn.q_norm.weight if attn.qk_norm else None
-    k_w = attn.k_norm.weight if attn.qk_norm else None
-    q, k = apply_rotary(q, k, rotary.cos, rotary.sin, positions, q_w, k_w, attn.norm_eps)
-    return q, k, v
+    return attn.heads(attn.qkv_proj(x), positions, rotary)
 
 
 class LlamaMLP(nn.Module):
@@ -180,6 +201,37 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 
+    def forward_folded(
+        self,
+        residual: torch.Tensor,  # [T, hidden_size]: the residual stream, updated in place
+        stats: RowStats | None,  # residual's row statistics, from the previous layer
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        normed: torch.Tensor | None = None,  # input_layernorm(residual) where the caller made it
+    ) -> RowStats:  # of residual, both sublayers added
+        """The layer where kernels.linear runs every projection: both RMSNorms are folded
+        into qkv_proj and gate_up_proj, and o_proj and down_proj add their output to
+        residual in place. No norm kernel, no add kernel."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv = attn.qkv_proj(normed) if normed is not None else attn.qkv_proj.normed(residual, stats)
+        out = attn.attend(*attn.heads(qkv, positions, rotary), kv_cache, meta)
+        stats = attn.o_proj.add_to(out, residual)
+        h = mlp.gate_up_proj.normed(residual, stats)
+        return mlp.down_proj.add_to(silu_and_mul(h), residual)
+
+    def fold_norms(self) -> None:
+        """Both RMSNorms into the projections after them, in place (Linear.fold_norm)."""
+        self.self_attn.qkv_proj.fold_norm(self.input_layernorm)
+        self.mlp.gate_up_proj.fold_norm(self.post_attention_layernorm)
+
+    def runs_folded(self, num_tokens: int) -> bool:
+        """Whether kernels.linear runs all four projections for num_tokens rows."""
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return all(p.triton_tile(num_tokens) is not None for p in projections)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool) -> None:
@@ -208,6 +260,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.fused = fused
         self.model = LlamaModel(config, backend, self.fused)
+        self.fold_norms = False  # finalize() decides, once the weights are in
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope, dtype, device
         )
@@ -221,8 +274,20 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
+        layers = self.model.layers
+        if self.fold_norms and layers[0].runs_folded(input_ids.shape[0]):
+            residual = self.model.embed_tokens(input_ids)
+            normed = layers[0].input_layernorm(residual)  # its gamma is folded: a plain norm
+            stats = layers[0].forward_folded(
+                residual, None, positions, self.rotary, kv_cache, meta, normed
+            )
+            for layer in layers[1:]:
+                stats = layer.forward_folded(
+                    residual, stats, positions, self.rotary, kv_cache, meta
+                )
+            return self.model.norm(residual)
         x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
+        for layer in layers:
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
         return self.model.norm.add_and_norm(x, residual)[0]
 
@@ -237,6 +302,10 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.finalize()
             layer.mlp.finalize()
+        self.fold_norms = FOLD_NORMS and uses_triton_linear(self)
+        if self.fold_norms:
+            for layer in self.model.layers:
+                layer.fold_norms()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab_size]
         return self.logits_head(hidden)

@@ -6,8 +6,17 @@ import pytest
 import torch
 
 from kernels.layer_norm import layer_norm, layer_norm_ref
-from kernels.linear import _semaphores, fold_layer_norm, linear, linear_add, linear_norm, linear_ref
+from kernels.linear import (
+    _semaphores,
+    fold_layer_norm,
+    fold_rms_norm,
+    linear,
+    linear_add,
+    linear_norm,
+    linear_ref,
+)
 from kernels.linear_tiles import MAX_ROWS, Tile, choose_tile
+from kernels.rms_norm import rms_norm_ref
 
 DTYPES = [torch.float16, torch.bfloat16]
 # One rounding of an fp32 result whose magnitude stays below ~8.
@@ -83,6 +92,40 @@ def test_linear_add_then_linear_norm(rows, k, n, add_tile, norm_tile, dtype, dev
     torch.testing.assert_close(got, want, **TOL[dtype])
     plain = linear(residual, w2, b2, weight_is_kn=True, activation="gelu_tanh")
     assert not torch.allclose(plain.float(), got.float(), atol=0.1), "the norm was applied"
+
+
+@pytest.mark.parametrize(
+    "rows,k,n,add_tile,norm_tile",
+    [
+        (1, 128, 96, Tile(16, 32, 64, 2, 2, split_k=2), Tile(16, 64, 64, 4, 2, split_k=2)),
+        (3, 192, 64, Tile(16, 64, 64, 4, 2), Tile(16, 32, 64, 2, 2, split_k=3)),
+        (33, 200, 160, Tile(32, 64, 32, 4, 2), Tile(32, 32, 64, 4, 2)),  # 8-column last tile
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_folded_into_nk_weights(rows, k, n, add_tile, norm_tile, with_bias, dtype, device):
+    """The Llama family's boundary, nn.Linear weights ([N, K]): `residual += o @ W1.T`,
+    then `rms_norm(residual) @ W2.T + b2` with gamma folded into W2. The residual rows are
+    offset (mean 3), so the mean square differs from the variance: a norm that took one
+    for the other would show."""
+    o, w1, _ = _operands(rows, k, k, False, dtype, device, rows + k)
+    _, w2, b2 = _operands(rows, k, n, False, dtype, device, rows + n)
+    b2 = b2 if with_bias else None
+    gamma, _ = _layer_norm_params(k, dtype, device, rows)
+    residual = (torch.randn(rows, k, generator=torch.Generator().manual_seed(3)) + 3).to(dtype)
+    residual = residual.to(device)
+    want_residual = (linear_ref(o, w1, weight_is_kn=False).float() + residual.float()).to(dtype)
+    want = linear_ref(rms_norm_ref(want_residual, gamma, 1e-6), w2, b2, weight_is_kn=False)
+
+    stats = linear_add(o, w1, None, residual, weight_is_kn=False, tile=add_tile)
+    folded = fold_rms_norm(gamma, 1e-6, w2, b2, weight_is_kn=False)
+    got = linear_norm(residual, folded, stats, tile=norm_tile)
+
+    torch.testing.assert_close(residual, want_residual, **TOL[dtype])
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert folded.rms and folded.colsum is None and folded.weight.shape == w2.shape
 
 
 def test_row_stats_are_each_column_tiles_mean_and_centred_sum_of_squares(device):

@@ -170,28 +170,57 @@ def test_gpt2_triton_linear_matches_cublas_path(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_llama_triton_linear_matches_cublas_path(preset, dtype, monkeypatch):
     """Half precision: the Llama family's projections ([N, K] weights) through
-    kernels.linear give the logits that F.linear gives, to half-precision rounding. The
-    31-token prefill and the 3-row decode are within the [N, K] tile table, so every
-    projection of every layer (qkv, o, gate_up, down) runs it, split K at 3 rows."""
-    calls = []
-    fn = layers.linear
-    monkeypatch.setattr(layers, "linear", lambda *a, **k: calls.append(k["tile"]) or fn(*a, **k))
-    logits, counts = [], []
+    kernels.linear give the logits that F.linear and the RMSNorm kernels give, to
+    half-precision rounding. The 31-token prefill and the 3-row decode are within the
+    [N, K] tile table, so every layer runs folded: both RMSNorms inside qkv_proj and
+    gate_up_proj (linear_norm; the first layer's qkv_proj after the one norm kernel)
+    and both residual adds inside o_proj and down_proj (linear_add), split K at 3 rows.
+    With cuBLAS the layers run their add + norm kernels."""
+    calls = Counter()
+    tiles = []
+
+    def count(name: str) -> None:
+        fn = getattr(layers, name)
+
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            tiles.append(kwargs["tile"])
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(layers, name, counted)
+
+    for name in ("linear", "linear_add", "linear_norm"):
+        count(name)
+    norm_kernels = Counter()
+    for name in ("rms_norm_fused", "add_rms_norm_fused"):
+        fn = getattr(layers, name)
+        monkeypatch.setattr(
+            layers, name, lambda *a, _fn=fn, _n=name, **k: norm_kernels.update([_n]) or _fn(*a, **k)
+        )
+    logits, counts, norms = [], [], []
     for triton_linear in (False, True):
         model, config = load_model(
             preset, dtype, DEVICE, 3, TorchAttention(), True, triton_linear=triton_linear
         )
         perturb_norms(model)
-        calls.clear()
+        if model.fold_norms:  # folded at load, before the perturbation: fold the new gammas
+            for layer in model.model.layers:
+                layer.fold_norms()
+        calls.clear(), tiles.clear(), norm_kernels.clear()
         logits.append(run_prefill_and_decode(model, config, [5, 17, 9]))
-        counts.append(list(calls))
+        counts.append(calls.copy())
+        norms.append(norm_kernels.copy())
     (p0, d0), (p1, d1) = logits
     tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.float16 else dict(atol=0.15, rtol=0.1)
     torch.testing.assert_close(p1.float(), p0.float(), **tol)
     torch.testing.assert_close(d1.float(), d0.float(), **tol)
-    assert counts[0] == []
-    assert len(counts[1]) == 2 * 4 * config.num_layers  # prefill and decode
-    decode_tiles = counts[1][4 * config.num_layers :]
+    num_layers = config.num_layers
+    assert counts[0] == {}
+    assert norms[0] == {"rms_norm_fused": 2, "add_rms_norm_fused": 2 * (2 * num_layers)}
+    per_pass = {"linear": 1, "linear_norm": 2 * num_layers - 1, "linear_add": 2 * num_layers}
+    assert counts[1] == {name: 2 * n for name, n in per_pass.items()}  # prefill and decode
+    assert norms[1] == {"rms_norm_fused": 2 * 2}  # the first layer's and the final norm
+    decode_tiles = tiles[len(tiles) // 2 :]
     assert all(tile.split_k > 1 and tile.block_m == 16 for tile in decode_tiles)
 
 
