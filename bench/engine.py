@@ -43,6 +43,9 @@ class EngineRun:
     decode_boundary: list[bool] = field(default_factory=list)
     decode_batch: list[int] = field(default_factory=list)  # sequences in the step
     decode_finished: list[int] = field(default_factory=list)  # requests its outputs finished
+    add_s: float = 0.0  # add_request for every prompt
+    # The other steps (a prompt chunk in them): wall, the four phases, prompt tokens.
+    other_steps: list[tuple[float, float, float, float, float, int]] = field(default_factory=list)
 
     @property
     def decode_step_s(self) -> list[float]:
@@ -78,6 +81,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_new: int) -> Eng
     for i, prompt in enumerate(prompts):
         engine.add_request(f"bench-{i}", prompt, params)
     last = time.perf_counter()
+    run.add_s = last - start
     while engine.has_unfinished():
         outputs = engine.step()
         now = time.perf_counter()
@@ -91,6 +95,9 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_new: int) -> Eng
             run.decode_boundary.append(timings.num_table_rows > 0)
             run.decode_batch.append(timings.num_decode_seqs)
             run.decode_finished.append(sum(o.finished for o in outputs))
+        else:
+            phases = (timings.schedule_s, timings.launch_s, timings.wait_s, timings.drain_s)
+            run.other_steps.append((now - last, *phases, timings.num_prefill_tokens))
         last = now
     run.wall_s = time.perf_counter() - start
     engine.check_invariants()
@@ -114,7 +121,12 @@ def step_profile(run: EngineRun, slow_factor: float = 1.25) -> dict:
 
     slow_set = set(slow)
     normal = [i for i in range(len(walls)) if i not in slow_set]
+    others = run.other_steps
     return {
+        "wall_ms": 1e3 * run.wall_s, "add_ms": 1e3 * run.add_s,
+        "decode_total_ms": 1e3 * sum(walls), "num_other_steps": len(others),
+        "other_prompt_tokens": sum(o[5] for o in others),
+        "other_phases_ms": [1e3 * sum(o[k] for o in others) for k in range(5)],
         "mean_ms": 1e3 * statistics.mean(walls), "p50_ms": 1e3 * median,
         "p90_ms": 1e3 * percentile(walls, 90), "p99_ms": 1e3 * percentile(walls, 99),
         "max_ms": 1e3 * max(walls), "num_steps": len(walls), "num_slow": len(slow),
@@ -147,7 +159,11 @@ def format_step_profile(batch: int, prof: dict) -> str:
             )
         )  # fmt: skip
         + "\n"
-        f"  other steps, mean ms: {fmt(prof['normal_phases_ms'])}"
+        f"  other steps, mean ms: {fmt(prof['normal_phases_ms'])}\n"
+        f"  the run's {prof['wall_ms']:.1f} ms: add_request {prof['add_ms']:.1f},"
+        f" {prof['num_steps']} decode steps {prof['decode_total_ms']:.1f},"
+        f" {prof['num_other_steps']} steps with prompt chunks ({prof['other_prompt_tokens']}"
+        f" tokens) {fmt(prof['other_phases_ms'])} (totals)"
     )
 
 
