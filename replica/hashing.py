@@ -25,10 +25,16 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
 def prefix_block_hashes(
     token_ids: Sequence[int], block_size: int, parent_hash: int = ROOT_HASH
 ) -> list[int]:
-    """Hashes of every full block of token_ids, each chained over its parent."""
+    """Hashes of every full block of token_ids, each chained over its parent: what
+    hash_block gives block by block, with the token ids packed once (a 256 x 128-token
+    burst of add_request spent most of its host time packing them block by block)."""
+    num_blocks = len(token_ids) // block_size
+    packed = array("q", token_ids[: num_blocks * block_size]).tobytes()
+    step = 8 * block_size
     hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent_hash = hash_block(parent_hash, token_ids[start : start + block_size])
+    for start in range(0, num_blocks * step, step):
+        payload = parent_hash.to_bytes(8, "little") + packed[start : start + step]
+        parent_hash = int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
         hashes.append(parent_hash)
     return hashes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from replica.hashing import ROOT_HASH, hash_block
+from replica.hashing import ROOT_HASH, prefix_block_hashes
 from replica.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # a sampled token still on its way from the device
@@ -113,8 +113,8 @@ class Sequence:
         """
         end = len(self.token_ids) if num_tokens is None else num_tokens
         hashes = self.block_hashes
-        parent = hashes[-1] if hashes else ROOT_HASH
-        for start in range(len(hashes) * block_size, end - block_size + 1, block_size):
-            parent = hash_block(parent, self.token_ids[start : start + block_size])
-            hashes.append(parent)
+        start = len(hashes) * block_size
+        if end - start >= block_size:
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes += prefix_block_hashes(self.token_ids[start:end], block_size, parent)
         return hashes
