@@ -1,0 +1,40 @@
+"""Chained block hashes: one definition, however they are computed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from replica.hashing import ROOT_HASH, hash_block, prefix_block_hashes
+from replica.sampling_params import SamplingParams
+from replica.sequence import Sequence
+
+
+def chain(token_ids: list[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+@pytest.mark.parametrize("length", [0, 5, 16, 17, 47, 48, 130])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefix_block_hashes_chain_hash_block(length, block_size):
+    """Packed once or block by block, the hashes are the same (routers in other processes
+    compare them), and only full blocks are hashed."""
+    rng = random.Random(length)
+    tokens = [rng.randrange(2**40) for _ in range(length)]
+    assert prefix_block_hashes(tokens, block_size) == chain(tokens, block_size)
+    assert prefix_block_hashes(tokens, block_size, 12345) == chain(tokens, block_size, 12345)
+    assert len(prefix_block_hashes(tokens, block_size)) == length // block_size
+
+
+def test_sequence_hashes_extend_as_tokens_arrive():
+    tokens = list(range(100, 140))
+    seq = Sequence("r", tokens[:20], SamplingParams(max_tokens=30), eos_token_id=None)
+    assert seq.full_block_hashes(16) == chain(tokens[:20], 16)
+    seq.token_ids += tokens[20:]
+    assert seq.full_block_hashes(16, 35) == chain(tokens[:35], 16)  # bounded: 2 blocks
+    assert seq.full_block_hashes(16) == chain(tokens, 16)
