@@ -91,7 +91,10 @@ def _nk_tile(num_rows: int, n: int, k: int) -> Tile | None:
         M = 256 qkv 8.1 / 7.1, o_proj 7.4 / 7.0,  gate_up 11.0 / 8.2, down 8.8 / 8.6
 
     At few rows every best tile splits K: one row's K loop is a chain of dependent
-    loads, and the slices run it in parallel. Above 64 rows cuBLAS keeps the shape.
+    loads, and the slices run it in parallel. Above 64 rows cuBLAS keeps the shape:
+    with the M = 256 row's best tiles up to 256 rows (norms folded there too) the qwen3
+    step was slower at 96, 128 and 256 rows (2.15 / 2.40 / 3.08 against 2.09 / 2.34 /
+    2.99 ms, bench.engine, two alternating pairs, 2026-11-24).
     """
     if num_rows > MAX_ROWS_NK:
         return None
