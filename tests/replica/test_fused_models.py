@@ -57,6 +57,30 @@ def perturb_norms(model: nn.Module) -> None:
                 module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
 
 
+def count_calls(monkeypatch, owner, names, counter: Counter, tiles: list | None = None) -> None:
+    """Count each call of owner.<name> in counter[name]; tiles gets each call's tile."""
+    for name in names:
+        fn = getattr(owner, name)
+
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            counter[_name] += 1
+            if tiles is not None:
+                tiles.append(kwargs["tile"])
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+
+HALF_TOL = {torch.float16: dict(atol=3e-2, rtol=3e-2), torch.bfloat16: dict(atol=0.15, rtol=0.1)}
+
+
+def assert_same_logits(logits: list[tuple[torch.Tensor, torch.Tensor]], dtype) -> None:
+    """Two paths' (prefill, decode) logits agree to half-precision rounding."""
+    (p0, d0), (p1, d1) = logits
+    torch.testing.assert_close(p1.float(), p0.float(), **HALF_TOL[dtype])
+    torch.testing.assert_close(d1.float(), d0.float(), **HALF_TOL[dtype])
+
+
 def run_prefill_and_decode(
     model: nn.Module, config: ModelConfig, lengths: list[int], decode: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # prefill and decode logits
@@ -129,13 +153,9 @@ def test_gpt2_triton_linear_matches_cublas_path(dtype, monkeypatch):
     (linear_norm) and the residual adds inside both c_proj (linear_add), no add + norm
     kernel. With cuBLAS the blocks run their add + norm kernels."""
     calls = Counter()
-
-    def count(name: str) -> None:
-        fn = getattr(layers, name)
-        monkeypatch.setattr(layers, name, lambda *a, **k: calls.update([name]) or fn(*a, **k))
-
-    for name in ("linear", "linear_add", "linear_norm", "fused_add_layer_norm"):
-        count(name)
+    count_calls(
+        monkeypatch, layers, ("linear", "linear_add", "linear_norm", "fused_add_layer_norm"), calls
+    )
     logits, counts = [], []
     for triton_linear in (False, True):
         model, config = load_model(
@@ -151,10 +171,7 @@ def test_gpt2_triton_linear_matches_cublas_path(dtype, monkeypatch):
         calls.clear()
         logits.append((prefill, run_prefill_and_decode(model, config, [5, 17, 9])[1]))
         counts.append(calls.copy())
-    (p0, d0), (p1, d1) = logits
-    tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.float16 else dict(atol=0.15, rtol=0.1)
-    torch.testing.assert_close(p1.float(), p0.float(), **tol)
-    torch.testing.assert_close(d1.float(), d0.float(), **tol)
+    assert_same_logits(logits, dtype)
     layers_ = config.num_layers
     assert counts[2] == {  # prefill, folded
         "linear": 1,  # the first block's c_attn, its ln_1 run with the embedding
@@ -176,27 +193,9 @@ def test_llama_triton_linear_matches_cublas_path(preset, dtype, monkeypatch):
     gate_up_proj (linear_norm; the first layer's qkv_proj after the one norm kernel)
     and both residual adds inside o_proj and down_proj (linear_add), split K at 3 rows.
     With cuBLAS the layers run their add + norm kernels."""
-    calls = Counter()
-    tiles = []
-
-    def count(name: str) -> None:
-        fn = getattr(layers, name)
-
-        def counted(*args, **kwargs):
-            calls[name] += 1
-            tiles.append(kwargs["tile"])
-            return fn(*args, **kwargs)
-
-        monkeypatch.setattr(layers, name, counted)
-
-    for name in ("linear", "linear_add", "linear_norm"):
-        count(name)
-    norm_kernels = Counter()
-    for name in ("rms_norm_fused", "add_rms_norm_fused"):
-        fn = getattr(layers, name)
-        monkeypatch.setattr(
-            layers, name, lambda *a, _fn=fn, _n=name, **k: norm_kernels.update([_n]) or _fn(*a, **k)
-        )
+    calls, norm_kernels, tiles = Counter(), Counter(), []
+    count_calls(monkeypatch, layers, ("linear", "linear_add", "linear_norm"), calls, tiles)
+    count_calls(monkeypatch, layers, ("rms_norm_fused", "add_rms_norm_fused"), norm_kernels)
     logits, counts, norms = [], [], []
     for triton_linear in (False, True):
         model, config = load_model(
@@ -206,14 +205,12 @@ def test_llama_triton_linear_matches_cublas_path(preset, dtype, monkeypatch):
         if model.fold_norms:  # folded at load, before the perturbation: fold the new gammas
             for layer in model.model.layers:
                 layer.fold_norms()
-        calls.clear(), tiles.clear(), norm_kernels.clear()
+        for record in (calls, tiles, norm_kernels):
+            record.clear()
         logits.append(run_prefill_and_decode(model, config, [5, 17, 9]))
         counts.append(calls.copy())
         norms.append(norm_kernels.copy())
-    (p0, d0), (p1, d1) = logits
-    tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.float16 else dict(atol=0.15, rtol=0.1)
-    torch.testing.assert_close(p1.float(), p0.float(), **tol)
-    torch.testing.assert_close(d1.float(), d0.float(), **tol)
+    assert_same_logits(logits, dtype)
     num_layers = config.num_layers
     assert counts[0] == {}
     assert norms[0] == {"rms_norm_fused": 2, "add_rms_norm_fused": 2 * (2 * num_layers)}
