@@ -187,7 +187,8 @@ class ModelRunner:
         self.step_inputs.fill_padding(self.parity)
         if self.use_cuda_graphs:
             self._capture_graphs()
-        self.warm_up()
+        if self.device.type == "cuda":  # the CPU loads nothing lazily (gpt2 there: 1 s for nothing)
+            self.warm_up()
 
     # ---- one step -------------------------------------------------------------
     @torch.inference_mode()
