@@ -269,7 +269,7 @@ def _launch(
         out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     assert out.shape == (num_rows, n) and out.dtype == x.dtype, "out: [M, N], x.dtype"
     assert out.stride(1) == 1, "the last dim of out must be contiguous"
-    tile = tile or choose_tile(num_rows, n, k) or Tile(64, 64, 64, 4, 4)
+    tile = tile or choose_tile(num_rows, n, k, weight_is_kn=weight_is_kn) or Tile(64, 64, 64, 4, 4)
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(num_rows, tile.block_m), tile.split_k)
     stats = None
     if stats_out:
