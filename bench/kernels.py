@@ -241,8 +241,7 @@ def bench_decode(
     gbps = kv_bytes / us / 1e3
     row = {
         "shape": shape.name, "B": batch, "ctx": context, "splits": splits,
-        "tile": _tile_name(launch, tiles), "heads": launch.get("heads_per_program") or tiles.heads,
-        "us": us, "GB/s": gbps,
+        "tile": _tile_name(launch, tiles), "us": us, "GB/s": gbps,
         "%copy": 100 * gbps / copy_gbps,
     }  # fmt: skip
     if splits > 1:
@@ -257,13 +256,11 @@ def bench_decode(
 
 
 def _tile_name(launch: dict, tiles) -> str:
-    """block_n/num_warps/num_stages[/kv heads per program] as launched, e.g. '64/4w/2s',
-    '32/4w/2s/2h'."""
+    """block_n/num_warps/num_stages as launched, e.g. '64/4w/2s'."""
     n = launch.get("block_n") or tiles.block_n
     w = launch.get("num_warps") or tiles.num_warps
     s = launch.get("num_stages") or tiles.num_stages
-    h = launch.get("heads_per_program") or tiles.heads
-    return f"{n}/{w}w/{s}s" + (f"/{h}h" if h > 1 else "")
+    return f"{n}/{w}w/{s}s"
 
 
 APPEND_BATCHES = [1, 4, 16, 64, 256, 1024, 4096]
@@ -275,24 +272,20 @@ TUNE_PROGRAMS_PER_SM = (1, 2, 4, 8, 16)
 TUNE_BLOCK_N = (32, 64, 128)
 TUNE_NUM_WARPS = (2, 4, 8)
 TUNE_NUM_STAGES = (1, 2, 3)
-TUNE_HEADS = (1, 2, 4)  # kv heads per program
 
 
-def tune_tiles(head_dim: int, num_kv_heads: int) -> list[tuple[int, int, int, int]]:
-    """(block_n, num_warps, num_stages, kv heads per program) with 16..128 K-tile elements
-    per thread."""
+def tune_tiles(head_dim: int) -> list[tuple[int, int, int]]:
+    """(block_n, num_warps, num_stages) with 16..128 K-tile elements per thread."""
     return [
-        (n, w, s, h)
-        for n, w, s, h in itertools.product(
-            TUNE_BLOCK_N, TUNE_NUM_WARPS, TUNE_NUM_STAGES, TUNE_HEADS
-        )
-        if 16 <= n * head_dim * h // (32 * w) <= 128 and num_kv_heads % h == 0
+        (n, w, s)
+        for n, w, s in itertools.product(TUNE_BLOCK_N, TUNE_NUM_WARPS, TUNE_NUM_STAGES)
+        if 16 <= n * head_dim // (32 * w) <= 128
     ]
 
 
 def tune_splits(shape: Shape, batch: int, context: int, sms: int) -> list[int]:
     """Split counts giving ~TUNE_PROGRAMS_PER_SM programs per SM (>= 32 tokens per split)."""
-    base = batch * shape.num_kv_heads  # programs in one pass, one kv head each
+    base = batch * shape.num_kv_heads
     cap = min(128, max(1, context // 32))
     counts = {min(cap, max(1, -(-p * sms // base))) for p in TUNE_PROGRAMS_PER_SM}
     if batch >= 8:
@@ -312,10 +305,8 @@ def tune_decode(
         default = bench_decode(shape, batch, context, copy_gbps)
         rows = [default]
         for splits in tune_splits(shape, batch, context, sms):
-            for n, w, s, h in tune_tiles(shape.head_dim, shape.num_kv_heads):
-                launch = dict(
-                    num_splits=splits, block_n=n, num_warps=w, num_stages=s, heads_per_program=h
-                )
+            for n, w, s in tune_tiles(shape.head_dim):
+                launch = dict(num_splits=splits, block_n=n, num_warps=w, num_stages=s)
                 try:
                     rows.append(bench_decode(shape, batch, context, copy_gbps, **launch))
                 except Exception as exc:  # a config that fails to compile or launch is skipped
@@ -324,7 +315,7 @@ def tune_decode(
         best_rows.append(best | {
             "default_splits": default["splits"], "default_tile": default["tile"],
             "default_us": default["us"], "default_%copy": default["%copy"],
-            "programs_per_sm": best["splits"] * batch * shape.num_kv_heads / best["heads"] / sms,
+            "programs_per_sm": best["splits"] * batch * shape.num_kv_heads / sms,
             "speedup_vs_default": default["us"] / best["us"],
         })  # fmt: skip
         top = sorted(rows, key=lambda r: r["us"])[:5]
@@ -350,10 +341,9 @@ def print_tune_advice(best_rows: list[dict], shapes: list[Shape], sms: int) -> N
             r = by_case.get((shape.name, batch, context))
             if r is None:
                 continue
-            n, w, s, *h = (int(x.rstrip("wsh")) for x in r["tile"].split("/"))
+            n, w, s = (int(x.rstrip("ws")) for x in r["tile"].split("/"))
             print_now(f"{table}[{shape.head_dim}] = DecodeTiles(block_n={n}, num_warps={w}, "
-                      f"num_stages={s}, heads={h[0] if h else 1})  # {shape.name} B={batch} "
-                      f"ctx={context}: splits "
+                      f"num_stages={s})  # {shape.name} B={batch} ctx={context}: splits "
                       f"{r['splits']}, {r['us']:.1f} us, {r['%copy']:.0f}% of copy "
                       f"(default {r['default_us']:.1f} us, {r['default_%copy']:.0f}%)")  # fmt: skip
     for r in best_rows:

@@ -1,12 +1,9 @@
 """Triton paged decode attention (one query token per sequence), GQA and split-KV.
 
-A program owns one (sequence, kv heads, split): it loads the query rows of every
-query head that shares its kv heads (padded to 16 rows for tl.dot), walks its
+A program owns one (sequence, kv head, split): it loads the query rows of every
+query head that shares the kv head (padded to 16 rows for tl.dot), walks its
 share of the context in tiles of BLOCK_N tokens gathered through the block
-table, and keeps an online softmax in float32. A program may take several
-adjacent kv heads (DecodeTiles.heads): their tiles sit side by side, one
-contiguous run of the cache per token, and each query row keeps only its own
-head's products. With one split it writes the
+table, and keeps an online softmax in float32. With one split it writes the
 output; with several (flash-decoding) it writes a partial output and its
 log-sum-exp, and a second small kernel (merge_splits) merges the splits.
 Given the step's new K/V (k_new / v_new), the program holding a row's newest
@@ -63,13 +60,10 @@ class DecodeTiles:
     block_n: int  # tokens per tile
     num_warps: int
     num_stages: int  # software-pipelining depth over the tile loop
-    heads: int = 1  # kv heads per program, side by side in its tiles
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n must be a power of 2 >= 16, got {self.block_n}")
-        if self.heads < 1 or self.heads & (self.heads - 1):
-            raise ValueError(f"heads must be a power of 2 >= 1, got {self.heads}")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"bad num_warps/num_stages: {self.num_warps}/{self.num_stages}")
 
@@ -162,14 +156,14 @@ def _decode_kernel(
     stride_bt,
     stride_out_row, stride_out_head,
     stride_new_row, stride_new_head,
-    GROUP: tl.constexpr, HEADS: tl.constexpr, ROWS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     APPEND: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)  # kernels.pdl: the merge (or next) kernel launches while this one runs
     # The heads of one row are adjacent programs: a token's K (or V) for all kv heads is
     # one contiguous run of the cache, so programs running together read it together.
-    kv_head0 = tl.program_id(0) * HEADS  # this program's first kv head
+    kv_head = tl.program_id(0)
     row = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(context_lens_ptr + row)
@@ -182,46 +176,40 @@ def _decode_kernel(
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx_len)
 
-    # HEADS kv heads side by side: column c is dim c % HEAD_DIM of kv head c // HEAD_DIM,
-    # and query row r (a query head of kv head r // GROUP) holds its q in that head's
-    # columns only, zeros elsewhere. So q @ K^T gives each row its own head's scores, and
-    # of P @ V each row keeps its own head's columns (`own`).
-    r = tl.arange(0, ROWS_PAD)  # [ROWS_PAD] query head, counted from this program's first
-    c = tl.arange(0, HEADS * HEAD_DIM)
-    c_head = c // HEAD_DIM
-    d = c % HEAD_DIM
-    head = kv_head0 * GROUP + r
-    own = (c_head[None, :] == (r // GROUP)[:, None]) & (r < GROUP * HEADS)[:, None]
+    g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD] query head within the group
+    d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + g
+    g_mask = g < GROUP
     q_ptrs = q_ptr + row * stride_q_row + head[:, None] * stride_q_head + d[None, :]
-    q = tl.load(q_ptrs, mask=own, other=0.0)  # [ROWS_PAD, HEADS * HEAD_DIM]
+    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
 
-    m_i = tl.full([ROWS_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([ROWS_PAD], dtype=tl.float32)
-    acc = tl.zeros([ROWS_PAD, HEADS * HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     n = tl.arange(0, BLOCK_N)
-    col_off = (kv_head0 + c_head) * stride_cache_head + d  # [HEADS * HEAD_DIM]
+    head_off = kv_head * stride_cache_head
     if APPEND:
         # The split holding the newest token (position ctx_len - 1) writes it to the cache
         # first; the barrier makes the write visible to this program's own loads below.
         # No other program reads that position.
         last = ctx_len - 1
         if (start <= last) & (last < end):
-            new_off = row * stride_new_row + (kv_head0 + c_head) * stride_new_head + d
+            new_off = row * stride_new_row + kv_head * stride_new_head + d  # [HEAD_DIM]
             block = tl.load(bt_row + last // BLOCK_SIZE).to(tl.int64)
-            dst = block * stride_cache_block + (last % BLOCK_SIZE) * stride_cache_slot + col_off
-            tl.store(k_cache_ptr + dst, tl.load(k_new_ptr + new_off))
-            tl.store(v_cache_ptr + dst, tl.load(v_new_ptr + new_off))
+            dst = block * stride_cache_block + (last % BLOCK_SIZE) * stride_cache_slot + head_off
+            tl.store(k_cache_ptr + dst + d, tl.load(k_new_ptr + new_off))
+            tl.store(v_cache_ptr + dst + d, tl.load(v_new_ptr + new_off))
         tl.debug_barrier()
     for tile_start in range(start, end, BLOCK_N):
         tok = tile_start + n  # [BLOCK_N]
         tok_mask = tok < end
         block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
-        tok_off = block * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_slot
-        kv_off = tok_off[:, None] + col_off[None, :]  # [BLOCK_N, HEADS * HEAD_DIM]
+        tok_off = block * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_slot + head_off
+        kv_off = tok_off[:, None] + d[None, :]  # [BLOCK_N, HEAD_DIM]
         # V is loaded with K (not after the softmax) so both tiles are in flight together.
         k = tl.load(k_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
-        # [ROWS_PAD, BLOCK_N] scores in the log2 domain
+        # [GROUP_PAD, BLOCK_N] scores in the log2 domain
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(tok_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -235,15 +223,14 @@ def _decode_kernel(
         # Empty split: l_i == 0, m_i == -inf -> partial 0 with lse -inf.
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain
-        num_heads = tl.num_programs(0) * HEADS * GROUP
-        part_row = (row * num_heads + head) * num_splits + split  # [ROWS_PAD]
-        tl.store(part_lse_ptr + part_row, lse, mask=r < GROUP * HEADS)
+        part_row = (row * tl.num_programs(0) * GROUP + head) * num_splits + split  # [GROUP_PAD]
+        tl.store(part_lse_ptr + part_row, lse, mask=g_mask)
         part_ptrs = part_out_ptr + part_row[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
-        tl.store(part_ptrs, acc / l_safe[:, None], mask=own)
+        tl.store(part_ptrs, acc / l_safe[:, None], mask=g_mask[:, None])
     else:
         out = acc / l_i[:, None]
         out_ptrs = out_ptr + row * stride_out_row + head[:, None] * stride_out_head + d[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=own)
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit
@@ -284,7 +271,6 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    heads_per_program: int | None = None,
     k_new: torch.Tensor | None = None,  # [B, num_kv_heads, head_dim]
     v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
@@ -300,10 +286,8 @@ def paged_decode_attention(
     head_dim contiguous in q, out and the caches; fp16/bf16/fp32 (accumulated in
     fp32). Launch parameters left None come from choose_decode_launch, with
     max_context_len (default: the block table width * block_size) as the length
-    hint; explicit num_splits / block_n / num_warps / num_stages / heads_per_program
-    override them (the tile defaults then follow the given num_splits).
-    heads_per_program kv heads share a program, their tiles side by side; it must
-    divide num_kv_heads. workspace: optional
+    hint; explicit num_splits / block_n / num_warps / num_stages override them
+    (the tile defaults then follow the given num_splits). workspace: optional
     (partial_out [B*num_heads*num_splits*head_dim] fp32, partial_lse
     [B*num_heads*num_splits] fp32) for the split path; allocated per call when
     absent. Never reads device data on the host.
@@ -330,15 +314,13 @@ def paged_decode_attention(
         launch = DecodeLaunch(num_splits, default_tiles(head_dim, split=num_splits > 1))
     num_splits, tiles = launch.num_splits, launch.tiles
     group = num_heads // num_kv_heads
-    heads = heads_per_program or tiles.heads
-    assert num_kv_heads % heads == 0, "heads_per_program must divide num_kv_heads"
     split = num_splits > 1
     if split:
         part_out, part_lse = workspace or _workspace(num_rows, num_heads, num_splits, head_dim, q)
     else:
         part_out = part_lse = out
     new = (k_new, v_new) if append else (q, q)
-    _decode_kernel[(num_kv_heads // heads, num_rows, num_splits)](
+    _decode_kernel[(num_kv_heads, num_rows, num_splits)](
         q, k_cache, v_cache, block_table, slot_mapping, context_lens,
         out, part_out, part_lse, *new,
         scale * _LOG2E, num_splits,
@@ -347,8 +329,7 @@ def paged_decode_attention(
         block_table.stride(0),
         out.stride(0), out.stride(1),
         new[0].stride(0), new[0].stride(1),
-        GROUP=group, HEADS=heads,
-        ROWS_PAD=max(_MIN_QUERY_ROWS, triton.next_power_of_2(group * heads)),
+        GROUP=group, GROUP_PAD=max(_MIN_QUERY_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n or tiles.block_n, SPLIT=split,
         APPEND=append, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps or tiles.num_warps, num_stages=num_stages or tiles.num_stages,

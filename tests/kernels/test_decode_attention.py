@@ -187,25 +187,6 @@ def test_decode_tile_overrides(block_n, num_splits, device):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("heads,group", [(2, 1), (4, 1), (2, 2)])
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("append", [False, True])
-def test_decode_several_kv_heads_per_program(heads, group, num_splits, append, device):
-    """Each query row keeps only its own kv head's scores and values: a program that mixed
-    heads (or wrote another head's columns) would differ from the reference."""
-    _run_case(
-        torch.float16, 4 * group, 4, 64, 16, [1, 17, 130], num_splits, device,
-        seed=heads * 10 + group, append=append, heads_per_program=heads,
-    )  # fmt: skip
-
-
-def test_decode_heads_per_program_must_divide_kv_heads(device):
-    with pytest.raises(AssertionError, match="heads_per_program"):
-        _run_case(torch.float16, 6, 6, 64, 16, [5], 1, device, heads_per_program=4)
-    with pytest.raises(ValueError, match="heads"):
-        DecodeTiles(block_n=32, num_warps=2, num_stages=2, heads=3)
-
-
 def test_choose_num_splits_one_pass_when_grid_fills_gpu():
     assert choose_num_splits(256, 8, 1024, 132) == 1
     assert choose_num_splits(64, 12, 8192, 132) == 1
