@@ -245,7 +245,9 @@ def bench_decode(
         "%copy": 100 * gbps / copy_gbps,
     }  # fmt: skip
     if splits > 1:
-        row["merge_us"] = graph_time_us([lambda: merge_splits(*workspace, out, splits)])
+        row["merge_us"] = graph_time_us(
+            [lambda: merge_splits(*workspace, out, splits, context_lens)]
+        )
     if do_bench:
         row["do_bench_us"] = do_bench_us(fns)
     if peer:
