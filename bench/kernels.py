@@ -245,9 +245,7 @@ def bench_decode(
         "%copy": 100 * gbps / copy_gbps,
     }  # fmt: skip
     if splits > 1:
-        row["merge_us"] = graph_time_us(
-            [lambda: merge_splits(*workspace, out, splits, context_lens)]
-        )
+        row["merge_us"] = graph_time_us([lambda: merge_splits(*workspace, out, splits)])
     if do_bench:
         row["do_bench_us"] = do_bench_us(fns)
     if peer:

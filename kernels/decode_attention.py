@@ -157,7 +157,7 @@ def _decode_kernel(
     stride_out_row, stride_out_head,
     stride_new_row, stride_new_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     APPEND: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)  # kernels.pdl: the merge (or next) kernel launches while this one runs
@@ -170,15 +170,11 @@ def _decode_kernel(
     slot = tl.load(slot_mapping_ptr + row).to(tl.int64)
     bt_row = block_table_ptr + slot * stride_bt
 
-    # The row's own split count, from its actual length: at most num_splits (the grid's),
-    # each split at least MIN_SPLIT tokens. Splits past it have nothing to do, and a row of
-    # one split writes its output here, with nothing left for the merge.
-    row_splits = tl.minimum(tl.maximum(tl.cdiv(ctx_len, MIN_SPLIT), 1), num_splits)
     # Each split covers a whole number of tiles of this sequence's actual length.
     tiles = tl.cdiv(ctx_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(tiles, row_splits)
+    tiles_per_split = tl.cdiv(tiles, num_splits)
     start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx_len)  # start >= end past them
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx_len)
 
     g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD] query head within the group
     d = tl.arange(0, HEAD_DIM)
@@ -224,49 +220,40 @@ def _decode_kernel(
         m_i = m_new
 
     if SPLIT:
-        # Empty split (past the row's tiles): l_i == 0, m_i == -inf -> partial 0 with lse
-        # -inf. Splits past row_splits write nothing: the merge reads row_splits of them.
+        # Empty split: l_i == 0, m_i == -inf -> partial 0 with lse -inf.
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain
         part_row = (row * tl.num_programs(0) * GROUP + head) * num_splits + split  # [GROUP_PAD]
-        parts = g_mask & (split < row_splits) & (row_splits > 1)
-        tl.store(part_lse_ptr + part_row, lse, mask=parts)
+        tl.store(part_lse_ptr + part_row, lse, mask=g_mask)
         part_ptrs = part_out_ptr + part_row[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
-        tl.store(part_ptrs, acc / l_safe[:, None], mask=parts[:, None])
-        whole = g_mask & (row_splits == 1) & (split == 0)
+        tl.store(part_ptrs, acc / l_safe[:, None], mask=g_mask[:, None])
     else:
-        whole = g_mask
-    out = acc / tl.where(whole, l_i, 1.0)[:, None]
-    out_ptrs = out_ptr + row * stride_out_row + head[:, None] * stride_out_head + d[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=whole[:, None])
+        out = acc / l_i[:, None]
+        out_ptrs = out_ptr + row * stride_out_row + head[:, None] * stride_out_head + d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit
 def _merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, context_lens_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr,
     num_heads, num_splits,
     stride_out_row, stride_out_head,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM_BLOCK: tl.constexpr,
-    MIN_SPLIT: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)  # launched early (kernels.pdl): waits here for the split kernel
     row = tl.program_id(0)
     head = tl.program_id(1)
-    # The row's split count, as the split kernel took it; one split wrote the output.
-    ctx_len = tl.load(context_lens_ptr + row)
-    row_splits = tl.minimum(tl.maximum(tl.cdiv(ctx_len, MIN_SPLIT), 1), num_splits)
-    if row_splits > 1:
-        s = tl.arange(0, SPLITS_PAD)
-        d = tl.program_id(2) * DIM_BLOCK + tl.arange(0, DIM_BLOCK)
-        s_mask = s < row_splits
-        base = (row * num_heads + head) * num_splits
-        lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))
-        w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 is never empty, so max is finite
-        part_ptrs = part_out_ptr + (base + s)[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
-        part = tl.load(part_ptrs, mask=s_mask[:, None], other=0.0)  # [SPLITS_PAD, DIM_BLOCK]
-        out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
-        out_ptrs = out_ptr + row * stride_out_row + head * stride_out_head + d
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.program_id(2) * DIM_BLOCK + tl.arange(0, DIM_BLOCK)
+    s_mask = s < num_splits
+    base = (row * num_heads + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))  # [SPLITS_PAD]
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 is never empty, so max is finite
+    part_ptrs = part_out_ptr + (base + s)[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
+    part = tl.load(part_ptrs, mask=s_mask[:, None], other=0.0)  # [SPLITS_PAD, DIM_BLOCK]
+    out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+    out_ptrs = out_ptr + row * stride_out_row + head * stride_out_head + d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_decode_attention(
@@ -344,12 +331,12 @@ def paged_decode_attention(
         new[0].stride(0), new[0].stride(1),
         GROUP=group, GROUP_PAD=max(_MIN_QUERY_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n or tiles.block_n, SPLIT=split,
-        MIN_SPLIT=MIN_TOKENS_PER_SPLIT, APPEND=append, DOT_PRECISION=dot_precision(q.dtype),
+        APPEND=append, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps or tiles.num_warps, num_stages=num_stages or tiles.num_stages,
         **pdl_launch(q.device),
     )  # fmt: skip
     if split:
-        merge_splits(part_out, part_lse, out, num_splits, context_lens)
+        merge_splits(part_out, part_lse, out, num_splits)
     return out
 
 
@@ -358,11 +345,8 @@ def merge_splits(
     part_lse: torch.Tensor,  # [B * num_heads * num_splits] fp32, log2 domain
     out: torch.Tensor,  # [B, num_heads, head_dim]
     num_splits: int,
-    context_lens: torch.Tensor,  # [B]: the lengths the split kernel ran with
 ) -> None:
     """Combine split partials into out: one program per (row, head, 32-wide slice of head_dim).
-    A row's split count follows its length as in the split kernel (at most num_splits,
-    each at least MIN_TOKENS_PER_SPLIT tokens); a row of one split is left as it is.
 
     At B=1 this is a latency-bound kernel: slicing head_dim gives it 2-4x more
     programs, each loading all splits of its slice at once (every program reloads
@@ -372,10 +356,8 @@ def merge_splits(
     splits_pad = triton.next_power_of_2(num_splits)
     dim_block = min(head_dim, MERGE_DIM_BLOCK)
     _merge_kernel[(num_rows, num_heads, head_dim // dim_block)](
-        part_out, part_lse, out, context_lens, num_heads, num_splits,
-        out.stride(0), out.stride(1),
+        part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, DIM_BLOCK=dim_block,
-        MIN_SPLIT=MIN_TOKENS_PER_SPLIT,
         num_warps=max(1, min(8, splits_pad * dim_block // (32 * 64))),
         **pdl_launch(out.device),
     )  # fmt: skip

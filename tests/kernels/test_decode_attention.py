@@ -7,7 +7,6 @@ import random
 import pytest
 import torch
 
-from kernels import decode_attention
 from kernels import reference as ref
 from kernels.decode_attention import (
     DecodeTiles,
@@ -174,29 +173,9 @@ def test_decode_ragged_batch(num_splits, device):
     _run_case(torch.float16, 4, 2, 64, 16, [1, 300, 17, 64, 2], num_splits, device, seed=3)
 
 
-def test_decode_many_splits(device, monkeypatch):
+def test_decode_many_splits(device):
     """33 splits (merge pads to 64) over a context of 35 tiles of 16 tokens."""
-    monkeypatch.setattr(decode_attention, "MIN_TOKENS_PER_SPLIT", 16)
     _run_case(torch.float32, 2, 1, 64, 16, [560, 40], 33, device, block_n=16)
-
-
-@pytest.mark.parametrize("min_split", [16, 128])
-def test_each_row_splits_by_its_own_length(min_split, device, monkeypatch):
-    """A row takes cdiv(length, MIN_TOKENS_PER_SPLIT) splits, at most the launch's: one
-    split writes the output itself and the merge leaves it; the merge reads only the
-    splits a row wrote (the workspace starts as NaN, so reading any other shows)."""
-    monkeypatch.setattr(decode_attention, "MIN_TOKENS_PER_SPLIT", min_split)
-    num_rows, num_heads, head_dim, num_splits = 5, 4, 64, 6
-    parts = num_rows * num_heads * num_splits
-    workspace = (
-        torch.full((parts * head_dim,), float("nan"), device=device),
-        torch.full((parts,), float("nan"), device=device),
-    )
-    # lengths of 1, 2, 3 and 6 (capped) splits of 16 tokens; of 1, 1, 2, 3, 6 of 128
-    _run_case(
-        torch.float16, num_heads, 2, head_dim, 16, [5, 30, 200, 330, 900], num_splits, device,
-        seed=min_split, workspace=workspace, append=True,
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize("block_n", [16, 32, 128])
