@@ -5,8 +5,8 @@
 
 For each linear layer of a model (its weight layout and dtype: GPT-2's Conv1D
 [K, N] in fp16, a Llama-family nn.Linear [N, K] in bf16) and each batch of rows,
-it times torch (addmm / F.linear, plus the separate GELU where the model has one)
-and kernels.linear: the tile choose_tile picks, and the best of a sweep (tiles
+it times torch (addmm / F.linear, plus the separate GELU, or SiLU(gate) * up, where
+the model has one) and kernels.linear: the tile choose_tile picks, and the best of a sweep (tiles
 first at 4 warps / 4 stages, then split K over the four best, then warps x
 stages around the two best tiles).
 Times are CUDA-graph-timed over rotating copies of x and W that together exceed
@@ -36,7 +36,7 @@ from bench.common import machine_description, markdown_table, write_json
 from bench.kernels import graph_time_us, num_copies, print_now
 from kernels.layer_norm import fused_add_layer_norm
 from kernels.linear import fold_layer_norm, linear, linear_add, linear_norm, linear_ref
-from kernels.linear_tiles import Tile, choose_tile
+from kernels.linear_tiles import Tile, choose_tile, gated_tile
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,8 @@ GEMMS = {
         Gemm("qwen3-0.6b", "qkv_proj", 1024, 4096, torch.bfloat16, False),
         Gemm("qwen3-0.6b", "o_proj", 2048, 1024, torch.bfloat16, False),
         Gemm("qwen3-0.6b", "gate_up_proj", 1024, 6144, torch.bfloat16, False),
+        # the folded decode path's launch: SiLU(gate) * up in the epilogue, [M, 3072] out
+        Gemm("qwen3-0.6b", "gate_up+silu", 1024, 6144, torch.bfloat16, False, "silu_mul"),
         Gemm("qwen3-0.6b", "down_proj", 3072, 1024, torch.bfloat16, False),
     ],
 }
@@ -78,7 +80,8 @@ def _inputs(gemm: Gemm, rows: int, gen: torch.Generator) -> list[tuple]:
         x = (torch.randn(rows, gemm.k, generator=gen) * 0.5).to(gemm.dtype).cuda()
         w = (torch.randn(*shape_w, generator=gen) / gemm.k**0.5).to(gemm.dtype).cuda()
         bias = (torch.randn(gemm.n, generator=gen) * 0.1).to(gemm.dtype).cuda()
-        out = torch.empty(rows, gemm.n, dtype=gemm.dtype, device="cuda")
+        out_cols = gemm.n // 2 if gemm.activation == "silu_mul" else gemm.n
+        out = torch.empty(rows, out_cols, dtype=gemm.dtype, device="cuda")
         copies.append((x, w, bias, out))
     return copies
 
@@ -86,6 +89,9 @@ def _inputs(gemm: Gemm, rows: int, gen: torch.Generator) -> list[tuple]:
 def _torch_fn(gemm: Gemm, x, w, bias, out):
     def call():
         y = torch.addmm(bias, x, w) if gemm.weight_is_kn else F.linear(x, w, bias)
+        if gemm.activation == "silu_mul":
+            gate, up = y.chunk(2, dim=1)
+            return F.silu(gate) * up
         return F.gelu(y, approximate="tanh") if gemm.activation == "gelu_tanh" else y
 
     return call
@@ -141,6 +147,8 @@ def bench_gemm(gemm: Gemm, rows: int, gen: torch.Generator) -> dict:
                 times[tile] = us
     best = min(times, key=times.get)
     chosen = choose_tile(rows, gemm.n, gemm.k, weight_is_kn=gemm.weight_is_kn)
+    if chosen is not None and gemm.activation == "silu_mul":  # as layers.Projection takes it
+        chosen = gated_tile(chosen, gemm.dtype.itemsize)
     if chosen not in times:
         times[chosen] = _time_tile(gemm, chosen, copies) or float("nan")
     weight_bytes = gemm.k * gemm.n * 2

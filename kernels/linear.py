@@ -39,6 +39,16 @@ An RMSNorm (the Llama family) folds the same way with neither mean term nor beta
 (`fold_rms_norm`): rms_norm(x) @ W + b = rstd * (x @ (gamma * W)) + b, its rstd from
 the mean square, which is the merged variance plus the squared mean.
 
+The Llama family's gated MLP rides on its gate_up projection too (activation
+"silu_mul"): W's 2I output columns are gate then up, and a program of output columns
+n0..n0+BN keeps two accumulators over one K loop, the same x tile against W's columns
+n0.. (gate) and I+n0.. (up). The norm's epilogue and the bias (b[n] and b[I+n]) apply
+to each, then silu(gate) * up in float32 and the one rounding: the output has I
+columns, and no silu_and_mul launch reads the [M, 2I] product back. Two W tiles per
+stage take more shared memory, so the tile is the table's for the [2I, K] weight with
+half its columns, the stages cut where they would not fit (kernels.linear_tiles.gated_tile).
+Split K works as above, each slice's partial row holding both halves.
+
 `choose_tile(M, N, K)` (kernels.linear_tiles) is the tile table, measured on an
 H200 by bench.gemm; `linear` uses it unless a tile is given (the benchmark's sweep gives one). On
 Hopper the kernel takes part in the decode step's launch overlap (kernels.pdl),
@@ -56,11 +66,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear_tiles import Tile, choose_tile
+from kernels.linear_tiles import Tile, choose_tile, gated_tile
 from kernels.pdl import pdl_launch, pdl_prologue
 
 _DTYPES = (torch.float16, torch.bfloat16)
-ACTIVATIONS = ("none", "gelu_tanh")
+ACTIVATIONS = ("none", "gelu_tanh", "silu_mul")
 
 
 @triton.jit
@@ -76,8 +86,9 @@ def _linear_kernel(
     residual_ptr, stats_out_ptr, stats_in_ptr, colsum_ptr, eps,
     num_rows, N, K, stride_xm, stride_wk, stride_wn, stride_om, stride_rm,
     num_norm_tiles, norm_tile_cols,
-    HAS_BIAS: tl.constexpr, GELU_TANH: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-    STATS_OUT: tl.constexpr, NORM_TILES_P2: tl.constexpr, RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GELU_TANH: tl.constexpr, GATED: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr, STATS_OUT: tl.constexpr, NORM_TILES_P2: tl.constexpr,
+    RMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -99,6 +110,8 @@ def _linear_kernel(
         tile_m2 = tl.load(stats_ptrs + 1, mask=stats_mask, other=0.0)
         if not RMS:
             colsum = tl.load(colsum_ptr + cols, mask=col_mask, other=0.0)
+            if GATED:
+                colsum_up = tl.load(colsum_ptr + N + cols, mask=col_mask, other=0.0)
     # This program's K slice: whole BLOCK_K steps, so only the end of K is masked.
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_begin = pid_k * k_per_split
@@ -107,28 +120,42 @@ def _linear_kernel(
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
     w_ptrs = w_ptr + ks[:, None] * stride_wk + cols.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:  # W's columns N + cols: the up half, on the same x tile
+        w_up_ptrs = w_ptr + ks[:, None] * stride_wk + (cols + N).to(tl.int64)[None, :] * stride_wn
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_mask = (k0 - k_begin + ks) < K
+        w_mask = k_mask[:, None] & col_mask[None, :]
         a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
+        if GATED:
+            up = tl.dot(a, tl.load(w_up_ptrs, mask=w_mask, other=0.0), up)
+            w_up_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     writes = row_mask  # the rows this program writes: all, or none but for split K's last
     if SPLIT_K > 1:
-        partial_ptrs = partial_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
-        tl.store(partial_ptrs + pid_k * num_rows * N, acc, mask=row_mask[:, None] & col_mask)
+        # A partial row holds the N gate columns, then, gated, the N up columns.
+        partial_cols = 2 * N if GATED else N
+        partial_ptrs = partial_ptr + rows.to(tl.int64)[:, None] * partial_cols + cols[None, :]
+        own_ptrs = partial_ptrs + pid_k * num_rows * partial_cols
+        tl.store(own_ptrs, acc, mask=row_mask[:, None] & col_mask)
+        if GATED:
+            tl.store(own_ptrs + N, up, mask=row_mask[:, None] & col_mask)
         tl.debug_barrier()  # every thread's partial is written before the release below
         semaphore = semaphore_ptr + pid_m * tl.num_programs(0) + pid_n
         last = tl.atomic_add(semaphore, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
         tl.debug_barrier()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if GATED:
+            up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         writes = writes & last  # the others are done: only the last one goes on
         for split in tl.static_range(SPLIT_K):  # slice order: a deterministic sum
-            acc += tl.load(
-                partial_ptrs + split * num_rows * N, mask=writes[:, None] & col_mask[None, :],
-                other=0.0, cache_modifier=".cg",
-            )  # fmt: skip
+            split_ptrs = partial_ptrs + split * num_rows * partial_cols
+            split_mask = writes[:, None] & col_mask[None, :]
+            acc += tl.load(split_ptrs, mask=split_mask, other=0.0, cache_modifier=".cg")
+            if GATED:
+                up += tl.load(split_ptrs + N, mask=split_mask, other=0.0, cache_modifier=".cg")
         tl.store(semaphore, 0, mask=last)  # zero again for the next launch
     out_mask = writes[:, None] & col_mask[None, :]
     if NORM_TILES_P2 > 0:
@@ -141,15 +168,24 @@ def _linear_kernel(
         spread = tile_mean - mean[:, None]
         m2 = tl.sum(tile_m2 + counts[None, :] * spread * spread, axis=1)
         if RMS:  # the mean square is the variance plus the squared mean
-            acc = tl.math.rsqrt(m2 / K + mean * mean + eps)[:, None] * acc
+            rstd = tl.math.rsqrt(m2 / K + mean * mean + eps)
+            acc = rstd[:, None] * acc
+            if GATED:
+                up = rstd[:, None] * up
         else:
             rstd = tl.math.rsqrt(m2 / K + eps)
             acc = rstd[:, None] * (acc - mean[:, None] * colsum[None, :])
+            if GATED:
+                up = rstd[:, None] * (up - mean[:, None] * colsum_up[None, :])
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if GELU_TANH:
         inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
         acc = 0.5 * acc * (1.0 + _tanh(inner))
+    if GATED:  # silu(gate) * up in float32, rounded once below
+        acc = acc / (1.0 + tl.exp(-acc)) * up
     y = acc.to(out_ptr.dtype.element_ty)
     if ADD_RESIDUAL:  # the rounded product plus the residual, rounded again: torch's add
         res_ptrs = residual_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :]
@@ -259,17 +295,23 @@ def _launch(
     num_rows, k = x.shape
     if weight_is_kn:
         assert weight.shape[0] == k, "weight must be [K, N]"
-        n, stride_wk, stride_wn = weight.shape[1], weight.stride(0), weight.stride(1)
+        weight_cols, stride_wk, stride_wn = weight.shape[1], weight.stride(0), weight.stride(1)
     else:
         assert weight.shape[1] == k, "weight must be [N, K]"
-        n, stride_wk, stride_wn = weight.shape[0], weight.stride(1), weight.stride(0)
+        weight_cols, stride_wk, stride_wn = weight.shape[0], weight.stride(1), weight.stride(0)
     if bias is not None:
-        assert bias.shape == (n,) and bias.is_contiguous(), "bias must be [N], contiguous"
+        assert bias.shape == (weight_cols,) and bias.is_contiguous(), "bias must be [N], contiguous"
+    gated = activation == "silu_mul"
+    assert not gated or weight_cols % 2 == 0, "silu_mul: W's N must be 2 * I, gate then up"
+    n = weight_cols // 2 if gated else weight_cols  # the output's columns
+    if tile is None:
+        tile = choose_tile(num_rows, weight_cols, k, weight_is_kn=weight_is_kn)
+        tile = tile or Tile(64, 64, 64, 4, 4)
+        tile = gated_tile(tile, x.element_size()) if gated else tile
     if out is None:
         out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     assert out.shape == (num_rows, n) and out.dtype == x.dtype, "out: [M, N], x.dtype"
     assert out.stride(1) == 1, "the last dim of out must be contiguous"
-    tile = tile or choose_tile(num_rows, n, k, weight_is_kn=weight_is_kn) or Tile(64, 64, 64, 4, 4)
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(num_rows, tile.block_m), tile.split_k)
     stats = None
     if stats_out:
@@ -280,7 +322,8 @@ def _launch(
     partials = semaphores = out  # unused without split K
     if tile.split_k > 1:
         assert grid[0] * grid[1] <= MAX_SPLIT_TILES, "too many output tiles to split K"
-        partials = torch.empty(tile.split_k, num_rows, n, dtype=torch.float32, device=x.device)
+        shape = (tile.split_k, num_rows, weight_cols)  # gated: a row's gate, then its up
+        partials = torch.empty(shape, dtype=torch.float32, device=x.device)
         semaphores = _semaphores(x.device)
     # A split-K launch of a few rows ends the launch overlap (kernels.pdl) instead of
     # joining it: under PDL the gpt2 decode step at batch 1 took 0.41 ms with these
@@ -298,7 +341,7 @@ def _launch(
         num_rows, n, k, x.stride(0), stride_wk, stride_wn, out.stride(0),
         residual.stride(0) if residual is not None else 0,
         num_norm_tiles, stats_in.tile_cols if stats_in else 0,
-        HAS_BIAS=bias is not None, GELU_TANH=activation == "gelu_tanh",
+        HAS_BIAS=bias is not None, GELU_TANH=activation == "gelu_tanh", GATED=gated,
         ADD_RESIDUAL=residual is not None, STATS_OUT=stats_out,
         NORM_TILES_P2=triton.next_power_of_2(num_norm_tiles) if num_norm_tiles else 0,
         RMS=folded is not None and folded.rms,
@@ -315,10 +358,12 @@ def linear(
     *,
     weight_is_kn: bool,
     activation: str = "none",
-    out: torch.Tensor | None = None,  # [M, N], x.dtype; last dim contiguous
+    out: torch.Tensor | None = None,  # [M, N] ([M, N / 2] for "silu_mul"), x.dtype
     tile: Tile | None = None,
 ) -> torch.Tensor:
-    """act(x @ W + bias) in one launch, accumulated in fp32 and rounded once; returns out."""
+    """act(x @ W + bias) in one launch, accumulated in fp32 and rounded once; returns out.
+    "silu_mul" takes W's N = 2I columns as gate then up and returns [M, I]; a tile given
+    for it is launched as given (gated_tile fits the table's)."""
     return _launch(x, weight, bias, weight_is_kn, activation, out, tile)[0]
 
 
@@ -347,12 +392,12 @@ def linear_norm(
     stats: RowStats,  # x's rows, from the linear_add that wrote them
     *,
     activation: str = "none",
-    out: torch.Tensor | None = None,  # [M, N], x.dtype
+    out: torch.Tensor | None = None,  # [M, N] ([M, N / 2] for "silu_mul"), x.dtype
     tile: Tile | None = None,
 ) -> torch.Tensor:
     """act(norm(x) @ W + b) in one launch, the norm (LayerNorm or RMSNorm) folded into W
     and b (the module docstring's identities), from the statistics of x's rows; returns
-    out."""
+    out. "silu_mul" normalises both halves, then silu(gate) * up (as linear's)."""
     assert stats.partials.shape[0] == x.shape[0], "stats must describe x's rows"
     assert stats.partials.shape[1] * stats.tile_cols >= x.shape[1], "stats must cover K"
     norm = (folded, stats)
@@ -376,4 +421,7 @@ def linear_ref(
         y = y + bias.float()
     if activation == "gelu_tanh":
         y = torch.nn.functional.gelu(y, approximate="tanh")
+    if activation == "silu_mul":
+        gate, up = y.chunk(2, dim=1)
+        y = torch.nn.functional.silu(gate) * up
     return y.to(x.dtype)

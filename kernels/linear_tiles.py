@@ -6,6 +6,7 @@ run on an H200 that chose it, GPT-2's projections in fp16.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -27,6 +28,30 @@ class Tile:
             f"{self.block_m}x{self.block_n}x{self.block_k}/{self.num_warps}w/{self.num_stages}s"
             + split
         )
+
+
+SMEM_BYTES = 227 * 1024  # the shared memory one program may take on an H100 / H200
+
+
+def gated_tile(tile: Tile, elem_bytes: int) -> Tile:
+    """The tile for a gated launch (activation "silu_mul") from the table's tile for the
+    same [2I, K] weight: half its columns (at least 16), then the stages that fit.
+
+    A gated program loads two W tiles per K step (gate and up) beside the x tile, so
+    with half the columns it keeps the table tile's grid, accumulator registers and W
+    bytes per stage. bench.gemm on an H200 (2026-11-24), qwen3-0.6b's gate_up in bf16,
+    us at M = 1 / 16 / 64: the gated launch in this tile 6.72 / 7.16 / 6.61 against
+    6.60 / 7.38 / 6.40 for the plain gate_up launch, which a silu_and_mul launch then
+    follows. The table is qwen3-0.6b's: other shapes were not swept gated.
+    A stage takes elem_bytes * (BM * BK + 2 * BK * BN) of shared memory: at most
+    SMEM_BYTES over that many stages (at least one, at most the tile's own), since
+    64x64x128 in 5 stages of bf16 asked for 240 KiB and failed at start-up on an H200.
+    Split K is kept: the gated launch's slices write both halves' partials.
+    """
+    block_n = max(16, tile.block_n // 2)
+    stage_bytes = elem_bytes * (tile.block_m * tile.block_k + 2 * tile.block_k * block_n)
+    num_stages = max(1, min(tile.num_stages, SMEM_BYTES // stage_bytes))
+    return dataclasses.replace(tile, block_n=block_n, num_stages=num_stages)
 
 
 MAX_ROWS = 256  # above this cuBLAS's large tiles have enough of them to fill the GPU

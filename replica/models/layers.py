@@ -19,7 +19,7 @@ from kernels.linear import (
     linear_add,
     linear_norm,
 )
-from kernels.linear_tiles import Tile, choose_tile
+from kernels.linear_tiles import Tile, choose_tile, gated_tile
 from kernels.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_ref
 
 
@@ -125,14 +125,19 @@ class Projection:
     triton_linear: bool
     folded_norm: FoldedNorm | None
 
-    def triton_tile(self, num_rows: int, row_stats: bool = False) -> Tile | None:
-        """kernels.linear's tile for num_rows rows (of add_to where row_stats), or None
-        where cuBLAS runs them."""
+    def triton_tile(
+        self, num_rows: int, row_stats: bool = False, gated: bool = False
+    ) -> Tile | None:
+        """kernels.linear's tile for num_rows rows (of add_to where row_stats; of a
+        "silu_mul" launch, gated_tile's, where gated), or None where cuBLAS runs them."""
         if not self.triton_linear:
             return None
-        return choose_tile(
+        tile = choose_tile(
             num_rows, self.out_features, self.in_features, row_stats, self.weight_is_kn
         )
+        if tile is None or not gated:
+            return tile
+        return gated_tile(tile, self.weight.element_size())
 
     def add_to(
         self,
@@ -151,9 +156,10 @@ class Projection:
         x: torch.Tensor,  # [T, in_features]
         stats: RowStats,  # x's rows (from the add_to that wrote them)
         activation: str = "none",
-    ) -> torch.Tensor:  # [T, out_features]
-        """`self(norm(x), activation)` in one launch, norm being the folded one."""
-        tile = self.triton_tile(x.shape[0])
+    ) -> torch.Tensor:  # [T, out_features] ([T, out_features / 2] for "silu_mul")
+        """`self(norm(x), activation)` in one launch, norm being the folded one; "silu_mul"
+        takes the output's halves as gate and up (kernels.linear)."""
+        tile = self.triton_tile(x.shape[0], gated=activation == "silu_mul")
         if self.folded_norm is None or tile is None:
             why = "fold_norm first" if tile else "kernels.linear does not run this many rows"
             raise AssertionError(f"normed: {why}")

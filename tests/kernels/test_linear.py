@@ -1,4 +1,5 @@
-"""kernels.linear against its float32 reference: layouts, bias, GELU, tiles, strides."""
+"""kernels.linear against its float32 reference: layouts, bias, GELU, SiLU * up, tiles,
+strides."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kernels.linear import (
     linear_norm,
     linear_ref,
 )
-from kernels.linear_tiles import MAX_ROWS, Tile, choose_tile
+from kernels.linear_tiles import MAX_ROWS, SMEM_BYTES, Tile, choose_tile, gated_tile
 from kernels.rms_norm import rms_norm_ref
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -187,6 +188,130 @@ def test_split_k_is_deterministic_and_leaves_its_semaphores_at_zero(activation, 
     assert not _semaphores(torch.device(device)).any()
 
 
+def _silu_mul_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:  # [M, I], float32: silu(x @ Wg.T + bg) * (x @ Wu.T + bu), W [2I, K]
+    gate_up = x.float() @ weight.float().t()
+    if bias is not None:
+        gate_up = gate_up + bias.float()
+    gate, up = gate_up.chunk(2, dim=1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize(
+    "rows,k,inter,tile",
+    [
+        (3, 64, 64, Tile(16, 32, 64, 2, 2)),
+        (7, 100, 40, Tile(16, 32, 32, 2, 2)),  # I = 40: an 8-column last tile, K masked
+        (20, 96, 48, Tile(16, 32, 32, 2, 2, split_k=3)),  # a 16-column last tile, split K
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_silu_of_gate_times_up(rows, k, inter, tile, with_bias, dtype, device):
+    """The gated launch: W's rows 0..I-1 are gate and I..2I-1 up (nn.Linear layout), bias
+    b[n] and b[I + n]; the [M, I] result against the float32 torch formula, rounded once.
+    Only out's I columns are written."""
+    x, weight, bias = _operands(rows, k, 2 * inter, False, dtype, device, rows * 100 + inter)
+    bias = bias if with_bias else None
+    out_base = torch.full((rows, inter + 16), float("nan"), dtype=dtype, device=device)
+    out = out_base[:, 16:]
+
+    got = linear(x, weight, bias, weight_is_kn=False, activation="silu_mul", out=out, tile=tile)
+
+    assert got is out
+    torch.testing.assert_close(out, _silu_mul_ref(x, weight, bias).to(dtype), **TOL[dtype])
+    assert out_base[:, :16].isnan().all(), "only out may be written"
+    gate_only = torch.nn.functional.silu(x.float() @ weight[:inter].float().t())
+    assert not torch.allclose(out.float(), gate_only, atol=0.1), "up multiplies"
+
+
+@pytest.mark.parametrize(
+    "rows,k,inter,add_tile,norm_tile",
+    [
+        (1, 128, 64, Tile(16, 32, 64, 2, 2, split_k=2), Tile(16, 64, 64, 4, 2, split_k=2)),
+        (5, 192, 40, Tile(16, 64, 64, 4, 2), Tile(16, 32, 64, 2, 2)),  # I = 40: masked
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_with_the_rms_norm_folded(
+    rows, k, inter, add_tile, norm_tile, with_bias, dtype, device
+):
+    """The Llama MLP's first launch: silu(gate) * up of rms_norm(residual) @ W.T + b with
+    gamma folded into W, the statistics from the linear_add that wrote the residual
+    (offset by 3, so the mean square is not the variance): rstd applies to both halves."""
+    o, w1, _ = _operands(rows, k, k, False, dtype, device, rows + k)
+    _, w2, b2 = _operands(rows, k, 2 * inter, False, dtype, device, rows + inter)
+    b2 = b2 if with_bias else None
+    gamma, _ = _layer_norm_params(k, dtype, device, rows)
+    residual = (torch.randn(rows, k, generator=torch.Generator().manual_seed(3)) + 3).to(dtype)
+    residual = residual.to(device)
+    want_residual = (linear_ref(o, w1, weight_is_kn=False).float() + residual.float()).to(dtype)
+    want = _silu_mul_ref(rms_norm_ref(want_residual, gamma, 1e-6), w2, b2).to(dtype)
+
+    stats = linear_add(o, w1, None, residual, weight_is_kn=False, tile=add_tile)
+    folded = fold_rms_norm(gamma, 1e-6, w2, b2, weight_is_kn=False)
+    got = linear_norm(residual, folded, stats, activation="silu_mul", tile=norm_tile)
+
+    assert got.shape == (rows, inter)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    unnormed = _silu_mul_ref(residual, folded.weight, b2)
+    assert not torch.allclose(got.float(), unnormed, atol=0.1), "the norm was applied"
+
+
+def test_silu_mul_with_a_layer_norm_folded_into_kn_weights(device):
+    """The gated epilogue's LayerNorm terms (mean * colsum for each half, beta @ W in the
+    bias) in GPT-2's [K, N] layout, where W's columns I.. are up."""
+    o, w1, b1 = _operands(6, 96, 96, True, torch.float16, device, 40)
+    _, w2, b2 = _operands(6, 96, 2 * 48, True, torch.float16, device, 41)
+    gamma, beta = _layer_norm_params(96, torch.float16, device, 42)
+    residual = (torch.randn(6, 96, generator=torch.Generator().manual_seed(43)) + 3).half()
+    residual = residual.to(device)
+    stats = linear_add(o, w1, b1, residual, tile=Tile(16, 32, 32, 2, 2))
+    folded = fold_layer_norm(gamma, beta, 1e-5, w2, b2)
+    got = linear_norm(residual, folded, stats, activation="silu_mul", tile=Tile(16, 32, 32, 2, 2))
+    want = linear_ref(
+        layer_norm_ref(residual, gamma, beta, 1e-5), w2, b2, weight_is_kn=True,
+        activation="silu_mul",
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, **TOL[torch.float16])
+
+
+def test_silu_mul_split_k_is_deterministic_and_leaves_its_semaphores_at_zero(device):
+    x, weight, bias = _operands(18, 256, 2 * 48, False, torch.bfloat16, device, 44)
+    tile = Tile(16, 32, 32, 2, 2, split_k=4)
+    first = linear(x, weight, bias, weight_is_kn=False, activation="silu_mul", tile=tile)
+    second = linear(x, weight, bias, weight_is_kn=False, activation="silu_mul", tile=tile)
+    assert torch.equal(first, second)
+    want = _silu_mul_ref(x, weight, bias).to(torch.bfloat16)
+    torch.testing.assert_close(first, want, **TOL[torch.bfloat16])
+    assert not _semaphores(torch.device(device)).any()
+
+
+def test_gated_tile_halves_the_columns_and_cuts_the_stages_to_the_shared_memory():
+    # Half the columns: the table tile's grid and W bytes per stage (two W tiles).
+    assert gated_tile(Tile(64, 64, 128, 4, 5), 2) == Tile(64, 32, 128, 4, 5)
+    assert gated_tile(Tile(16, 64, 64, 4, 4, split_k=4), 2) == Tile(16, 32, 64, 4, 4, split_k=4)
+    assert gated_tile(Tile(16, 16, 64, 2, 3), 2).block_n == 16  # tl.dot's least
+    # bf16 64x(128 / 2)x128: a stage is 2 * (64 * 128 + 2 * 128 * 64) = 48 KiB, 4 fit in
+    # 227 KiB; 5 asked for 240 KiB and failed at start-up on an H200.
+    assert gated_tile(Tile(64, 128, 128, 4, 5), 2) == Tile(64, 64, 128, 4, 4)
+    assert gated_tile(Tile(64, 128, 128, 4, 5), 4).num_stages == 2  # float32: 96 KiB a stage
+    assert gated_tile(Tile(128, 512, 256, 8, 3), 2).num_stages == 1  # none fit: one, not zero
+    assert gated_tile(Tile(16, 32, 64, 2, 3), 2).num_stages == 3  # never more than its own
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("inter,k", [(3072, 1024), (14336, 4096)])  # qwen3-0.6b, llama-3-8b
+def test_gated_tables_tiles_fit_in_shared_memory(rows, inter, k):
+    tile = gated_tile(choose_tile(rows, 2 * inter, k, weight_is_kn=False), 2)
+    stage_bytes = 2 * (tile.block_m * tile.block_k + 2 * tile.block_k * tile.block_n)
+    assert tile.num_stages * stage_bytes <= SMEM_BYTES
+
+
 def test_without_bias_and_the_reference_is_torch(device):
     x, weight, _ = _operands(9, 64, 48, False, torch.float16, device, 6)
     got = linear(x, weight, None, weight_is_kn=False, activation="gelu_tanh")
@@ -213,6 +338,8 @@ def test_bad_arguments_are_named(device):
         linear(x, weight, bias, weight_is_kn=False)
     with pytest.raises(AssertionError, match="activation"):
         linear(x, weight, bias, weight_is_kn=True, activation="relu")
+    with pytest.raises(AssertionError, match="2 \\* I"):
+        linear(x, weight[:, :31], None, weight_is_kn=True, activation="silu_mul")
     with pytest.raises(AssertionError, match="bias"):
         linear(x, weight, bias[:8], weight_is_kn=True)
     with pytest.raises(AssertionError, match="residual must be"):

@@ -14,7 +14,7 @@ from torch import nn
 
 from kernels.linear_tiles import MAX_ROWS
 from replica.attention import AttentionMetadata, TorchAttention
-from replica.models import gpt2, layers, load_model
+from replica.models import gpt2, layers, llama, load_model
 from replica.models.config import ModelConfig
 from replica.models.layers import RMSNorm
 
@@ -219,6 +219,44 @@ def test_llama_triton_linear_matches_cublas_path(preset, dtype, monkeypatch):
     assert norms[1] == {"rms_norm_fused": 2 * 2}  # the first layer's and the final norm
     decode_tiles = tiles[len(tiles) // 2 :]
     assert all(tile.split_k > 1 and tile.block_m == 16 for tile in decode_tiles)
+
+
+@pytest.mark.parametrize(
+    "preset,dtype", [("llama-tiny", torch.float16), ("qwen3-tiny", torch.bfloat16)]
+)
+def test_llama_silu_fused_into_gate_up_matches_silu_and_mul(preset, dtype, monkeypatch):
+    """Folded layers with llama.FUSE_SILU run SiLU * up in gate_up_proj's epilogue (one
+    "silu_mul" linear_norm launch, in gated_tile's tile) and no silu_and_mul kernel:
+    the logits that the gate_up launch, then silu_and_mul, give, to half-precision
+    rounding (the fused path rounds once where the kernels round gate, up and silu)."""
+    calls, activations, tiles = Counter(), [], []
+    count_calls(monkeypatch, llama, ("silu_and_mul",), calls)
+    linear_norm = layers.linear_norm
+
+    def recorded(*args, **kwargs):
+        activations.append(kwargs.get("activation", "none"))
+        tiles.append(kwargs["tile"])
+        return linear_norm(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "linear_norm", recorded)
+    logits, counts, gated = [], [], []
+    for fuse_silu in (False, True):
+        monkeypatch.setattr(llama, "FUSE_SILU", fuse_silu)
+        model, config = load_model(preset, dtype, DEVICE, 3, TorchAttention(), True)
+        perturb_norms(model)
+        for layer in model.model.layers:  # folded at load, before the perturbation
+            layer.fold_norms()
+        for record in (calls, activations, tiles):
+            record.clear()
+        logits.append(run_prefill_and_decode(model, config, [5, 17, 9]))
+        counts.append(calls.copy())
+        gated.append([tile for tile, act in zip(tiles, activations) if act == "silu_mul"])
+    assert_same_logits(logits, dtype)
+    num_layers = config.num_layers
+    assert counts[0] == {"silu_and_mul": 2 * num_layers} and gated[0] == []  # two passes
+    assert counts[1] == {} and len(gated[1]) == 2 * num_layers
+    mlp = model.model.layers[0].mlp
+    assert gated[1][-1] == mlp.gate_up_proj.triton_tile(3, gated=True)  # the decode's
 
 
 def test_triton_linear_is_off_in_float32():
