@@ -238,11 +238,6 @@ def main() -> None:
         help="Llama MLP: a silu_and_mul launch, not fused into the folded gate_up projection",
     )
     parser.add_argument(
-        "--no-fuse-rope",
-        action="store_true",
-        help="Llama attention: an apply_rotary launch, not fused into the folded qkv projection",
-    )
-    parser.add_argument(
         "--no-fused-append", action="store_true", help="decode KV append as its own launch"
     )
     parser.add_argument(
@@ -261,7 +256,6 @@ def main() -> None:
     replica.models.gpt2.FOLD_NORMS = not args.no_fold_norms
     replica.models.llama.FOLD_NORMS = not args.no_fold_norms
     replica.models.llama.FUSE_SILU = not args.no_fuse_silu
-    replica.models.llama.FUSE_ROPE = not args.no_fuse_rope
     replica.triton_attention.FUSE_DECODE_APPEND = not args.no_fused_append
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)

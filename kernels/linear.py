@@ -49,20 +49,6 @@ stage take more shared memory, so the tile is the table's for the [2I, K] weight
 half its columns, the stages cut where they would not fit (kernels.linear_tiles.gated_tile).
 Split K works as above, each slice's partial row holding both halves.
 
-The attention's q/k norm (Qwen3) and RoPE ride on its qkv projection the same way
-(activation "rope", a RopeEpilogue's operands): W's columns are the q heads, then the k
-heads, then the v heads, each of head_dim D, and a program owns one head for its rows,
-two accumulators over one K loop: the head's first D/2 columns and its last D/2 (the
-gated launch's pairing with the second half at +D/2, not +I). After the folded norm and
-the bias, a q or k head gets the per-head RMSNorm over its D values (where the weights
-are given; q_norm's for q heads, k_norm's for k heads) and neox RoPE with each row's
-cos / sin row, x1 * cos - x2 * sin and x2 * cos + x1 * sin; v heads are stored as they
-are. The grid's columns are the heads and the tile's block_n is D/2 rounded up to a
-power of 2 (kernels.linear_tiles.rope_tile), so q and k are written normed and rotated
-and no apply_rotary launch reads them back. Everything is float32 and rounded once,
-where kernels.rotary rounds the product, the norm and each product of the rotation as
-torch does: the two agree to half-precision rounding, not bit for bit.
-
 `choose_tile(M, N, K)` (kernels.linear_tiles) is the tile table, measured on an
 H200 by bench.gemm; `linear` uses it unless a tile is given (the benchmark's sweep gives one). On
 Hopper the kernel takes part in the decode step's launch overlap (kernels.pdl),
@@ -80,11 +66,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear_tiles import Tile, choose_tile, gated_tile, rope_tile
+from kernels.linear_tiles import Tile, choose_tile, gated_tile
 from kernels.pdl import pdl_launch, pdl_prologue
 
 _DTYPES = (torch.float16, torch.bfloat16)
-ACTIVATIONS = ("none", "gelu_tanh", "silu_mul", "rope")
+ACTIVATIONS = ("none", "gelu_tanh", "silu_mul")
 
 
 @triton.jit
@@ -95,46 +81,12 @@ def _tanh(x):
 
 
 @triton.jit
-def _load_halves(ptrs, half, mask):  # float32
-    first = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    return first, tl.load(ptrs + half, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _rope_epilogue(
-    x1, x2,  # [BLOCK_M, BLOCK_N] float32: a q or k head's halves, zero past half
-    rows, d, mask, cos_ptr, sin_ptr, positions_ptr, q_norm_ptr, k_norm_ptr,
-    stride_cos, stride_sin, half, is_q, is_k, head_eps, QK_NORM: tl.constexpr,
-):  # fmt: skip
-    """The per-head RMSNorm (QK_NORM: q_norm's weight where is_q, k_norm's where is_k),
-    then neox RoPE at each row's position, in float32; returns the rotated halves."""
-    if QK_NORM:
-        variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half)
-        inv_rms = tl.math.rsqrt(variance + head_eps)[:, None]
-        d_mask = d < half
-        q1, q2 = _load_halves(q_norm_ptr + d, half, d_mask & is_q)  # one of the two
-        k1, k2 = _load_halves(k_norm_ptr + d, half, d_mask & is_k)  # loads is all zeros
-        x1 = x1 * inv_rms * (q1 + k1)[None, :]
-        x2 = x2 * inv_rms * (q2 + k2)[None, :]
-    positions = tl.load(positions_ptr + rows).to(tl.int64)  # [BLOCK_M]: rows < num_rows
-    cos_ptrs = cos_ptr + (positions * stride_cos)[:, None] + d[None, :]
-    sin_ptrs = sin_ptr + (positions * stride_sin)[:, None] + d[None, :]
-    cos1, cos2 = _load_halves(cos_ptrs, half, mask)
-    sin1, sin2 = _load_halves(sin_ptrs, half, mask)
-    # q * cos + rotate_half(q) * sin, with rotate_half(q) = cat(-q2, q1)
-    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
-
-
-@triton.jit
 def _linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, semaphore_ptr,
     residual_ptr, stats_out_ptr, stats_in_ptr, colsum_ptr, eps,
     num_rows, N, K, stride_xm, stride_wk, stride_wn, stride_om, stride_rm,
-    num_norm_tiles, norm_tile_cols, pair_cols,
-    cos_ptr, sin_ptr, stride_cos, stride_sin, positions_ptr, q_norm_ptr, k_norm_ptr, head_eps,
-    num_q_heads, num_rope_heads,
+    num_norm_tiles, norm_tile_cols,
     HAS_BIAS: tl.constexpr, GELU_TANH: tl.constexpr, GATED: tl.constexpr,
-    ROPE: tl.constexpr, QK_NORM: tl.constexpr, PAIRED: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr, STATS_OUT: tl.constexpr, NORM_TILES_P2: tl.constexpr,
     RMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -147,17 +99,9 @@ def _linear_kernel(
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
-    # PAIRED (GATED or ROPE): a second accumulator over W's columns cols + pair_cols.
-    # GATED: pair_cols = N, the up half. ROPE: program pid_n is head pid_n, its columns
-    # cols (the first half) and cols + pair_cols (the second), pair_cols = head_dim / 2.
-    if ROPE:
-        offs = tl.arange(0, BLOCK_N)
-        cols = pid_n * 2 * pair_cols + offs
-        col_mask = offs < pair_cols
-    else:
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < N
+    col_mask = cols < N
     if NORM_TILES_P2 > 0:  # loaded here, used after the K loop: their latency overlaps it
         tiles = tl.arange(0, NORM_TILES_P2)
         stats_mask = row_mask[:, None] & (tiles < num_norm_tiles)[None, :]
@@ -166,8 +110,8 @@ def _linear_kernel(
         tile_m2 = tl.load(stats_ptrs + 1, mask=stats_mask, other=0.0)
         if not RMS:
             colsum = tl.load(colsum_ptr + cols, mask=col_mask, other=0.0)
-            if PAIRED:
-                colsum_pair = tl.load(colsum_ptr + pair_cols + cols, mask=col_mask, other=0.0)
+            if GATED:
+                colsum_up = tl.load(colsum_ptr + N + cols, mask=col_mask, other=0.0)
     # This program's K slice: whole BLOCK_K steps, so only the end of K is masked.
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_begin = pid_k * k_per_split
@@ -176,45 +120,42 @@ def _linear_kernel(
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
     w_ptrs = w_ptr + ks[:, None] * stride_wk + cols.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PAIRED:  # W's columns cols + pair_cols, on the same x tile
-        w_pair_cols = (cols + pair_cols).to(tl.int64)[None, :]
-        w_pair_ptrs = w_ptr + ks[:, None] * stride_wk + w_pair_cols * stride_wn
-        pair = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:  # W's columns N + cols: the up half, on the same x tile
+        w_up_ptrs = w_ptr + ks[:, None] * stride_wk + (cols + N).to(tl.int64)[None, :] * stride_wn
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_mask = (k0 - k_begin + ks) < K
         w_mask = k_mask[:, None] & col_mask[None, :]
         a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc)
-        if PAIRED:
-            pair = tl.dot(a, tl.load(w_pair_ptrs, mask=w_mask, other=0.0), pair)
-            w_pair_ptrs += BLOCK_K * stride_wk
+        if GATED:
+            up = tl.dot(a, tl.load(w_up_ptrs, mask=w_mask, other=0.0), up)
+            w_up_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     writes = row_mask  # the rows this program writes: all, or none but for split K's last
     if SPLIT_K > 1:
-        # A partial row holds W's columns: gated, the N gate columns then the N up ones.
+        # A partial row holds the N gate columns, then, gated, the N up columns.
         partial_cols = 2 * N if GATED else N
         partial_ptrs = partial_ptr + rows.to(tl.int64)[:, None] * partial_cols + cols[None, :]
         own_ptrs = partial_ptrs + pid_k * num_rows * partial_cols
         tl.store(own_ptrs, acc, mask=row_mask[:, None] & col_mask)
-        if PAIRED:
-            tl.store(own_ptrs + pair_cols, pair, mask=row_mask[:, None] & col_mask)
+        if GATED:
+            tl.store(own_ptrs + N, up, mask=row_mask[:, None] & col_mask)
         tl.debug_barrier()  # every thread's partial is written before the release below
         semaphore = semaphore_ptr + pid_m * tl.num_programs(0) + pid_n
         last = tl.atomic_add(semaphore, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
         tl.debug_barrier()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if PAIRED:
-            pair = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if GATED:
+            up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         writes = writes & last  # the others are done: only the last one goes on
         for split in tl.static_range(SPLIT_K):  # slice order: a deterministic sum
             split_ptrs = partial_ptrs + split * num_rows * partial_cols
             split_mask = writes[:, None] & col_mask[None, :]
             acc += tl.load(split_ptrs, mask=split_mask, other=0.0, cache_modifier=".cg")
-            if PAIRED:
-                pair += tl.load(
-                    split_ptrs + pair_cols, mask=split_mask, other=0.0, cache_modifier=".cg"
-                )
+            if GATED:
+                up += tl.load(split_ptrs + N, mask=split_mask, other=0.0, cache_modifier=".cg")
         tl.store(semaphore, 0, mask=last)  # zero again for the next launch
     out_mask = writes[:, None] & col_mask[None, :]
     if NORM_TILES_P2 > 0:
@@ -229,30 +170,22 @@ def _linear_kernel(
         if RMS:  # the mean square is the variance plus the squared mean
             rstd = tl.math.rsqrt(m2 / K + mean * mean + eps)
             acc = rstd[:, None] * acc
-            if PAIRED:
-                pair = rstd[:, None] * pair
+            if GATED:
+                up = rstd[:, None] * up
         else:
             rstd = tl.math.rsqrt(m2 / K + eps)
             acc = rstd[:, None] * (acc - mean[:, None] * colsum[None, :])
-            if PAIRED:
-                pair = rstd[:, None] * (pair - mean[:, None] * colsum_pair[None, :])
+            if GATED:
+                up = rstd[:, None] * (up - mean[:, None] * colsum_up[None, :])
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        if PAIRED:
-            pair_bias = tl.load(bias_ptr + pair_cols + cols, mask=col_mask, other=0.0)
-            pair += pair_bias.to(tl.float32)[None, :]
+        if GATED:
+            up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if GELU_TANH:
         inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
         acc = 0.5 * acc * (1.0 + _tanh(inner))
     if GATED:  # silu(gate) * up in float32, rounded once below
-        acc = acc / (1.0 + tl.exp(-acc)) * pair
-    if ROPE:
-        if pid_n < num_rope_heads:  # q and k heads; v heads are stored as they are
-            acc, pair = _rope_epilogue(
-                acc, pair, tl.where(writes, rows, 0), offs, out_mask, cos_ptr,
-                sin_ptr, positions_ptr, q_norm_ptr, k_norm_ptr, stride_cos, stride_sin,
-                pair_cols, pid_n < num_q_heads, pid_n >= num_q_heads, head_eps, QK_NORM,
-            )  # fmt: skip
+        acc = acc / (1.0 + tl.exp(-acc)) * up
     y = acc.to(out_ptr.dtype.element_ty)
     if ADD_RESIDUAL:  # the rounded product plus the residual, rounded again: torch's add
         res_ptrs = residual_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :]
@@ -260,8 +193,6 @@ def _linear_kernel(
         y = (y.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(out_ptrs, y, mask=out_mask)
-    if ROPE:
-        tl.store(out_ptrs + pair_cols, pair.to(out_ptr.dtype.element_ty), mask=out_mask)
     if STATS_OUT:  # this tile's share of the rows' LayerNorm statistics, as stored
         yf = tl.where(out_mask, y.to(tl.float32), 0.0)
         tile_cols = tl.minimum(N - pid_n * BLOCK_N, BLOCK_N).to(tl.float32)
@@ -311,44 +242,6 @@ class FoldedNorm:
         return self.colsum is None
 
 
-@dataclass(frozen=True)
-class RopeEpilogue:
-    """The operands of a qkv projection's "rope" epilogue: W's output columns are
-    num_q_heads q heads, then num_kv_heads k heads, then num_kv_heads v heads, each of
-    head_dim; q and k heads get the per-head RMSNorm (where the weights are given: Qwen3)
-    and neox RoPE at their row's position, as kernels.rotary.apply_rotary computes them."""
-
-    cos: torch.Tensor  # [max_positions, head_dim], neox layout (halves duplicated)
-    sin: torch.Tensor  # [max_positions, head_dim]
-    positions: torch.Tensor  # [M], int32 or int64, each < max_positions (not checked)
-    num_q_heads: int
-    num_kv_heads: int
-    q_norm_weight: torch.Tensor | None = None  # [head_dim]: Qwen3 q_norm
-    k_norm_weight: torch.Tensor | None = None  # [head_dim]: Qwen3 k_norm
-    eps: float = 1e-6  # the q/k norm's
-
-    @property
-    def head_dim(self) -> int:
-        return self.cos.shape[1]
-
-    @property
-    def num_heads(self) -> int:  # q, k and v heads: the launch's columns of programs
-        return self.num_q_heads + 2 * self.num_kv_heads
-
-    def check(self, num_rows: int, weight_cols: int) -> None:
-        head_dim = self.head_dim
-        assert head_dim % 2 == 0, "head_dim must be even"
-        assert weight_cols == self.num_heads * head_dim, "rope: W's N must be (q + 2 kv heads) * D"
-        assert self.sin.shape == self.cos.shape, "cos, sin must be [max_positions, head_dim]"
-        assert self.cos.stride(1) == 1 and self.sin.stride(1) == 1, "cos, sin rows contiguous"
-        assert self.positions.shape == (num_rows,), "positions must be [M]"
-        assert self.positions.dtype in (torch.int32, torch.int64), "positions: int32 or int64"
-        weights = (self.q_norm_weight, self.k_norm_weight)
-        assert (weights[0] is None) == (weights[1] is None), "give both norm weights or none"
-        for w in weights:
-            assert w is None or (w.shape == (head_dim,) and w.stride(0) == 1), "norm: [D]"
-
-
 def fold_layer_norm(
     norm_weight: torch.Tensor,  # [K]: gamma
     norm_bias: torch.Tensor,  # [K]: beta
@@ -383,19 +276,6 @@ def fold_rms_norm(
     return FoldedNorm(folded, folded_bias, None, eps, weight_is_kn)
 
 
-def _rope_args(rope: RopeEpilogue | None, unused: torch.Tensor) -> tuple:
-    """_linear_kernel's arguments cos_ptr to num_rope_heads; unused fills the pointers
-    that the launch does not read."""
-    if rope is None:
-        return (unused, unused, 0, 0, unused, unused, unused, 0.0, 0, 0)
-    has_norm = rope.q_norm_weight is not None
-    return (
-        rope.cos, rope.sin, rope.cos.stride(0), rope.sin.stride(0), rope.positions,
-        rope.q_norm_weight if has_norm else unused, rope.k_norm_weight if has_norm else unused,
-        rope.eps, rope.num_q_heads, rope.num_q_heads + rope.num_kv_heads,
-    )  # fmt: skip
-
-
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -407,7 +287,6 @@ def _launch(
     residual: torch.Tensor | None = None,
     stats_out: bool = False,
     norm: tuple[FoldedNorm, RowStats] | None = None,
-    rope: RopeEpilogue | None = None,
 ) -> tuple[torch.Tensor, RowStats | None]:
     assert x.dim() == 2 and weight.dim() == 2, "x and weight must be 2-D"
     assert x.dtype in _DTYPES and weight.dtype == x.dtype, "fp16 or bf16 only, one dtype"
@@ -424,28 +303,16 @@ def _launch(
         assert bias.shape == (weight_cols,) and bias.is_contiguous(), "bias must be [N], contiguous"
     gated = activation == "silu_mul"
     assert not gated or weight_cols % 2 == 0, "silu_mul: W's N must be 2 * I, gate then up"
-    assert (activation == "rope") == (rope is not None), "rope operands for 'rope' only"
-    if rope is not None:
-        rope.check(num_rows, weight_cols)
-        assert residual is None and not stats_out, "rope: not in linear_add"
     n = weight_cols // 2 if gated else weight_cols  # the output's columns
     if tile is None:
         tile = choose_tile(num_rows, weight_cols, k, weight_is_kn=weight_is_kn)
         tile = tile or Tile(64, 64, 64, 4, 4)
-        if gated:
-            tile = gated_tile(tile, x.element_size())
-        if rope is not None:
-            tile = rope_tile(tile, rope.head_dim, weight_cols, k, x.element_size())
-    # The second accumulator's offset in W's columns: gated, the up half's; rope, a head's
-    # second half's (a program owns one head: the grid's columns are the heads).
-    pair_cols = n if gated else rope.head_dim // 2 if rope is not None else 0
-    assert rope is None or tile.block_n >= pair_cols, "rope: block_n must cover head_dim / 2"
+        tile = gated_tile(tile, x.element_size()) if gated else tile
     if out is None:
         out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     assert out.shape == (num_rows, n) and out.dtype == x.dtype, "out: [M, N], x.dtype"
     assert out.stride(1) == 1, "the last dim of out must be contiguous"
-    grid_n = rope.num_heads if rope is not None else triton.cdiv(n, tile.block_n)
-    grid = (grid_n, triton.cdiv(num_rows, tile.block_m), tile.split_k)
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(num_rows, tile.block_m), tile.split_k)
     stats = None
     if stats_out:
         partials = torch.empty(num_rows, grid[0], 2, dtype=torch.float32, device=x.device)
@@ -455,7 +322,7 @@ def _launch(
     partials = semaphores = out  # unused without split K
     if tile.split_k > 1:
         assert grid[0] * grid[1] <= MAX_SPLIT_TILES, "too many output tiles to split K"
-        shape = (tile.split_k, num_rows, weight_cols)  # a row in W's columns
+        shape = (tile.split_k, num_rows, weight_cols)  # gated: a row's gate, then its up
         partials = torch.empty(shape, dtype=torch.float32, device=x.device)
         semaphores = _semaphores(x.device)
     # A split-K launch of a few rows ends the launch overlap (kernels.pdl) instead of
@@ -465,7 +332,6 @@ def _launch(
     pdl = pdl_launch(x.device) if tile.split_k == 1 or num_rows > 16 else {"PDL": False}
     folded, stats_in = norm if norm is not None else (None, None)
     num_norm_tiles = stats_in.partials.shape[1] if stats_in is not None else 0
-    qk_norm = rope is not None and rope.q_norm_weight is not None
     _linear_kernel[grid](
         x, weight, bias if bias is not None else x, out, partials, semaphores,
         residual if residual is not None else out, stats.partials if stats else out,
@@ -474,10 +340,8 @@ def _launch(
         folded.eps if folded else 0.0,
         num_rows, n, k, x.stride(0), stride_wk, stride_wn, out.stride(0),
         residual.stride(0) if residual is not None else 0,
-        num_norm_tiles, stats_in.tile_cols if stats_in else 0, pair_cols,
-        *_rope_args(rope, out),
+        num_norm_tiles, stats_in.tile_cols if stats_in else 0,
         HAS_BIAS=bias is not None, GELU_TANH=activation == "gelu_tanh", GATED=gated,
-        ROPE=rope is not None, QK_NORM=qk_norm, PAIRED=gated or rope is not None,
         ADD_RESIDUAL=residual is not None, STATS_OUT=stats_out,
         NORM_TILES_P2=triton.next_power_of_2(num_norm_tiles) if num_norm_tiles else 0,
         RMS=folded is not None and folded.rms,
@@ -496,13 +360,11 @@ def linear(
     activation: str = "none",
     out: torch.Tensor | None = None,  # [M, N] ([M, N / 2] for "silu_mul"), x.dtype
     tile: Tile | None = None,
-    rope: RopeEpilogue | None = None,  # "rope"'s operands
 ) -> torch.Tensor:
     """act(x @ W + bias) in one launch, accumulated in fp32 and rounded once; returns out.
     "silu_mul" takes W's N = 2I columns as gate then up and returns [M, I]; a tile given
-    for it is launched as given (gated_tile fits the table's). "rope" takes W's columns
-    as rope's q, k and v heads (a tile given: one head per program, rope_tile's)."""
-    return _launch(x, weight, bias, weight_is_kn, activation, out, tile, rope=rope)[0]
+    for it is launched as given (gated_tile fits the table's)."""
+    return _launch(x, weight, bias, weight_is_kn, activation, out, tile)[0]
 
 
 def linear_add(
@@ -532,19 +394,16 @@ def linear_norm(
     activation: str = "none",
     out: torch.Tensor | None = None,  # [M, N] ([M, N / 2] for "silu_mul"), x.dtype
     tile: Tile | None = None,
-    rope: RopeEpilogue | None = None,  # "rope"'s operands
 ) -> torch.Tensor:
     """act(norm(x) @ W + b) in one launch, the norm (LayerNorm or RMSNorm) folded into W
     and b (the module docstring's identities), from the statistics of x's rows; returns
-    out. "silu_mul" normalises both halves, then silu(gate) * up; "rope" normalises each
-    head's halves, then q/k norm and RoPE (as linear's)."""
+    out. "silu_mul" normalises both halves, then silu(gate) * up (as linear's)."""
     assert stats.partials.shape[0] == x.shape[0], "stats must describe x's rows"
     assert stats.partials.shape[1] * stats.tile_cols >= x.shape[1], "stats must cover K"
     norm = (folded, stats)
     return _launch(
-        x, folded.weight, folded.bias, folded.weight_is_kn, activation, out, tile, norm=norm,
-        rope=rope,
-    )[0]  # fmt: skip
+        x, folded.weight, folded.bias, folded.weight_is_kn, activation, out, tile, norm=norm
+    )[0]
 
 
 def linear_ref(

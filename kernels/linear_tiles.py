@@ -43,37 +43,12 @@ def gated_tile(tile: Tile, elem_bytes: int) -> Tile:
     us at M = 1 / 16 / 64: the gated launch in this tile 6.72 / 7.16 / 6.61 against
     6.60 / 7.38 / 6.40 for the plain gate_up launch, which a silu_and_mul launch then
     follows. The table is qwen3-0.6b's: other shapes were not swept gated.
-    The stages are cut to the shared memory (paired_tile). Split K is kept: the gated
-    launch's slices write both halves' partials.
+    A stage takes elem_bytes * (BM * BK + 2 * BK * BN) of shared memory: at most
+    SMEM_BYTES over that many stages (at least one, at most the tile's own), since
+    64x64x128 in 5 stages of bf16 asked for 240 KiB and failed at start-up on an H200.
+    Split K is kept: the gated launch's slices write both halves' partials.
     """
-    return paired_tile(tile, max(16, tile.block_n // 2), elem_bytes)
-
-
-def rope_tile(tile: Tile, head_dim: int, n: int, k: int, elem_bytes: int) -> Tile:
-    """The tile for a "rope" launch (kernels.linear: q/k norm and RoPE in the qkv
-    projection's epilogue) from the table's tile for the same [n, k] qkv weight: a program
-    owns one head, its two halves in two accumulators, so block_n is head_dim / 2 rounded
-    up to a power of 2 (at least 16, tl.dot's least; columns past head_dim / 2 are
-    masked), and the stages are cut to the shared memory (paired_tile). One head per
-    program leaves fewer programs than the table's tile launches (qwen3-0.6b: 32 heads,
-    against 64 or 128 columns of tiles), so K is split further, up to the table's count
-    of programs (at most K / block_k slices). Rows, K step and warps are the table's.
-    """
-    assert head_dim % 2 == 0, "head_dim must be even"
-    block_n = max(16, 1 << (head_dim // 2 - 1).bit_length())
-    num_heads = n // head_dim
-    table_programs = -(-n // tile.block_n) * tile.split_k
-    split_k = min(-(-table_programs // num_heads), max(1, k // tile.block_k))  # ROPE_SPLIT
-    tile = dataclasses.replace(tile, split_k=max(tile.split_k, split_k))
-    return paired_tile(tile, block_n, elem_bytes)
-
-
-def paired_tile(tile: Tile, block_n: int, elem_bytes: int) -> Tile:
-    """tile with block_n columns for a launch of two accumulators (two W tiles per K step
-    beside the x tile), in the stages that fit: a stage takes
-    elem_bytes * (BM * BK + 2 * BK * BN) of shared memory, so at most SMEM_BYTES over
-    that many stages (at least one, at most the tile's own), since 64x64x128 in 5
-    stages of bf16 asked for 240 KiB and failed at start-up on an H200."""
+    block_n = max(16, tile.block_n // 2)
     stage_bytes = elem_bytes * (tile.block_m * tile.block_k + 2 * tile.block_k * block_n)
     num_stages = max(1, min(tile.num_stages, SMEM_BYTES // stage_bytes))
     return dataclasses.replace(tile, block_n=block_n, num_stages=num_stages)

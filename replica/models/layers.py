@@ -12,7 +12,6 @@ from torch import nn
 from kernels.layer_norm import fused_add_layer_norm, layer_norm
 from kernels.linear import (
     FoldedNorm,
-    RopeEpilogue,
     RowStats,
     fold_layer_norm,
     fold_rms_norm,
@@ -20,7 +19,7 @@ from kernels.linear import (
     linear_add,
     linear_norm,
 )
-from kernels.linear_tiles import Tile, choose_tile, gated_tile, rope_tile
+from kernels.linear_tiles import Tile, choose_tile, gated_tile
 from kernels.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_ref
 
 
@@ -127,25 +126,18 @@ class Projection:
     folded_norm: FoldedNorm | None
 
     def triton_tile(
-        self, num_rows: int, row_stats: bool = False, gated: bool = False, head_dim: int = 0
+        self, num_rows: int, row_stats: bool = False, gated: bool = False
     ) -> Tile | None:
         """kernels.linear's tile for num_rows rows (of add_to where row_stats; of a
-        "silu_mul" launch, gated_tile's, where gated; of a "rope" launch over heads of
-        head_dim, rope_tile's, where head_dim), or None where cuBLAS runs them."""
+        "silu_mul" launch, gated_tile's, where gated), or None where cuBLAS runs them."""
         if not self.triton_linear:
             return None
         tile = choose_tile(
             num_rows, self.out_features, self.in_features, row_stats, self.weight_is_kn
         )
-        if tile is None:
-            return None
-        if gated:
-            return gated_tile(tile, self.weight.element_size())
-        if head_dim:
-            return rope_tile(
-                tile, head_dim, self.out_features, self.in_features, self.weight.element_size()
-            )
-        return tile
+        if tile is None or not gated:
+            return tile
+        return gated_tile(tile, self.weight.element_size())
 
     def add_to(
         self,
@@ -164,31 +156,14 @@ class Projection:
         x: torch.Tensor,  # [T, in_features]
         stats: RowStats,  # x's rows (from the add_to that wrote them)
         activation: str = "none",
-        rope: RopeEpilogue | None = None,  # "rope"'s operands
     ) -> torch.Tensor:  # [T, out_features] ([T, out_features / 2] for "silu_mul")
         """`self(norm(x), activation)` in one launch, norm being the folded one; "silu_mul"
-        takes the output's halves as gate and up, "rope" the output's columns as q, k and
-        v heads, q/k norm and RoPE applied to q and k (kernels.linear)."""
-        head_dim = rope.head_dim if rope is not None else 0
-        tile = self.triton_tile(x.shape[0], gated=activation == "silu_mul", head_dim=head_dim)
+        takes the output's halves as gate and up (kernels.linear)."""
+        tile = self.triton_tile(x.shape[0], gated=activation == "silu_mul")
         if self.folded_norm is None or tile is None:
             why = "fold_norm first" if tile else "kernels.linear does not run this many rows"
             raise AssertionError(f"normed: {why}")
-        return linear_norm(x, self.folded_norm, stats, activation=activation, tile=tile, rope=rope)
-
-    def rotated(
-        self,
-        x: torch.Tensor,  # [T, in_features], as the product takes it (normed already)
-        rope: RopeEpilogue,
-    ) -> torch.Tensor:  # [T, out_features]: q, k (normed and rotated) and v heads
-        """`self(x)` with q/k norm and RoPE in the epilogue ("rope", kernels.linear), one
-        launch, where kernels.linear runs T rows."""
-        tile = self.triton_tile(x.shape[0], head_dim=rope.head_dim)
-        assert tile is not None, "rotated: kernels.linear does not run this many rows"
-        return linear(
-            x, self.weight, self.bias, weight_is_kn=self.weight_is_kn, activation="rope",
-            tile=tile, rope=rope,
-        )  # fmt: skip
+        return linear_norm(x, self.folded_norm, stats, activation=activation, tile=tile)
 
 
 class Conv1D(Projection, nn.Module):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import silu_and_mul
-from kernels.linear import RopeEpilogue, RowStats
+from kernels.linear import RowStats
 from kernels.rotary import apply_rotary
 from replica.attention import AttentionBackend, AttentionMetadata
 from replica.models.config import ModelConfig
@@ -27,10 +27,6 @@ FOLD_NORMS = True
 # runs: qwen3-0.6b in bf16 on an H200 (2026-11-24, two alternating pairs), decode steps of
 # 0.936 / 1.20 / 1.68 ms at batch 1 / 16 / 64 against 0.976 / 1.25 / 1.69 with the launch.
 FUSE_SILU = True
-# Where the norms are folded, Qwen3's q/k norm and RoPE run in qkv_proj's epilogue
-# (kernels.linear's "rope"): no apply_rotary launch. bench.engine --no-fuse-rope turns that
-# off for A/B runs.
-FUSE_ROPE = True
 
 
 class LlamaAttention(nn.Module):
@@ -38,8 +34,7 @@ class LlamaAttention(nn.Module):
 
     Torch path (CPU): separate projections and HF's exact ops. Fused path (CUDA,
     chosen once): one q/k/v matmul over weights concatenated by finalize(), then
-    one kernel for q/k norm + RoPE; folded (folded_heads) with fuse_rope, the matmul's
-    epilogue applies them.
+    one kernel for q/k norm + RoPE.
     """
 
     def __init__(
@@ -65,7 +60,6 @@ class LlamaAttention(nn.Module):
         self.norm_eps = config.norm_eps
         self.sizes = [q_size, kv_size, kv_size]
         self._qkv = _qkv_fused if fused else _qkv_torch
-        self.fuse_rope = False  # LlamaForCausalLM.finalize's choice, for folded_heads
 
     def finalize(self) -> None:
         """Fused path: replace q/k/v by one projection over their concatenated weights."""
@@ -110,46 +104,15 @@ class LlamaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fused path: q, k, v from qkv_proj's output [T, (heads + 2 kv heads) * head_dim],
         q/k norm (Qwen3) and RoPE in one kernel."""
-        q, k, v = self.split_heads(qkv)
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.sizes, dim=-1)  # strided views of one matmul
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q_w = self.q_norm.weight if self.qk_norm else None
         k_w = self.k_norm.weight if self.qk_norm else None
         q, k = apply_rotary(q, k, rotary.cos, rotary.sin, positions, q_w, k_w, self.norm_eps)
         return q, k, v
-
-    def split_heads(
-        self,
-        qkv: torch.Tensor,  # [T, (heads + 2 kv heads) * head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # strided views of qkv
-        num_tokens = qkv.shape[0]
-        q, k, v = qkv.split(self.sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        return q, k, v
-
-    def folded_heads(
-        self,
-        residual: torch.Tensor,  # [T, hidden_size]
-        stats: RowStats | None,  # residual's rows; None where normed is given
-        normed: torch.Tensor | None,  # input_layernorm(residual) where the caller made it
-        positions: torch.Tensor,  # [T]
-        rotary: RotaryEmbedding,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Folded path: q, k, v of the normed residual, qkv_proj in kernels.linear (the
-        norm folded in, or on normed: the first layer). With fuse_rope the q/k norm and
-        RoPE run in its epilogue, one launch; else apply_rotary follows it."""
-        if not self.fuse_rope:
-            proj = self.qkv_proj
-            qkv = proj(normed) if normed is not None else proj.normed(residual, stats)
-            return self.heads(qkv, positions, rotary)
-        rope = RopeEpilogue(
-            rotary.cos, rotary.sin, positions, self.num_heads, self.num_kv_heads,
-            self.q_norm.weight if self.qk_norm else None,
-            self.k_norm.weight if self.qk_norm else None, self.norm_eps,
-        )  # fmt: skip
-        if normed is not None:
-            return self.split_heads(self.qkv_proj.rotated(normed, rope))
-        return self.split_heads(self.qkv_proj.normed(residual, stats, "rope", rope))
 
 
 def _qkv_torch(
@@ -269,11 +232,10 @@ class LlamaDecoderLayer(nn.Module):
         """The layer where kernels.linear runs every projection: both RMSNorms are folded
         into qkv_proj and gate_up_proj, and o_proj and down_proj add their output to
         residual in place. No norm kernel, no add kernel; with the MLP's fuse_silu no
-        activation kernel: the MLP is two launches; with the attention's fuse_rope no
-        rotary kernel: q, k and v are one launch."""
+        activation kernel: the MLP is two launches."""
         attn, mlp = self.self_attn, self.mlp
-        q, k, v = attn.folded_heads(residual, stats, normed, positions, rotary)
-        out = attn.attend(q, k, v, kv_cache, meta)
+        qkv = attn.qkv_proj(normed) if normed is not None else attn.qkv_proj.normed(residual, stats)
+        out = attn.attend(*attn.heads(qkv, positions, rotary), kv_cache, meta)
         stats = attn.o_proj.add_to(out, residual)
         return mlp.down_proj.add_to(mlp.gated_normed(residual, stats), residual)
 
@@ -363,7 +325,6 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.model.layers:
                 layer.fold_norms()
                 layer.mlp.fuse_silu = FUSE_SILU
-                layer.self_attn.fuse_rope = FUSE_ROPE
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab_size]
         return self.logits_head(hidden)

@@ -1,5 +1,5 @@
-"""kernels.linear against its float32 reference: layouts, bias, GELU, SiLU * up, q/k norm
-and RoPE, tiles, strides."""
+"""kernels.linear against its float32 reference: layouts, bias, GELU, SiLU * up, tiles,
+strides."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch
 
 from kernels.layer_norm import layer_norm, layer_norm_ref
 from kernels.linear import (
-    RopeEpilogue,
     _semaphores,
     fold_layer_norm,
     fold_rms_norm,
@@ -17,9 +16,8 @@ from kernels.linear import (
     linear_norm,
     linear_ref,
 )
-from kernels.linear_tiles import MAX_ROWS, SMEM_BYTES, Tile, choose_tile, gated_tile, rope_tile
+from kernels.linear_tiles import MAX_ROWS, SMEM_BYTES, Tile, choose_tile, gated_tile
 from kernels.rms_norm import rms_norm_ref
-from kernels.rotary import apply_rotary_ref
 
 DTYPES = [torch.float16, torch.bfloat16]
 # One rounding of an fp32 result whose magnitude stays below ~8.
@@ -314,121 +312,6 @@ def test_gated_tables_tiles_fit_in_shared_memory(rows, inter, k):
     assert tile.num_stages * stage_bytes <= SMEM_BYTES
 
 
-def _rope_operands(
-    rows: int, head_dim: int, num_q_heads: int, num_kv_heads: int, qk_norm: bool, dtype, device
-) -> RopeEpilogue:
-    """cos / sin tables of 64 positions (the model's layout: halves duplicated), rows at
-    distinct positions, and, qk_norm, norm weights away from ones."""
-    gen = torch.Generator().manual_seed(rows * head_dim)
-    freqs = torch.arange(64).float()[:, None] * torch.rand(head_dim // 2, generator=gen)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    positions = torch.randperm(64, generator=gen)[:rows]
-    weights = [(1 + 0.3 * torch.randn(head_dim, generator=gen)).to(dtype) for _ in "qk"]
-    to = dict(device=device)
-    return RopeEpilogue(
-        emb.cos().to(dtype).to(**to), emb.sin().to(dtype).to(**to), positions.to(**to),
-        num_q_heads, num_kv_heads, *(w.to(**to) if qk_norm else None for w in weights), 1e-6,
-    )  # fmt: skip
-
-
-def _rope_ref(y: torch.Tensor, rope: RopeEpilogue) -> torch.Tensor:
-    """kernels.rotary's reference (q/k norm, then neox RoPE) on a float32 qkv product
-    [M, (q + 2 kv heads) * D]: float32 throughout, as the epilogue computes it."""
-    rows, d = y.shape[0], rope.head_dim
-    q, k, v = y.float().split([rope.num_q_heads * d, *[rope.num_kv_heads * d] * 2], dim=1)
-    q, k = q.reshape(rows, -1, d).clone(), k.reshape(rows, -1, d).clone()
-    apply_rotary_ref(
-        q, k, rope.cos, rope.sin, rope.positions, rope.q_norm_weight, rope.k_norm_weight, rope.eps
-    )
-    return torch.cat((q.reshape(rows, -1), k.reshape(rows, -1), v), dim=1)
-
-
-@pytest.mark.parametrize(
-    "rows,k,head_dim,q_heads,kv_heads,tile",
-    [
-        (5, 64, 32, 2, 1, Tile(16, 16, 32, 2, 2)),
-        (9, 96, 64, 2, 1, Tile(16, 32, 32, 2, 2, split_k=3)),  # split K, K masked
-        (3, 64, 16, 4, 2, Tile(16, 16, 64, 2, 2)),  # D / 2 = 8 in 16 columns, masked
-    ],
-    ids=str,
-)
-@pytest.mark.parametrize("qk_norm", [True, False])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_is_qk_norm_then_rotary_on_q_and_k_heads(
-    rows, k, head_dim, q_heads, kv_heads, tile, qk_norm, dtype, device
-):
-    """The qkv launch (nn.Linear layout, heads q, k, v): the q and k heads normed (with
-    the weights, Qwen3) and rotated at each row's position, v heads as the product gives
-    them, against kernels.rotary's reference in float32, rounded once. Two launches
-    agree bit for bit and leave the split launch's semaphores at zero."""
-    n = (q_heads + 2 * kv_heads) * head_dim
-    x, weight, bias = _operands(rows, k, n, False, dtype, device, rows * 10 + head_dim)
-    rope = _rope_operands(rows, head_dim, q_heads, kv_heads, qk_norm, dtype, device)
-    out_base = torch.full((rows, n + 16), float("nan"), dtype=dtype, device=device)
-    out = out_base[:, 16:]
-
-    got = linear(x, weight, bias, weight_is_kn=False, activation="rope", out=out, tile=tile,
-                 rope=rope)  # fmt: skip
-
-    product = x.float() @ weight.float().t() + bias.float()
-    torch.testing.assert_close(got, _rope_ref(product, rope).to(dtype), **TOL[dtype])
-    assert got is out and out_base[:, :16].isnan().all(), "only out may be written"
-    again = linear(x, weight, bias, weight_is_kn=False, activation="rope", tile=tile, rope=rope)
-    assert torch.equal(again, got)
-    assert not _semaphores(torch.device(device)).any()
-
-
-@pytest.mark.parametrize(
-    "rows,add_tile,norm_tile",
-    [
-        (3, Tile(16, 32, 64, 2, 2, split_k=2), Tile(16, 32, 64, 2, 2, split_k=2)),
-        (20, Tile(16, 64, 64, 4, 2), Tile(16, 32, 32, 2, 2)),  # two row tiles
-    ],
-    ids=str,
-)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_with_the_rms_norm_folded(rows, add_tile, norm_tile, dtype, device):
-    """Qwen3's qkv launch: rms_norm(residual) @ W.T + b with gamma folded into W, from the
-    linear_add's statistics (the residual offset by 3), then q/k norm and RoPE: rstd
-    applies to both halves of every head before the per-head norm."""
-    k, head_dim, q_heads, kv_heads = 128, 64, 2, 1
-    n = (q_heads + 2 * kv_heads) * head_dim
-    o, w1, _ = _operands(rows, k, k, False, dtype, device, rows + k)
-    _, w2, b2 = _operands(rows, k, n, False, dtype, device, rows + n)
-    gamma, _ = _layer_norm_params(k, dtype, device, rows)
-    rope = _rope_operands(rows, head_dim, q_heads, kv_heads, True, dtype, device)
-    residual = (torch.randn(rows, k, generator=torch.Generator().manual_seed(3)) + 3).to(dtype)
-    residual = residual.to(device)
-    want_residual = (linear_ref(o, w1, weight_is_kn=False).float() + residual.float()).to(dtype)
-    normed = rms_norm_ref(want_residual.float(), gamma.float(), 1e-6)
-    want = _rope_ref(normed @ w2.float().t() + b2.float(), rope).to(dtype)
-
-    stats = linear_add(o, w1, None, residual, weight_is_kn=False, tile=add_tile)
-    folded = fold_rms_norm(gamma, 1e-6, w2, b2, weight_is_kn=False)
-    got = linear_norm(residual, folded, stats, activation="rope", tile=norm_tile, rope=rope)
-
-    torch.testing.assert_close(got, want, **TOL[dtype])
-    v = slice((q_heads + kv_heads) * head_dim, None)  # v as the product: the rstd applied
-    unnormed = linear_ref(residual, folded.weight, b2, weight_is_kn=False)
-    assert not torch.allclose(got[:, v].float(), unnormed[:, v].float(), atol=0.1)
-
-
-def test_rope_tile_takes_half_a_head_per_accumulator_and_fits_in_shared_memory():
-    n, k = 32 * 128, 1024  # qwen3-0.6b's qkv: 16 + 2 * 8 heads of 128
-    # At 1-16 rows the table's tile has 64 columns and 4 K slices: 256 programs. One head
-    # a program gives 32 columns of programs, so K is split 8 ways for 256 again.
-    assert rope_tile(Tile(16, 64, 64, 4, 4, split_k=4), 128, n, k, 2) == Tile(16, 64, 64, 4, 4, 8)
-    # At 64 rows, 32 columns (128 programs): 64 here, 4 K slices, and 4 stages of 48 KiB
-    # in bf16, not 5.
-    assert rope_tile(Tile(64, 32, 128, 4, 5), 128, n, k, 2) == Tile(64, 64, 128, 4, 4, 4)
-    # The slices stop at K / block_k: 2 here, where 4 would match the table's programs.
-    assert rope_tile(Tile(64, 32, 128, 4, 5), 128, n, 256, 2).split_k == 2
-    assert rope_tile(Tile(16, 64, 64, 4, 4), 16, 32 * 16, k, 2).block_n == 16  # tl.dot's least
-    assert rope_tile(Tile(16, 64, 64, 4, 4), 96, 32 * 96, k, 2).block_n == 64  # 48 rounded up
-    with pytest.raises(AssertionError, match="even"):
-        rope_tile(Tile(16, 64, 64, 4, 4), 15, 32 * 15, k, 2)
-
-
 def test_without_bias_and_the_reference_is_torch(device):
     x, weight, _ = _operands(9, 64, 48, False, torch.float16, device, 6)
     got = linear(x, weight, None, weight_is_kn=False, activation="gelu_tanh")
@@ -459,11 +342,6 @@ def test_bad_arguments_are_named(device):
         linear(x, weight[:, :31], None, weight_is_kn=True, activation="silu_mul")
     with pytest.raises(AssertionError, match="bias"):
         linear(x, weight, bias[:8], weight_is_kn=True)
-    with pytest.raises(AssertionError, match="rope operands"):
-        linear(x, weight, bias, weight_is_kn=True, activation="rope")
-    rope = _rope_operands(4, 16, 1, 1, False, torch.float16, device)  # 3 heads: 48 columns
-    with pytest.raises(AssertionError, match="kv heads"):
-        linear(x, weight, bias, weight_is_kn=True, activation="rope", rope=rope)
     with pytest.raises(AssertionError, match="residual must be"):
         linear_add(x, weight, bias, x)
     stats = linear_add(x, torch.eye(64, dtype=x.dtype, device=device), None, x.clone())

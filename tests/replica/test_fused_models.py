@@ -259,59 +259,6 @@ def test_llama_silu_fused_into_gate_up_matches_silu_and_mul(preset, dtype, monke
     assert gated[1][-1] == mlp.gate_up_proj.triton_tile(3, gated=True)  # the decode's
 
 
-@pytest.mark.parametrize(
-    "preset,dtype", [("llama-tiny", torch.float16), ("qwen3-tiny", torch.bfloat16)]
-)
-def test_llama_rope_fused_into_qkv_matches_apply_rotary(preset, dtype, monkeypatch):
-    """Folded layers with llama.FUSE_ROPE run the q/k norm (Qwen3's, its weights perturbed)
-    and RoPE in qkv_proj's epilogue (one "rope" launch, in rope_tile's tile: linear_norm,
-    or linear after the first layer's norm kernel) and no apply_rotary kernel: every
-    layer's q, k and v, and the logits, are those of the qkv launch, then apply_rotary, to
-    half-precision rounding (the fused path rounds once where the kernels round the
-    product, the norm and the rotation). A tiny random model's attention is near uniform,
-    so q and k are compared too: the logits alone hardly see a rotation gone wrong."""
-    calls, launches, heads = Counter(), [], []
-    count_calls(monkeypatch, llama, ("apply_rotary",), calls)
-    for name in ("linear", "linear_norm"):
-        fn = getattr(layers, name)
-
-        def recorded(*args, _fn=fn, _name=name, **kwargs):
-            if kwargs.get("activation") == "rope":
-                launches.append((_name, kwargs["tile"]))
-            return _fn(*args, **kwargs)
-
-        monkeypatch.setattr(layers, name, recorded)
-    attend = llama.LlamaAttention.attend
-
-    def recorded_attend(attn, q, k, v, *args):
-        heads.append(torch.cat([t.flatten(1) for t in (q, k, v)], dim=1).float())
-        return attend(attn, q, k, v, *args)
-
-    monkeypatch.setattr(llama.LlamaAttention, "attend", recorded_attend)
-    logits, counts, fused, qkv = [], [], [], []
-    for fuse_rope in (False, True):
-        monkeypatch.setattr(llama, "FUSE_ROPE", fuse_rope)
-        model, config = load_model(preset, dtype, DEVICE, 3, TorchAttention(), True)
-        perturb_norms(model)
-        for layer in model.model.layers:  # folded at load, before the perturbation
-            layer.fold_norms()
-        for record in (calls, launches, heads):
-            record.clear()
-        logits.append(run_prefill_and_decode(model, config, [5, 17, 9]))
-        counts.append(calls.copy())
-        fused.append(Counter(name for name, _ in launches))
-        qkv.append(heads.copy())
-    assert_same_logits(logits, dtype)
-    for apart, one_launch in zip(*qkv, strict=True):  # each layer, prefill then decode
-        torch.testing.assert_close(one_launch, apart, **HALF_TOL[dtype])
-    num_layers = config.num_layers
-    assert counts[0] == {"apply_rotary": 2 * num_layers} and fused[0] == {}  # two passes
-    assert counts[1] == {} and fused[1] == {"linear": 2, "linear_norm": 2 * (num_layers - 1)}
-    attn = model.model.layers[0].self_attn
-    assert attn.qk_norm == (preset == "qwen3-tiny")
-    assert launches[-1][1] == attn.qkv_proj.triton_tile(3, head_dim=config.head_dim)  # decode
-
-
 def test_triton_linear_is_off_in_float32():
     model, _ = load_model("gpt2-tiny", torch.float32, DEVICE, 3, TorchAttention(), True)
     assert not layers.uses_triton_linear(model)
