@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kernels.linear
 import kernels.pdl
 import replica.models.gpt2
 import replica.models.llama
@@ -229,11 +228,6 @@ def main() -> None:
     )
     parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
     parser.add_argument(
-        "--no-prefetch-weights",
-        action="store_true",
-        help="kernels.linear under PDL: no L2 prefetch of the weights before the wait",
-    )
-    parser.add_argument(
         "--no-fold-norms",
         action="store_true",
         help="norm + residual add kernels, not folded into the projections",
@@ -259,7 +253,6 @@ def main() -> None:
 
     on_gpu = torch.cuda.is_available()
     kernels.pdl.ENABLE_PDL = not args.no_pdl
-    kernels.linear.PREFETCH_WEIGHTS = not args.no_prefetch_weights
     replica.models.gpt2.FOLD_NORMS = not args.no_fold_norms
     replica.models.llama.FOLD_NORMS = not args.no_fold_norms
     replica.models.llama.FUSE_SILU = not args.no_fuse_silu

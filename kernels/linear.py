@@ -67,14 +67,9 @@ import triton
 import triton.language as tl
 
 from kernels.linear_tiles import Tile, choose_tile, gated_tile
-from kernels.pdl import pdl_launch, pdl_prologue_prefetching
+from kernels.pdl import pdl_launch, pdl_prologue
 
 _DTYPES = (torch.float16, torch.bfloat16)
-# Under PDL a launch asks for W in L2 before it waits on its predecessor (kernels.pdl);
-# bench.engine --no-prefetch-weights turns that off for A/B runs.
-PREFETCH_WEIGHTS = True
-# Split-K launches of fewer rows end the launch overlap (see _launch).
-SPLIT_PDL_MIN_ROWS = 17
 ACTIVATIONS = ("none", "gelu_tanh", "silu_mul")
 
 
@@ -90,14 +85,14 @@ def _linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, semaphore_ptr,
     residual_ptr, stats_out_ptr, stats_in_ptr, colsum_ptr, eps,
     num_rows, N, K, stride_xm, stride_wk, stride_wn, stride_om, stride_rm,
-    num_norm_tiles, norm_tile_cols, prefetch_bytes,
+    num_norm_tiles, norm_tile_cols,
     HAS_BIAS: tl.constexpr, GELU_TANH: tl.constexpr, GATED: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr, STATS_OUT: tl.constexpr, NORM_TILES_P2: tl.constexpr,
     RMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue_prefetching(PDL, w_ptr, prefetch_bytes)  # W: no kernel of the step writes it
+    pdl_prologue(PDL)
     # Programs along N are adjacent in launch order, so the x rows of one program
     # row stay in L2 while every column tile of W streams through once per row tile.
     pid_n = tl.program_id(0)
@@ -281,14 +276,6 @@ def fold_rms_norm(
     return FoldedNorm(folded, folded_bias, None, eps, weight_is_kn)
 
 
-def _prefetch_bytes(weight: torch.Tensor) -> int:
-    """W's bytes for the prologue's L2 prefetch (kernels.pdl): all of its storage where
-    W is contiguous and PREFETCH_WEIGHTS is set, else 0."""
-    if not PREFETCH_WEIGHTS or not weight.is_contiguous():
-        return 0
-    return weight.numel() * weight.element_size()
-
-
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -342,8 +329,7 @@ def _launch(
     # joining it: under PDL the gpt2 decode step at batch 1 took 0.41 ms with these
     # launches against 0.32 without (bench.engine, H200), while at 17-256 rows the
     # split launches are faster in the overlap (0.54 against 0.56 ms at batch 64).
-    joins = tile.split_k == 1 or num_rows >= SPLIT_PDL_MIN_ROWS
-    pdl = pdl_launch(x.device) if joins else {"PDL": False}
+    pdl = pdl_launch(x.device) if tile.split_k == 1 or num_rows > 16 else {"PDL": False}
     folded, stats_in = norm if norm is not None else (None, None)
     num_norm_tiles = stats_in.partials.shape[1] if stats_in is not None else 0
     _linear_kernel[grid](
@@ -355,7 +341,6 @@ def _launch(
         num_rows, n, k, x.stride(0), stride_wk, stride_wn, out.stride(0),
         residual.stride(0) if residual is not None else 0,
         num_norm_tiles, stats_in.tile_cols if stats_in else 0,
-        _prefetch_bytes(weight) if pdl["PDL"] else 0,
         HAS_BIAS=bias is not None, GELU_TANH=activation == "gelu_tanh", GATED=gated,
         ADD_RESIDUAL=residual is not None, STATS_OUT=stats_out,
         NORM_TILES_P2=triton.next_power_of_2(num_norm_tiles) if num_norm_tiles else 0,

@@ -16,12 +16,6 @@ Every Triton kernel of the decode step takes a PDL constexpr and starts with
 `pdl_prologue(PDL)`; its launcher passes `**pdl_launch(device)`, which sets the
 constexpr and the launch attribute together. ENABLE_PDL is the switch for A/B runs
 (bench --no-pdl).
-
-A kernel may also read, before its wait, what nothing in the step writes: a projection's
-weights. `pdl_prologue_prefetching` has each program ask for its share of such a buffer
-to be brought into L2 (prefetch.global.L2, a 128-byte line per lane) between the two
-instructions, so the weight stream starts while the predecessor still runs, and the
-kernel's own loads after the wait hit L2. A prefetch is a hint: it changes no result.
 """
 
 from __future__ import annotations
@@ -50,39 +44,6 @@ def pdl_launch(device: torch.device) -> dict:
     """Keyword arguments of a Triton launch on device: the kernel's PDL constexpr and,
     when it is set, the launch attribute (the two must agree)."""
     return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}
-
-
-@triton.jit
-def _prefetch_l2(ptr, num_bytes, LINES: tl.constexpr = 256):
-    """This program's share (by its linear id in the grid) of the bytes [ptr, ptr +
-    num_bytes) into L2, LINES 128-byte lines at a time."""
-    pid = tl.program_id(0) + tl.num_programs(0) * (
-        tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
-    )
-    num_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    num_lines = tl.cdiv(num_bytes, 128)
-    per_program = tl.cdiv(num_lines, num_programs)
-    first = pid * per_program
-    end = tl.minimum(first + per_program, num_lines)
-    base = ptr.to(tl.pointer_type(tl.int8), bitcast=True)
-    for start in range(first, end, LINES):
-        lines = start + tl.arange(0, LINES)
-        lines = tl.where(lines < end, lines, first)  # a line again, not one past the end
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [base + lines.to(tl.int64) * 128],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-
-
-@triton.jit
-def pdl_prologue_prefetching(PDL: tl.constexpr, const_ptr, num_bytes):
-    """pdl_prologue, this program's share of [const_ptr, const_ptr + num_bytes) asked
-    into L2 before the wait. Nothing that runs before the kernel in the step may write
-    those bytes (weights); num_bytes 0 prefetches nothing."""
-    if PDL:
-        gdc_launch_dependents()
-        _prefetch_l2(const_ptr, num_bytes)
-        gdc_wait()
 
 
 @triton.jit
