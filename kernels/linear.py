@@ -52,7 +52,7 @@ Split K works as above, each slice's partial row holding both halves.
 `choose_tile(M, N, K)` (kernels.linear_tiles) is the tile table, measured on an
 H200 by bench.gemm; `linear` uses it unless a tile is given (the benchmark's sweep gives one). On
 Hopper the kernel takes part in the decode step's launch overlap (kernels.pdl),
-but for a split launch of 16 rows or fewer (measured slower there: `_launch`):
+but for a split launch of a few rows (measured slower there: `joins_overlap`):
 the next kernel touches memory only after this grid completed, so a split
 launch's semaphores are back at zero for it.
 """
@@ -276,6 +276,25 @@ def fold_rms_norm(
     return FoldedNorm(folded, folded_bias, None, eps, weight_is_kn)
 
 
+# The fewest rows at which a split-K launch joins the launch overlap (kernels.pdl), by W's
+# layout; below, it ends the overlap. Step mean ms on an H200 (bench.engine, 2026-11-24),
+# split launches ending the overlap / joining it:
+#   gpt2 fp16, [K, N]: batch 1 0.32 / 0.41, 2 0.330 / 0.399, 4 0.341 / 0.447,
+#     16 0.397 / 0.477; batch 64 0.56 / 0.54.
+#   qwen3-0.6b bf16, [N, K]: batch 1 0.935 / 1.09, 2 0.953 / 1.07, 4 0.997 / 1.09,
+#     8 1.07 / 1.09, 16 1.19 / 1.11 (two rounds each).
+# Why a split launch of a few rows is slower in the overlap is not known.
+SPLIT_OVERLAP_MIN_ROWS_KN = 17
+SPLIT_OVERLAP_MIN_ROWS_NK = 9
+
+
+def joins_overlap(tile: Tile, num_rows: int, weight_is_kn: bool) -> bool:
+    """Whether a launch of tile over num_rows rows takes part in the launch overlap."""
+    if tile.split_k == 1:
+        return True
+    return num_rows >= (SPLIT_OVERLAP_MIN_ROWS_KN if weight_is_kn else SPLIT_OVERLAP_MIN_ROWS_NK)
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -325,11 +344,7 @@ def _launch(
         shape = (tile.split_k, num_rows, weight_cols)  # gated: a row's gate, then its up
         partials = torch.empty(shape, dtype=torch.float32, device=x.device)
         semaphores = _semaphores(x.device)
-    # A split-K launch of a few rows ends the launch overlap (kernels.pdl) instead of
-    # joining it: under PDL the gpt2 decode step at batch 1 took 0.41 ms with these
-    # launches against 0.32 without (bench.engine, H200), while at 17-256 rows the
-    # split launches are faster in the overlap (0.54 against 0.56 ms at batch 64).
-    pdl = pdl_launch(x.device) if tile.split_k == 1 or num_rows > 16 else {"PDL": False}
+    pdl = pdl_launch(x.device) if joins_overlap(tile, num_rows, weight_is_kn) else {"PDL": False}
     folded, stats_in = norm if norm is not None else (None, None)
     num_norm_tiles = stats_in.partials.shape[1] if stats_in is not None else 0
     _linear_kernel[grid](

@@ -11,6 +11,7 @@ from kernels.linear import (
     _semaphores,
     fold_layer_norm,
     fold_rms_norm,
+    joins_overlap,
     linear,
     linear_add,
     linear_norm,
@@ -360,6 +361,16 @@ def test_choose_tile_leaves_large_batches_to_cublas_and_splits_long_k():
             tile = choose_tile(rows, n, k)
             assert choose_tile(rows, n, k, row_stats=True) is not None, "linear_add runs too"
             assert tile is not None and tile.block_m <= 64 and tile.block_k <= k, (rows, n, k)
+
+
+def test_split_launches_of_few_rows_end_the_launch_overlap_by_the_weights_layout():
+    split, whole = Tile(16, 32, 64, 2, 4, split_k=6), Tile(16, 32, 128, 4, 5)
+    for weight_is_kn in (True, False):
+        assert joins_overlap(whole, 1, weight_is_kn)
+        assert not joins_overlap(split, 8, weight_is_kn)
+        assert joins_overlap(split, 64, weight_is_kn)
+    assert joins_overlap(split, 16, weight_is_kn=False)  # Llama's [N, K]: faster at 16 rows
+    assert not joins_overlap(split, 16, weight_is_kn=True)  # GPT-2's [K, N]: slower there
 
 
 @pytest.mark.gpu
