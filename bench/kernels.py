@@ -2,6 +2,7 @@
 
     python -m bench.kernels [--quick] [--out results/kernels.json]
     python -m bench.kernels --tune [--shapes gpt2,qwen3-0.6b] [--out results/tune.json]
+    python -m bench.kernels --read-bw [--shapes gpt2,qwen3-0.6b]
 
 The default run measures, on one CUDA GPU: device-to-device copy bandwidth (bytes
 read + written / time, the ceiling); append_kv_slots vs append_kv_slots_ref for
@@ -10,6 +11,8 @@ B in 1..4096; paged decode attention for B in {1, 8, 64, 256} x context in
 copy ceiling, the split-merge kernel's own time, and the torch reference as the
 peer for small cases. --tune sweeps the decode launch parameters instead (see
 tune_decode) and prints the values to put in kernels/decode_attention.py.
+--read-bw asks what a read-only kernel gets out of HBM at 1 GiB and at the K/V bytes of
+one layer at B = 256, context 192, against decode attention at that shape.
 
 Timing. Primary ("us"): graph-timed. N launches are captured back to back in
 one torch.cuda.CUDAGraph (compiled and warmed before capture), the graph is
@@ -414,6 +417,71 @@ def sweep_argmax() -> list[dict]:
     return out
 
 
+READ_BW_CASE = (256, 192)  # B x context: the K/V bytes of one layer of the 256-row step
+
+
+def _read_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_sum(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        """Program p sums the BLOCKs p, p + programs, ... of x (a grid-stride read)."""
+        step = tl.num_programs(0) * BLOCK
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for start in range(tl.program_id(0) * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
+
+    return read_sum
+
+
+def bench_read_bandwidth(shapes: list[Shape], copy_gbps: float) -> list[dict]:
+    """Read-only bandwidth (graph-timed, bytes read / time): torch.sum and a plain Triton
+    read at a few grids (the best shown), over 1 GiB and over each shape's K/V bytes of
+    one layer at READ_BW_CASE; then decode attention at that case."""
+    from kernels.decode_attention import num_sms
+
+    read_sum = _read_kernel()
+    sms = num_sms(torch.device(DEVICE))
+    batch, context = READ_BW_CASE
+    sizes = [("1 GiB", 2**30, None)] + [
+        (f"{s.name} K/V, {batch}x{context}", batch * context * 4 * s.num_kv_heads * s.head_dim, s)
+        for s in shapes
+    ]  # K and V, 2 bytes each
+    rows = []
+    for name, num_bytes, shape in sizes:
+        copies = num_copies(num_bytes)
+        xs = [torch.randn(num_bytes // 2, device=DEVICE).half() for _ in range(copies)]
+        sum_us = graph_time_us([lambda x=x: x.sum() for x in xs])
+        best_us, best_grid = float("inf"), ""
+        for per_sm, block, warps in ((8, 4096, 8), (16, 2048, 4), (32, 2048, 4), (32, 1024, 4)):
+            grid = (sms * per_sm,)
+            out = torch.empty(grid[0], dtype=torch.float32, device=DEVICE)
+            us = graph_time_us([
+                lambda x=x, out=out, g=grid, b=block, w=warps: read_sum[g](
+                    x, out, x.numel(), BLOCK=b, num_warps=w)
+                for x in xs
+            ])  # fmt: skip
+            if us < best_us:
+                best_us, best_grid = us, f"{per_sm}/SM, {block}x{warps}w"
+        row = {
+            "bytes": name, "MiB": num_bytes / 2**20,
+            "torch.sum GB/s": num_bytes / sum_us / 1e3,
+            "read kernel GB/s": num_bytes / best_us / 1e3, "read grid": best_grid,
+        }  # fmt: skip
+        if shape is not None:
+            decode = bench_decode(shape, batch, context, copy_gbps)
+            row |= {"decode us": decode["us"], "decode GB/s": decode["GB/s"]}
+        best_read = max(row["read kernel GB/s"], row["torch.sum GB/s"])
+        row["% copy (best read)"] = 100 * best_read / copy_gbps
+        print_now(row)
+        rows.append(row)
+        del xs
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
@@ -421,6 +489,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tune", action="store_true", help="decode launch-parameter sweep")
     parser.add_argument(
         "--argmax", action="store_true", help="kernels.argmax chunk x warps sweep only"
+    )
+    parser.add_argument(
+        "--read-bw", action="store_true", help="read-only bandwidth against decode attention"
     )
     parser.add_argument("--shapes", default=",".join(s.name for s in SHAPES), help="filter")
     parser.add_argument(
@@ -461,6 +532,13 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.argmax:
         payload["argmax"] = sweep_argmax()
+    elif args.read_bw:
+        rows = bench_read_bandwidth(args.shapes, copy_gbps)
+        columns = ["bytes", "MiB", "torch.sum GB/s", "read kernel GB/s", "read grid",
+                   "decode us", "decode GB/s", "% copy (best read)"]  # fmt: skip
+        print_now("\n## Read-only bandwidth (graph-timed)\n")
+        print_now(markdown_table(rows, columns))
+        payload["read_bandwidth"] = rows
     elif args.tune:
         best_rows = tune_decode(copy_gbps, args.shapes, args.tune_cases)
         print_now("\n## Decode tuning: best config per case (graph-timed)\n")
