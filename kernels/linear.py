@@ -52,7 +52,8 @@ Split K works as above, each slice's partial row holding both halves.
 `choose_tile(M, N, K)` (kernels.linear_tiles) is the tile table, measured on an
 H200 by bench.gemm; `linear` uses it unless a tile is given (the benchmark's sweep gives one). On
 Hopper the kernel takes part in the decode step's launch overlap (kernels.pdl),
-but for a split launch of a few rows (measured slower there: `joins_overlap`):
+but for a split launch of a few rows of [N, K] weights (measured slower there:
+`overlap_mode`; GPT-2's few-row launches trigger the next one after their K loop):
 the next kernel touches memory only after this grid completed, so a split
 launch's semaphores are back at zero for it.
 """
@@ -67,7 +68,7 @@ import triton
 import triton.language as tl
 
 from kernels.linear_tiles import Tile, choose_tile, gated_tile
-from kernels.pdl import pdl_launch, pdl_prologue
+from kernels.pdl import pdl_launch, pdl_prologue, pdl_trigger
 
 _DTYPES = (torch.float16, torch.bfloat16)
 ACTIVATIONS = ("none", "gelu_tanh", "silu_mul")
@@ -90,9 +91,9 @@ def _linear_kernel(
     ADD_RESIDUAL: tl.constexpr, STATS_OUT: tl.constexpr, NORM_TILES_P2: tl.constexpr,
     RMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, TRIGGER_LATER: tl.constexpr,
 ):  # fmt: skip
-    pdl_prologue(PDL)
+    pdl_prologue(PDL, TRIGGER_LATER)  # kernels.pdl; TRIGGER_LATER: after the K loop
     # Programs along N are adjacent in launch order, so the x rows of one program
     # row stay in L2 while every column tile of W streams through once per row tile.
     pid_n = tl.program_id(0)
@@ -133,6 +134,7 @@ def _linear_kernel(
             w_up_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
+    pdl_trigger(PDL, TRIGGER_LATER)
     writes = row_mask  # the rows this program writes: all, or none but for split K's last
     if SPLIT_K > 1:
         # A partial row holds the N gate columns, then, gated, the N up columns.
@@ -276,23 +278,29 @@ def fold_rms_norm(
     return FoldedNorm(folded, folded_bias, None, eps, weight_is_kn)
 
 
-# The fewest rows at which a split-K launch joins the launch overlap (kernels.pdl), by W's
-# layout; below, it ends the overlap. Step mean ms on an H200 (bench.engine, 2026-11-24),
-# split launches ending the overlap / joining it:
-#   gpt2 fp16, [K, N]: batch 1 0.32 / 0.41, 2 0.330 / 0.399, 4 0.341 / 0.447,
-#     16 0.397 / 0.477; batch 64 0.56 / 0.54.
-#   qwen3-0.6b bf16, [N, K]: batch 1 0.935 / 1.09, 2 0.953 / 1.07, 4 0.997 / 1.09,
-#     8 1.07 / 1.09, 16 1.19 / 1.11 (two rounds each).
-# Why a split launch of a few rows is slower in the overlap is not known.
-SPLIT_OVERLAP_MIN_ROWS_KN = 17
+# How a launch takes part in the decode step's launch overlap (kernels.pdl), by W's layout
+# and rows. [K, N] (GPT-2) at LATE_TRIGGER_ROWS_KN rows or fewer: every launch joins it,
+# and lets the next kernel launch only after its K loop. Step mean ms on an H200
+# (bench.engine, 2026-11-24), gpt2 fp16 at batch 1 / 8 / 16 / 64: split launches ending the
+# overlap, the rest triggering at the top 0.323 / 0.347 / 0.394 / 0.538; all joining,
+# triggering at the top 0.406 / 0.466 / 0.475 / 0.537; all joining, triggering after the
+# K loop 0.311 / 0.339 / 0.377 / 0.547. The Llama family's [N, K] weights were slower that
+# way (qwen3-0.6b bf16 at 1 / 4 / 16: 0.934 / 0.996 / 1.12 against 0.958 / 1.02 / 1.18),
+# and keep the trigger at the top; there a split-K launch of fewer than
+# SPLIT_OVERLAP_MIN_ROWS_NK rows ends the overlap (batch 1 0.935 against 1.09 joining,
+# 8 1.07 against 1.09, 16 1.19 against 1.11). Why is not known.
+LATE_TRIGGER_ROWS_KN = 16
 SPLIT_OVERLAP_MIN_ROWS_NK = 9
 
 
-def joins_overlap(tile: Tile, num_rows: int, weight_is_kn: bool) -> bool:
-    """Whether a launch of tile over num_rows rows takes part in the launch overlap."""
-    if tile.split_k == 1:
-        return True
-    return num_rows >= (SPLIT_OVERLAP_MIN_ROWS_KN if weight_is_kn else SPLIT_OVERLAP_MIN_ROWS_NK)
+def overlap_mode(tile: Tile, num_rows: int, weight_is_kn: bool) -> str:
+    """ "late" (joins the overlap, triggers the next launch after its K loop), "early"
+    (joins it, triggers at the top: every other kernel of the step) or "none"."""
+    if weight_is_kn:
+        return "late" if num_rows <= LATE_TRIGGER_ROWS_KN else "early"
+    if tile.split_k == 1 or num_rows >= SPLIT_OVERLAP_MIN_ROWS_NK:
+        return "early"
+    return "none"
 
 
 def _launch(
@@ -344,7 +352,8 @@ def _launch(
         shape = (tile.split_k, num_rows, weight_cols)  # gated: a row's gate, then its up
         partials = torch.empty(shape, dtype=torch.float32, device=x.device)
         semaphores = _semaphores(x.device)
-    pdl = pdl_launch(x.device) if joins_overlap(tile, num_rows, weight_is_kn) else {"PDL": False}
+    mode = overlap_mode(tile, num_rows, weight_is_kn)
+    pdl = pdl_launch(x.device) if mode != "none" else {"PDL": False}
     folded, stats_in = norm if norm is not None else (None, None)
     num_norm_tiles = stats_in.partials.shape[1] if stats_in is not None else 0
     _linear_kernel[grid](
@@ -361,7 +370,8 @@ def _launch(
         NORM_TILES_P2=triton.next_power_of_2(num_norm_tiles) if num_norm_tiles else 0,
         RMS=folded is not None and folded.rms,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        SPLIT_K=tile.split_k, num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl,
+        SPLIT_K=tile.split_k, TRIGGER_LATER=mode == "late", num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **pdl,
     )  # fmt: skip
     return out, stats
 

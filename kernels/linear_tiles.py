@@ -81,7 +81,7 @@ def choose_tile(
     tiles (12 statistics tiles for the next launch to merge, not 24) took the
     boundary from 13.8 to 12.7 us; at M <= 128 the tiles here were within 0.1 us of
     the sweep's best. mlp.c_proj at M = 1 and 16 in 6 K slices of 16x32x64: 4.6 and
-    5.1 us against cuBLAS's 6.7 and 7.2 (launched without PDL: kernels.linear.joins_overlap).
+    5.1 us against cuBLAS's 6.7 and 7.2 (the launch overlap: kernels.linear.overlap_mode).
     """
     if not weight_is_kn:
         return _nk_tile(num_rows, n, k)

@@ -14,7 +14,9 @@ Kernels not launched this way (cuBLAS, torch) end the overlap and nothing else.
 
 Every Triton kernel of the decode step takes a PDL constexpr and starts with
 `pdl_prologue(PDL)`; its launcher passes `**pdl_launch(device)`, which sets the
-constexpr and the launch attribute together. ENABLE_PDL is the switch for A/B runs
+constexpr and the launch attribute together. A kernel may move the trigger later
+(`pdl_prologue(PDL, TRIGGER_LATER=True)`, then `pdl_trigger`): fewer of the following
+kernels' programs are then resident and waiting while it runs. ENABLE_PDL is the switch for A/B runs
 (bench --no-pdl).
 """
 
@@ -47,7 +49,18 @@ def pdl_launch(device: torch.device) -> dict:
 
 
 @triton.jit
-def pdl_prologue(PDL: tl.constexpr):
+def pdl_prologue(PDL: tl.constexpr, TRIGGER_LATER: tl.constexpr = False):
+    """TRIGGER_LATER: the next kernel launches only once every program has passed
+    pdl_trigger, which the kernel calls further on, not from here."""
     if PDL:
-        gdc_launch_dependents()  # the next kernel may launch once all our programs started
+        if not TRIGGER_LATER:
+            gdc_launch_dependents()  # the next kernel may launch once all our programs started
         gdc_wait()  # our predecessor has finished and its writes are visible
+
+
+@triton.jit
+def pdl_trigger(PDL: tl.constexpr, TRIGGER_LATER: tl.constexpr):
+    """The later trigger of a kernel whose pdl_prologue had TRIGGER_LATER."""
+    if PDL:
+        if TRIGGER_LATER:
+            gdc_launch_dependents()

@@ -11,11 +11,11 @@ from kernels.linear import (
     _semaphores,
     fold_layer_norm,
     fold_rms_norm,
-    joins_overlap,
     linear,
     linear_add,
     linear_norm,
     linear_ref,
+    overlap_mode,
 )
 from kernels.linear_tiles import MAX_ROWS, SMEM_BYTES, Tile, choose_tile, gated_tile
 from kernels.rms_norm import rms_norm_ref
@@ -363,14 +363,16 @@ def test_choose_tile_leaves_large_batches_to_cublas_and_splits_long_k():
             assert tile is not None and tile.block_m <= 64 and tile.block_k <= k, (rows, n, k)
 
 
-def test_split_launches_of_few_rows_end_the_launch_overlap_by_the_weights_layout():
+def test_the_launch_overlap_by_the_weights_layout_and_rows():
     split, whole = Tile(16, 32, 64, 2, 4, split_k=6), Tile(16, 32, 128, 4, 5)
-    for weight_is_kn in (True, False):
-        assert joins_overlap(whole, 1, weight_is_kn)
-        assert not joins_overlap(split, 8, weight_is_kn)
-        assert joins_overlap(split, 64, weight_is_kn)
-    assert joins_overlap(split, 16, weight_is_kn=False)  # Llama's [N, K]: faster at 16 rows
-    assert not joins_overlap(split, 16, weight_is_kn=True)  # GPT-2's [K, N]: slower there
+    # GPT-2's [K, N]: every launch of a few rows joins, triggering the next after its K loop.
+    assert overlap_mode(split, 1, weight_is_kn=True) == "late"
+    assert overlap_mode(whole, 16, weight_is_kn=True) == "late"
+    assert overlap_mode(split, 17, weight_is_kn=True) == "early"
+    # Llama's [N, K]: split launches below 9 rows end it; the rest trigger at the top.
+    assert overlap_mode(split, 8, weight_is_kn=False) == "none"
+    assert overlap_mode(split, 9, weight_is_kn=False) == "early"
+    assert overlap_mode(whole, 1, weight_is_kn=False) == "early"
 
 
 @pytest.mark.gpu
