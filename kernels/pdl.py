@@ -16,8 +16,8 @@ Every Triton kernel of the decode step takes a PDL constexpr and starts with
 `pdl_prologue(PDL)`; its launcher passes `**pdl_launch(device)`, which sets the
 constexpr and the launch attribute together. A kernel may move the trigger later
 (`pdl_prologue(PDL, TRIGGER_LATER=True)`, then `pdl_trigger`): fewer of the following
-kernels' programs are then resident and waiting while it runs. ENABLE_PDL is the switch for A/B runs
-(bench --no-pdl).
+kernels' programs are then resident and waiting while it runs (kernels.linear.overlap_mode
+says where that was faster). ENABLE_PDL is the switch for A/B runs (bench --no-pdl).
 """
 
 from __future__ import annotations
