@@ -294,8 +294,9 @@ SPLIT_OVERLAP_MIN_ROWS_NK = 9
 
 
 def overlap_mode(tile: Tile, num_rows: int, weight_is_kn: bool) -> str:
-    """ "late" (joins the overlap, triggers the next launch after its K loop), "early"
-    (joins it, triggers at the top: every other kernel of the step) or "none"."""
+    """How the launch takes part in the overlap: "late" (joins it, triggers the next launch
+    after its K loop), "early" (joins it, triggers at the top, as every other kernel of the
+    step does) or "none" (ends it)."""
     if weight_is_kn:
         return "late" if num_rows <= LATE_TRIGGER_ROWS_KN else "early"
     if tile.split_k == 1 or num_rows >= SPLIT_OVERLAP_MIN_ROWS_NK:

@@ -45,17 +45,17 @@ def _hopper_ptx(tmp_path: Path, pdl: bool, later: bool) -> list[str]:
     return done.stdout.splitlines()
 
 
-def _first(ptx: list[str], op: str) -> int:
+def _only_line(ptx: list[str], op: str) -> int:
     lines = [i for i, line in enumerate(ptx) if op in line]
     assert len(lines) == 1, (op, lines)
     return lines[0]
 
 
 @pytest.mark.parametrize("later", [False, True])
-def test_the_wait_comes_before_every_load_and_the_trigger_where_asked(tmp_path, later):
+def test_the_wait_comes_before_the_load_and_the_trigger_where_asked(tmp_path, later):
     ptx = _hopper_ptx(tmp_path, pdl=True, later=later)
-    wait, load = _first(ptx, "griddepcontrol.wait"), _first(ptx, "ld.global")
-    trigger = _first(ptx, "griddepcontrol.launch_dependents")
+    wait, load = _only_line(ptx, "griddepcontrol.wait"), _only_line(ptx, "ld.global")
+    trigger = _only_line(ptx, "griddepcontrol.launch_dependents")
     assert wait < load
     assert (trigger > load) if later else (trigger < wait)
 
