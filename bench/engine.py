@@ -23,7 +23,6 @@ import torch
 import kernels.pdl
 import replica.models.gpt2
 import replica.models.llama
-import replica.overlap
 import replica.triton_attention
 from bench.common import copy_bandwidth_gbps, markdown_table, percentile, write_json
 from bench.itl import cohort_itl, format_itl, steady_itl
@@ -249,18 +248,6 @@ def main() -> None:
         "--mixed-prefill-tokens", type=int, default=None,
         help="prompt tokens a decode step takes as extra rows (EngineConfig's; 0: never)",
     )  # fmt: skip
-    parser.add_argument(
-        "--overlap-min-rows", type=int, default=None,
-        help="decode steps of this many rows run as two overlapped halves (EngineConfig's)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--overlap-attention-programs", type=int, default=0,
-        help="decode attention programs per overlapped half (0: the whole grid)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--overlap-unordered", action="store_true",
-        help="two-batch overlap without ordering the halves' attention launches",
-    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
 
@@ -270,8 +257,6 @@ def main() -> None:
     replica.models.llama.FOLD_NORMS = not args.no_fold_norms
     replica.models.llama.FUSE_SILU = not args.no_fuse_silu
     replica.triton_attention.FUSE_DECODE_APPEND = not args.no_fused_append
-    replica.overlap.ORDER_ATTENTION = not args.overlap_unordered
-    replica.overlap.ATTENTION_PROGRAMS = args.overlap_attention_programs
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)
     max_new = args.max_new or (128 if on_gpu else 32)
@@ -293,8 +278,6 @@ def main() -> None:
                    if args.max_batched_tokens else {}),
                 **({"mixed_prefill_tokens": args.mixed_prefill_tokens}
                    if args.mixed_prefill_tokens is not None else {}),
-                **({"decode_overlap_min_rows": args.overlap_min_rows}
-                   if args.overlap_min_rows is not None else {}),
             )
         )  # fmt: skip
         start_s = time.perf_counter() - start  # weights, KV cache, graph capture
@@ -346,9 +329,6 @@ def main() -> None:
           f" pdl={kernels.pdl.use_pdl(engine.device)}"
           f" fused_append={not args.no_fused_append}"
           f" mixed_prefill_tokens={engine.config.mixed_prefill_tokens}"
-          f" overlap_min_rows={engine.config.decode_overlap_min_rows}"
-          f"{'' if replica.overlap.ORDER_ATTENTION else ' (unordered)'}"
-          f" attention_programs={replica.overlap.ATTENTION_PROGRAMS}"
           f" engine_start={start_s:.2f} s"
           + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else ""))  # fmt: skip
     print(markdown_table(rows, [c for c in columns if any(c in r for r in rows)]))

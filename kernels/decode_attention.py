@@ -150,7 +150,7 @@ def _decode_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     k_new_ptr, v_new_ptr,  # APPEND: each row's newest K/V, at position ctx_len - 1
     qk_scale,  # scale * log2(e)
-    num_kv_heads, num_rows, num_splits,
+    num_splits,
     stride_q_row, stride_q_head,
     stride_cache_block, stride_cache_slot, stride_cache_head,
     stride_bt,
@@ -159,55 +159,13 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     APPEND: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-    PERSISTENT: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)  # kernels.pdl: the merge (or next) kernel launches while this one runs
-    if PERSISTENT:
-        # A grid smaller than the work: program p takes items p, p + grid, ... in the
-        # order the 3-D grid below would run them (kv head fastest, then row, then split).
-        num_work = num_kv_heads * num_rows * num_splits
-        for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
-            _decode_item(
-                q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, slot_mapping_ptr,
-                context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_new_ptr, v_new_ptr,
-                qk_scale, num_kv_heads, num_splits,
-                w % num_kv_heads, (w // num_kv_heads) % num_rows, w // (num_kv_heads * num_rows),
-                stride_q_row, stride_q_head,
-                stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt,
-                stride_out_row, stride_out_head, stride_new_row, stride_new_head,
-                GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SPLIT, APPEND, DOT_PRECISION,
-            )  # fmt: skip
-    else:
-        _decode_item(
-            q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, slot_mapping_ptr,
-            context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_new_ptr, v_new_ptr,
-            qk_scale, num_kv_heads, num_splits,
-            tl.program_id(0), tl.program_id(1), tl.program_id(2),
-            stride_q_row, stride_q_head,
-            stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt,
-            stride_out_row, stride_out_head, stride_new_row, stride_new_head,
-            GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SPLIT, APPEND, DOT_PRECISION,
-        )  # fmt: skip
-
-
-@triton.jit
-def _decode_item(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, slot_mapping_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, k_new_ptr, v_new_ptr,
-    qk_scale, num_kv_heads, num_splits,
-    kv_head, row, split,
-    stride_q_row, stride_q_head,
-    stride_cache_block, stride_cache_slot, stride_cache_head,
-    stride_bt,
-    stride_out_row, stride_out_head,
-    stride_new_row, stride_new_head,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    APPEND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """One (kv head, row, split) of the decode: the body of every _decode_kernel program."""
     # The heads of one row are adjacent programs: a token's K (or V) for all kv heads is
     # one contiguous run of the cache, so programs running together read it together.
+    kv_head = tl.program_id(0)
+    row = tl.program_id(1)
+    split = tl.program_id(2)
     ctx_len = tl.load(context_lens_ptr + row)
     slot = tl.load(slot_mapping_ptr + row).to(tl.int64)
     bt_row = block_table_ptr + slot * stride_bt
@@ -265,7 +223,7 @@ def _decode_item(
         # Empty split: l_i == 0, m_i == -inf -> partial 0 with lse -inf.
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain
-        part_row = (row * num_kv_heads * GROUP + head) * num_splits + split  # [GROUP_PAD]
+        part_row = (row * tl.num_programs(0) * GROUP + head) * num_splits + split  # [GROUP_PAD]
         tl.store(part_lse_ptr + part_row, lse, mask=g_mask)
         part_ptrs = part_out_ptr + part_row[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
         tl.store(part_ptrs, acc / l_safe[:, None], mask=g_mask[:, None])
@@ -315,7 +273,6 @@ def paged_decode_attention(
     num_stages: int | None = None,
     k_new: torch.Tensor | None = None,  # [B, num_kv_heads, head_dim]
     v_new: torch.Tensor | None = None,
-    max_programs: int | None = None,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     """Paged decode attention with GQA; split-KV (flash-decoding) when the batch is small.
 
@@ -333,10 +290,7 @@ def paged_decode_attention(
     (the tile defaults then follow the given num_splits). workspace: optional
     (partial_out [B*num_heads*num_splits*head_dim] fp32, partial_lse
     [B*num_heads*num_splits] fp32) for the split path; allocated per call when
-    absent. max_programs: at most this many programs, each taking every
-    max_programs-th (kv head, row, split) in turn, so that the launch holds part of
-    the GPU and leaves the rest to kernels on another stream (replica.overlap).
-    Never reads device data on the host.
+    absent. Never reads device data on the host.
     """
     num_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -366,15 +320,10 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out
     new = (k_new, v_new) if append else (q, q)
-    if max_programs is not None and max_programs < 1:
-        raise ValueError(f"max_programs must be >= 1, got {max_programs}")
-    num_work = num_kv_heads * num_rows * num_splits
-    persistent = max_programs is not None and max_programs < num_work
-    grid = (max_programs,) if persistent else (num_kv_heads, num_rows, num_splits)
-    _decode_kernel[grid](
+    _decode_kernel[(num_kv_heads, num_rows, num_splits)](
         q, k_cache, v_cache, block_table, slot_mapping, context_lens,
         out, part_out, part_lse, *new,
-        scale * _LOG2E, num_kv_heads, num_rows, num_splits,
+        scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
@@ -382,7 +331,7 @@ def paged_decode_attention(
         new[0].stride(0), new[0].stride(1),
         GROUP=group, GROUP_PAD=max(_MIN_QUERY_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n or tiles.block_n, SPLIT=split,
-        APPEND=append, DOT_PRECISION=dot_precision(q.dtype), PERSISTENT=persistent,
+        APPEND=append, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps or tiles.num_warps, num_stages=num_stages or tiles.num_stages,
         **pdl_launch(q.device),
     )  # fmt: skip

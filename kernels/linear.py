@@ -60,10 +60,7 @@ launch's semaphores are back at zero for it.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -211,27 +208,12 @@ def _linear_kernel(
 MAX_SPLIT_TILES = 1 << 16  # output tiles of one split-K launch: one semaphore each
 
 
-# Split-K launches that may run at the same time (two-batch overlap: replica.overlap) each
-# need their own semaphores; the lane picks a set, one per stream that launches them.
-_lane: contextvars.ContextVar[int] = contextvars.ContextVar("split_k_lane", default=0)
-
-
-@contextlib.contextmanager
-def split_k_lane(lane: int) -> Iterator[None]:
-    """Split-K launches in this context use semaphore set `lane` (0 outside any)."""
-    token = _lane.set(lane)
-    try:
-        yield
-    finally:
-        _lane.reset(token)
-
-
 @functools.cache
-def _semaphores(device: torch.device, lane: int) -> torch.Tensor:
+def _semaphores(device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            "kernels.linear: the first split-K launch on a device (and lane) makes its "
-            "semaphores; run it once outside CUDA graph capture (a warm-up forward) first"
+            "kernels.linear: the first split-K launch on a device makes its semaphores; "
+            "run it once outside CUDA graph capture (a warm-up forward) first"
         )
     return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
@@ -370,7 +352,7 @@ def _launch(
         assert grid[0] * grid[1] <= MAX_SPLIT_TILES, "too many output tiles to split K"
         shape = (tile.split_k, num_rows, weight_cols)  # gated: a row's gate, then its up
         partials = torch.empty(shape, dtype=torch.float32, device=x.device)
-        semaphores = _semaphores(x.device, _lane.get())
+        semaphores = _semaphores(x.device)
     mode = overlap_mode(tile, num_rows, weight_is_kn)
     pdl = pdl_launch(x.device) if mode != "none" else {"PDL": False}
     folded, stats_in = norm if norm is not None else (None, None)

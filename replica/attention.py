@@ -9,14 +9,11 @@ decided once, when the model runner builds the backend.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from kernels import reference as ref
-
-if TYPE_CHECKING:
-    from replica.overlap import AttentionTurns
 
 
 @dataclass
@@ -35,9 +32,6 @@ class AttentionMetadata:
     token_slots [num_tokens] (each token's table row; the null row for padding)
     plus prefill_work (the attention work list) make every launch's grid a
     function of the bucket alone. Backends that do not need them ignore them.
-    turns: a decode half's place in the two-batch overlap (replica.overlap); a
-    backend on streams calls turns.before() and turns.after() around each
-    layer's attention.
     """
 
     is_decode: bool
@@ -51,7 +45,6 @@ class AttentionMetadata:
     token_slots: torch.Tensor | None = None
     prefill_work: torch.Tensor | None = None  # [capacity, 2] (seq, query block), -1 padded
     append_first: bool = False
-    turns: AttentionTurns | None = None
 
 
 class AttentionBackend(Protocol):

@@ -57,9 +57,6 @@ class EngineConfig:
     tokens runs them as extra rows of its decode forward (one pass over the
     weights, SGLang's mixed chunk) instead of a prefill forward before the
     decode; 0 keeps prefill and decode apart.
-    decode_overlap_min_rows: a decode step of at least this many rows runs as two
-    halves on two CUDA streams, one half's projections beside the other's
-    attention (replica.overlap); 0 never splits.
     """
 
     model: str = "gpt2-tiny"
@@ -77,7 +74,6 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     enable_triton_linear: bool = True
     mixed_prefill_tokens: int = 32
-    decode_overlap_min_rows: int = 0
     replica_id: str = "replica-0"
     max_prefix_hashes_in_stats: int = 2048
 
@@ -106,9 +102,6 @@ class EngineConfig:
         m = self.mixed_prefill_tokens
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"mixed_prefill_tokens must be an integer >= 0, got {m!r}")
-        m = self.decode_overlap_min_rows
-        if not isinstance(m, int) or isinstance(m, bool) or m < 0 or m == 1:
-            raise ValueError(f"decode_overlap_min_rows must be 0 or an integer >= 2, got {m!r}")
         for name in ("enable_prefix_caching", "enable_cuda_graphs", "enable_triton_linear"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -29,7 +29,6 @@ import functools
 import numpy as np
 import torch
 
-from replica import overlap
 from replica.attention import AttentionMetadata, make_attention_backend
 from replica.config import EngineConfig
 from replica.decode_inputs import (
@@ -41,7 +40,6 @@ from replica.decode_inputs import (
     DecodeInputs,
 )
 from replica.models import ModelConfig, load_model
-from replica.overlap import AttentionTurns, DecodeHalves
 from replica.prefill_inputs import PrefillBucket, PrefillInputs
 from replica.sampler import SamplingBatch, sample
 from replica.sampling_params import SamplingParams
@@ -115,13 +113,6 @@ class ModelRunner:
         # off run identical shapes (cuBLAS tiling, split-KV choice) and give identical tokens.
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if device.type == "cuda" else []
         self.mixed_prefill_tokens = config.mixed_prefill_tokens
-        # Two-batch overlap of large decode steps (replica.overlap); mixed steps never split.
-        self.overlap_min_rows = config.decode_overlap_min_rows
-        self.halves = (
-            DecodeHalves(device, self.model_config.num_layers, overlap.ORDER_ATTENTION)
-            if self.overlap_min_rows
-            else None
-        )
         max_rows = self.max_num_seqs + self.mixed_prefill_tokens
         self.mixed_graph_sizes = (
             graph_batch_sizes(max_rows) if self.graph_sizes and self.mixed_prefill_tokens else []
@@ -357,26 +348,17 @@ class ModelRunner:
         append_first: rows may share a sequence (a mixed step's prompt chunks).
         """
         inputs = self.decode_inputs[:, :num_rows]
+        meta = AttentionMetadata(
+            is_decode=True,
+            block_table=self.block_table,
+            slot_mapping=inputs[SLOTS],
+            context_lens=inputs[CONTEXT_LENS],
+            positions=inputs[POSITIONS],
+            append_first=append_first,
+        )
         # A PLACEHOLDER (negative) id is the token the previous step sampled into token_buf.
         ids = self.resolve_placeholders(inputs[INPUT_IDS], self.token_buf, inputs[SLOTS])
-
-        def hidden_rows(start: int, end: int, turns: AttentionTurns | None) -> torch.Tensor:
-            rows = inputs[:, start:end]
-            meta = AttentionMetadata(
-                is_decode=True,
-                block_table=self.block_table,
-                slot_mapping=rows[SLOTS],
-                context_lens=rows[CONTEXT_LENS],
-                positions=rows[POSITIONS],
-                append_first=append_first,
-                turns=turns,
-            )
-            return self.model(ids[start:end], meta.positions, self.kv_cache, meta)
-
-        if self.halves is not None and not append_first and num_rows >= self.overlap_min_rows:
-            hidden = self.halves.run(num_rows, hidden_rows, shared=(ids,))
-        else:
-            hidden = hidden_rows(0, num_rows, None)
+        hidden = self.model(ids, meta.positions, self.kv_cache, meta)
         logits = self.model.compute_logits(hidden)
         # token_buf[OUT_SLOTS] = greedy; the null row takes the rows that sample nothing
         greedy = self.argmax_rows(logits, token_buf=self.token_buf, token_rows=inputs[OUT_SLOTS])

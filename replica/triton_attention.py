@@ -53,12 +53,18 @@ class TritonAttention:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if meta.is_decode:
-            if meta.turns is None:
-                return self._decode(q, k, v, k_cache, v_cache, meta, scale)
-            meta.turns.before()
-            out = self._decode(q, k, v, k_cache, v_cache, meta, scale)
-            meta.turns.after()
-            return out
+            if self.fuse_decode_append and not meta.append_first:
+                return paged_decode_attention(
+                    q, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.context_lens,
+                    scale, num_splits=self.decode_num_splits, k_new=k, v_new=v,
+                )  # fmt: skip
+            append_kv_slots(
+                k, v, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.positions
+            )
+            return paged_decode_attention(
+                q, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.context_lens,
+                scale, num_splits=self.decode_num_splits,
+            )  # fmt: skip
         if meta.prefill_work is not None:
             append_kv_slots(
                 k, v, k_cache, v_cache, meta.block_table, meta.token_slots, meta.positions
@@ -74,19 +80,4 @@ class TritonAttention:
         return paged_prefill_attention(
             q, k_cache, v_cache, meta.block_table, meta.slot_mapping,
             meta.cu_seqlens_q, meta.context_lens, scale, max_q_len=meta.max_q_len,
-        )  # fmt: skip
-
-    def _decode(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        # A half of a two-batch overlap may hold its attention to part of the GPU.
-        max_programs = meta.turns.attention_programs if meta.turns is not None else None
-        if self.fuse_decode_append and not meta.append_first:
-            return paged_decode_attention(
-                q, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.context_lens,
-                scale, num_splits=self.decode_num_splits, k_new=k, v_new=v,
-                max_programs=max_programs,
-            )  # fmt: skip
-        append_kv_slots(k, v, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.positions)
-        return paged_decode_attention(
-            q, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.context_lens,
-            scale, num_splits=self.decode_num_splits, max_programs=max_programs,
         )  # fmt: skip

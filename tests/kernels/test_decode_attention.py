@@ -187,28 +187,6 @@ def test_decode_tile_overrides(block_n, num_splits, device):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("max_programs", [1, 3, 7])
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("append", [False, True])
-def test_decode_persistent_grid(max_programs, num_splits, append, device):
-    """A grid smaller than the work (max_programs): each program takes every
-    max_programs-th (kv head, row, split), so 1 program does all of them, 3 and 7 an
-    uneven share; one item skipped or done twice changes the output or the cache."""
-    _run_case(
-        torch.float16, 4, 2, 64, 16, [1, 40, 17, 95, 2], num_splits, device, seed=max_programs,
-        append=append, max_programs=max_programs,
-    )  # fmt: skip
-
-
-def test_decode_rejects_max_programs_below_one(device):
-    q = torch.zeros(1, 2, 64, dtype=torch.float16, device=device)
-    cache = torch.zeros(2, 16, 2, 64, dtype=torch.float16, device=device)
-    table = torch.zeros(1, 2, dtype=torch.int32, device=device)
-    one = torch.ones(1, dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="max_programs"):
-        paged_decode_attention(q, cache, cache, table, one * 0, one, 0.1, max_programs=0)
-
-
 def test_choose_num_splits_one_pass_when_grid_fills_gpu():
     assert choose_num_splits(256, 8, 1024, 132) == 1
     assert choose_num_splits(64, 12, 8192, 132) == 1

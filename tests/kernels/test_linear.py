@@ -186,7 +186,7 @@ def test_split_k_is_deterministic_and_leaves_its_semaphores_at_zero(activation, 
     assert torch.equal(first, second)
     want = linear_ref(x, weight, bias, weight_is_kn=False, activation=activation)
     torch.testing.assert_close(first, want, **TOL[torch.bfloat16])
-    assert not _semaphores(torch.device(device), 0).any()
+    assert not _semaphores(torch.device(device)).any()
 
 
 def _silu_mul_ref(
@@ -289,7 +289,7 @@ def test_silu_mul_split_k_is_deterministic_and_leaves_its_semaphores_at_zero(dev
     assert torch.equal(first, second)
     want = _silu_mul_ref(x, weight, bias).to(torch.bfloat16)
     torch.testing.assert_close(first, want, **TOL[torch.bfloat16])
-    assert not _semaphores(torch.device(device), 0).any()
+    assert not _semaphores(torch.device(device)).any()
 
 
 def test_gated_tile_halves_the_columns_and_cuts_the_stages_to_the_shared_memory():
@@ -403,4 +403,4 @@ def test_split_k_cuda_graph_replays():
         torch.cuda.synchronize()
         want = linear_ref(x, weight, bias, weight_is_kn=True)
         torch.testing.assert_close(out, want, **TOL[torch.float16])
-    assert not _semaphores(torch.device("cuda"), 0).any()
+    assert not _semaphores(torch.device("cuda")).any()

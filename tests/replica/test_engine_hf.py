@@ -215,28 +215,6 @@ def test_mixed_steps_on_and_off_give_the_same_tokens(checkpoint, temperature):
     assert prefills[1] == [1] * len(prompts)
 
 
-def count_overlapped_steps(engine) -> list[int]:
-    """Each decode forward the runner splits into two halves appends its row count."""
-    calls, run = [], engine.runner.halves.run
-    engine.runner.halves.run = lambda num_rows, *args, **kwargs: (
-        calls.append(num_rows) or run(num_rows, *args, **kwargs)
-    )
-    return calls
-
-
-def test_decode_in_two_halves_matches_hf(checkpoint):
-    """Two-batch overlap (replica.overlap) splits the decode rows and joins them: a row
-    read from the wrong half, or halves joined out of order, changes tokens."""
-    path, hf_model = checkpoint
-    engine = make_engine(path, 16, decode_overlap_min_rows=3)
-    split = count_overlapped_steps(engine)
-    prompts = random_prompts(17, [5, 12, 1, 30, 9])
-    assert_matches_hf(engine, hf_model, prompts)
-    assert split and min(split) >= 3 and 5 in split
-    staggered = run_staggered(engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
-    assert staggered == [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
-
-
 def test_streaming_interface_and_abort_free_blocks(checkpoint):
     path, hf_model = checkpoint
     engine = make_engine(path, 16)
@@ -313,31 +291,6 @@ def test_cuda_graphs_on_and_off_give_identical_tokens(checkpoint, dtype):
         assert_no_leak(engine)
         results.append(run_staggered(engine, prompts, params))  # mixed steps
     assert results[:2] == results[2:]
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_gpu_decode_in_two_halves(checkpoint, dtype):
-    """The halves on two streams, split-K on their own semaphores: graphs on and off give
-    identical tokens, and float32 gives HF's."""
-    path, hf_model = checkpoint
-    prompts = random_prompts(7, [3, 9, 17, 33, 40, 12, 5, 16, 70, 2, 21] * 8)
-    params = SamplingParams(max_tokens=24, temperature=0.0)
-    results = []
-    for graphs in (True, False):
-        engine = make_engine(
-            path, 16, device="cuda", dtype=dtype, enable_cuda_graphs=graphs, max_num_seqs=96,
-            num_blocks=512, decode_overlap_min_rows=32,
-        )  # fmt: skip
-        split = count_overlapped_steps(engine)
-        results.append([o.token_ids for o in engine.generate(prompts, params)])
-        assert_no_leak(engine)
-        assert split or graphs  # a replayed graph does not call the runner's forward
-    assert results[0] == results[1]
-    if dtype == "float32":
-        expected = [hf_greedy(hf_model, p, 24) for p in prompts]
-        assert results[0] == expected
 
 
 @pytest.mark.gpu
