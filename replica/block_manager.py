@@ -131,21 +131,27 @@ class BlockManager:
 
     def blocks_needed_to_append(self, seqs: Iterable[Sequence]) -> int:
         """Blocks that append_slots(seqs) would take: rollovers plus copy-on-writes."""
+        return len(self.needing_blocks(seqs))
+
+    def needing_blocks(self, seqs: Iterable[Sequence]) -> list[Sequence]:
+        """The sequences whose newest token needs a block: its position starts a new one
+        (rollover), or lands in a shared one (copy-on-write). append_slots acts on these
+        alone, so a scheduler passes it this list (one pass over a decode batch)."""
         size, refs = self.block_size, self.ref_counts
-        needed = 0
-        for seq in seqs:
-            index = (len(seq.token_ids) - 1) // size
-            blocks = seq.block_ids
-            if index >= len(blocks) or refs[blocks[index]] > 1:
-                needed += 1
-        return needed
+        return [
+            seq
+            for seq in seqs
+            if (index := (len(seq.token_ids) - 1) // size) >= len(seq.block_ids)
+            or refs[seq.block_ids[index]] > 1
+        ]
 
     def append_slots(self, seqs: Iterable[Sequence]) -> None:
         """Make room for each sequence's newest token, in one batched pass.
 
         A sequence whose last block is full gets a fresh block (rollover); one
         whose target block is shared gets a private copy (copy-on-write, queued
-        in pending_copies for the model runner). Callers check can_append first.
+        in pending_copies for the model runner). Other sequences are left as they
+        are. Callers check can_append first.
         """
         size, refs = self.block_size, self.ref_counts
         for seq in seqs:

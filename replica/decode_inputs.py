@@ -97,10 +97,9 @@ class DecodeInputs:
             ids.append(token)
             positions.append(position)
             slots.append(slot)
-        for seq in seqs:
-            ids.append(seq.token_ids[-1])  # or PLACEHOLDER
-            positions.append(len(seq) - 1)
-            slots.append(seq.slot)
+        ids += [seq.token_ids[-1] for seq in seqs]  # or PLACEHOLDER
+        positions += [len(seq.token_ids) - 1 for seq in seqs]
+        slots += [seq.slot for seq in seqs]
         n = len(ids)
         host = self._host[parity][0]
         host[INPUT_IDS, :n] = ids

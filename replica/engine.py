@@ -225,13 +225,16 @@ class LLMEngine:
             bm.commit(seq)
             if seq.num_computed_tokens == len(seq.token_ids):
                 sampled.append(seq)
-        for seq in batch.decode_seqs:
-            seq.num_computed_tokens += 1
-        sampled += batch.decode_seqs
         indices = []
         for seq in sampled:
             indices.append(len(seq.token_ids))
             seq.token_ids.append(PLACEHOLDER)
+        for seq in batch.decode_seqs:
+            seq.num_computed_tokens += 1
+            tokens = seq.token_ids
+            indices.append(len(tokens))
+            tokens.append(PLACEHOLDER)
+        sampled += batch.decode_seqs
         return InFlightStep(sampled, indices, handle, len(dirty_slots))
 
     def drain(self) -> list[RequestOutput]:
@@ -242,8 +245,9 @@ class LLMEngine:
         tokens = step.handle.wait()
         block_size = self.block_manager.block_size
         outputs = []
+        finished, filled = SequenceStatus.FINISHED, self._filled
         for seq, index, token in zip(step.seqs, step.indices, tokens, strict=True):
-            if seq.status is SequenceStatus.FINISHED:
+            if seq.status is finished:
                 continue  # aborted, or stopped a step ago: this token is not part of it
             seq.token_ids[index] = token
             if token in seq.stop_ids:
@@ -253,7 +257,7 @@ class LLMEngine:
             else:
                 outputs.append(RequestOutput(seq.request_id, [token]))
                 if (index + 1) % block_size == 0:
-                    self._filled.append(seq)  # the block ending here is now known
+                    filled.append(seq)  # the block ending here is now known
         self._commit_filled_blocks()
         self._token_events.append((self.clock(), len(tokens)))
         self._num_window_tokens += len(tokens)

@@ -182,12 +182,14 @@ class Scheduler:
             ]
         else:
             decodes = [s for s in self.running if len(s.token_ids) < s.max_len]
-        while decodes and not bm.can_append(decodes):
+        needing = bm.needing_blocks(decodes)  # most steps: none, or the rollovers
+        while decodes and len(needing) > bm.num_free_blocks:
             victim = self.running[-1]
             self.preempt(victim)
             if victim in decodes:
                 decodes.remove(victim)
-        bm.append_slots(decodes)
+            needing = bm.needing_blocks(decodes)
+        bm.append_slots(needing)
         return decodes
 
     def _continue_prefills(self, batch: ScheduledBatch, budget: int) -> int:

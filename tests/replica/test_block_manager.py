@@ -146,6 +146,30 @@ def test_batched_rollover_allocates_in_one_pass_and_marks_rows_dirty():
     bm.check_invariants(seqs)
 
 
+def test_needing_blocks_names_the_rollovers_and_copies_only():
+    """A decode batch where one sequence rolls over, one writes into a block it shares
+    with a fork, and one has room: append_slots over needing_blocks' list leaves the
+    third as it was, as append_slots over all three would."""
+    bm = make_manager()
+    roll, room, parent = (
+        make_seq(range(i * 10, i * 10 + n), f"s{i}") for i, n in enumerate([4, 5, 6])
+    )
+    for s in (roll, room, parent):
+        bm.allocate(s)
+        compute_all(bm, s)
+    child = make_seq(range(20, 26), "c")
+    bm.fork(parent, child)
+    for s in (roll, room, child):
+        s.token_ids.append(7)  # positions 4 (a boundary), 5 (room), 6 (the shared block)
+    assert bm.needing_blocks([roll, room, child]) == [roll, child]
+    room_blocks = list(room.block_ids)
+    bm.append_slots(bm.needing_blocks([roll, room, child]))
+    assert len(roll.block_ids) == 2 and room.block_ids == room_blocks
+    assert child.block_ids[1] != parent.block_ids[1] and len(bm.take_copies()) == 1
+    assert bm.needing_blocks([roll, room, child]) == []
+    bm.check_invariants([roll, room, parent, child])
+
+
 def test_fork_then_append_copies_on_write():
     bm = make_manager()
     parent = make_seq(range(6), "p")
