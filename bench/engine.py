@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels.pdl
+import replica.model_runner
 import replica.models.gpt2
 import replica.models.llama
 import replica.triton_attention
@@ -241,6 +242,11 @@ def main() -> None:
         "--no-fused-append", action="store_true", help="decode KV append as its own launch"
     )
     parser.add_argument(
+        "--no-decode-in-prefill",
+        action="store_true",
+        help="steps with prompt chunks run their decode rows in a decode forward of their own",
+    )
+    parser.add_argument(
         "--no-gc", action="store_true", help="diagnostic: Python's cyclic GC off during the runs"
     )
     parser.add_argument("--max-batched-tokens", type=int, default=None, help="prefill chunk")
@@ -257,6 +263,7 @@ def main() -> None:
     replica.models.llama.FOLD_NORMS = not args.no_fold_norms
     replica.models.llama.FUSE_SILU = not args.no_fuse_silu
     replica.triton_attention.FUSE_DECODE_APPEND = not args.no_fused_append
+    replica.model_runner.DECODE_IN_PREFILL = not args.no_decode_in_prefill
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)
     max_new = args.max_new or (128 if on_gpu else 32)
@@ -328,6 +335,7 @@ def main() -> None:
           f" triton_linear={triton_linear}"
           f" pdl={kernels.pdl.use_pdl(engine.device)}"
           f" fused_append={not args.no_fused_append}"
+          f" decode_in_prefill={engine.runner.decode_in_prefill}"
           f" mixed_prefill_tokens={engine.config.mixed_prefill_tokens}"
           f" engine_start={start_s:.2f} s"
           + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else ""))  # fmt: skip

@@ -13,6 +13,9 @@ prefill forward before it. One pass over the weights serves both, so a request
 that joins costs the running ones a few rows, not a whole forward (ITL). The
 mixed graphs append every row's K/V before attention reads any (a row reads its
 chunk's earlier tokens), where plain decode graphs fuse the append into attention.
+The other way round, a step with longer prompt chunks runs its decode sequences as
+one-token chunks of the prefill forward (DECODE_IN_PREFILL), so that step too makes
+one pass over the weights, not a prefill forward and then a decode forward.
 
 Steps overlap with the host: launch() enqueues a step and returns at once with
 a StepHandle. Sampled tokens stay on the device too (token_buf, one entry per
@@ -45,6 +48,11 @@ from replica.sampler import SamplingBatch, sample
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch
 from replica.sequence import Sequence
+
+# A step with prompt chunks beyond mixed_prefill_tokens runs its decode sequences in the
+# prefill forward (one token each) rather than in a decode forward after it. Read when a
+# runner is built; the benchmarks' switch (bench.engine --no-decode-in-prefill).
+DECODE_IN_PREFILL = True
 
 
 class StepHandle:
@@ -113,6 +121,7 @@ class ModelRunner:
         # off run identical shapes (cuBLAS tiling, split-KV choice) and give identical tokens.
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if device.type == "cuda" else []
         self.mixed_prefill_tokens = config.mixed_prefill_tokens
+        self.decode_in_prefill = DECODE_IN_PREFILL
         max_rows = self.max_num_seqs + self.mixed_prefill_tokens
         self.mixed_graph_sizes = (
             graph_batch_sizes(max_rows) if self.graph_sizes and self.mixed_prefill_tokens else []
@@ -204,12 +213,21 @@ class ModelRunner:
         self.parity ^= 1
         num_prefill = sum(batch.prefill_lens)
         mixed = 0 < num_prefill <= self.mixed_prefill_tokens
-        chunks = list(zip(batch.prefill_seqs, batch.prefill_lens, strict=True)) if mixed else []
-        num_rows = len(batch.decode_seqs) + (num_prefill if mixed else 0)
+        prefill_seqs, prefill_lens = batch.prefill_seqs, batch.prefill_lens
+        decode_seqs = batch.decode_seqs
+        if prefill_seqs and not mixed and decode_seqs and self.decode_in_prefill:
+            # Each decode sequence's newest token (its num_computed_tokens is one short) is
+            # a chunk of one that completes it, after the prompt chunks: the sampling order
+            # stays prompt chunks that complete, then decode sequences.
+            prefill_seqs = prefill_seqs + decode_seqs
+            prefill_lens = prefill_lens + [1] * len(decode_seqs)
+            decode_seqs = []
+        chunks = list(zip(prefill_seqs, prefill_lens, strict=True)) if mixed else []
+        num_rows = len(decode_seqs) + (num_prefill if mixed else 0)
         padded = self._padded_rows(num_rows, mixed)
         first, done = 0, []
         if num_rows:
-            first, done = self.step_inputs.fill(self.parity, batch.decode_seqs, padded, chunks)
+            first, done = self.step_inputs.fill(self.parity, decode_seqs, padded, chunks)
         self.step_inputs.upload(
             self.parity, num_rows > 0, block_table, dirty_slots, self.block_table
         )
@@ -221,10 +239,8 @@ class ModelRunner:
             )  # fmt: skip
         # Per forward that samples: its logits, token_buf rows, and argmax where it took one.
         logits, slots, greedy, sampled_seqs = [], [], [], []
-        if batch.prefill_seqs and not mixed:
-            prefill_logits, prefill_done, done_slots = self._run_prefill(
-                batch.prefill_seqs, batch.prefill_lens
-            )
+        if prefill_seqs and not mixed:
+            prefill_logits, prefill_done, done_slots = self._run_prefill(prefill_seqs, prefill_lens)
             if prefill_done:
                 logits.append(prefill_logits)
                 slots.append(done_slots)
@@ -236,7 +252,7 @@ class ModelRunner:
             logits.append(decode_logits[sampling_rows])
             slots.append(self.decode_inputs[SLOTS, sampling_rows])
             greedy.append(decode_greedy[sampling_rows])  # already in token_buf
-            sampled_seqs += done + batch.decode_seqs
+            sampled_seqs += done + decode_seqs
         host = self.token_staging[self.parity, : len(sampled_seqs)]
         if not sampled_seqs:
             return StepHandle(host, None)
@@ -327,7 +343,10 @@ class ModelRunner:
     def _prefill_forward(self, bucket: PrefillBucket) -> torch.Tensor:  # [num_seqs, vocab]
         meta = self.prefill.metadata(bucket, self.block_table)
         views = self.prefill.device_views(bucket)
-        hidden = self.model(views["ids"], meta.positions, self.kv_cache, meta)
+        # A decode sequence's token (DECODE_IN_PREFILL) may be the one the step before
+        # sampled: a PLACEHOLDER, read from token_buf as the decode forward does.
+        ids = self.resolve_placeholders(views["ids"], self.token_buf, views["token_slots"])
+        hidden = self.model(ids, meta.positions, self.kv_cache, meta)
         return self.model.compute_logits(hidden[views["last_rows"]])
 
     def _run_decode(self, padded: int, mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -172,12 +172,19 @@ def run_staggered(engine, prompts, params, every: int = 2) -> list[list[int]]:
     return tokens
 
 
-def count_prefill_forwards(engine) -> list[int]:
-    """Each call of the runner's separate prefill forward appends its sequence count."""
+def count_prefill_forwards(engine, rows: list | None = None) -> list[int]:
+    """Each call of the runner's separate prefill forward appends its count of prompt
+    chunks; rows, if given, gets each call's (prompt chunks, decode sequences)."""
     calls, run_prefill = [], engine.runner._run_prefill
-    engine.runner._run_prefill = lambda seqs, lens: (
-        calls.append(len(seqs)) or run_prefill(seqs, lens)
-    )
+
+    def counted(seqs, lens):
+        prompts = sum(s.num_computed_tokens < s.num_prompt_tokens for s in seqs)
+        calls.append(prompts)
+        if rows is not None:
+            rows.append((prompts, len(seqs) - prompts))
+        return run_prefill(seqs, lens)
+
+    engine.runner._run_prefill = counted
     return calls
 
 
@@ -213,6 +220,31 @@ def test_mixed_steps_on_and_off_give_the_same_tokens(checkpoint, temperature):
     assert results[0] == results[1]
     assert prefills[0] == [1]  # only the 33-token prompt, past the mixed budget
     assert prefills[1] == [1] * len(prompts)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_decode_rows_in_the_prefill_forward_give_the_same_tokens(checkpoint, temperature):
+    """Steps with prompt chunks past mixed_prefill_tokens run their decode sequences as
+    one-token chunks of the prefill forward (model_runner.DECODE_IN_PREFILL): the tokens
+    are those of a decode forward after the prefill, greedy (HF's) and seeded sampling."""
+    path, hf_model = checkpoint
+    prompts = random_prompts(16, [3, 20, 8, 33, 1, 14, 26, 6, 40])
+    params = [
+        SamplingParams(max_tokens=12, temperature=temperature, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    results, rows = [], []
+    for on in (True, False):
+        engine = make_engine(path, 16, mixed_prefill_tokens=0)
+        engine.runner.decode_in_prefill = on
+        rows.append([])
+        count_prefill_forwards(engine, rows[-1])
+        results.append(run_staggered(engine, prompts, params, every=3))
+    assert results[0] == results[1]
+    assert [p for p, _ in rows[0]] == [p for p, _ in rows[1]] == [1] * len(prompts)
+    assert sum(d for _, d in rows[0]) > 0 and all(d == 0 for _, d in rows[1])
+    if temperature == 0.0:
+        assert results[0] == [hf_greedy(hf_model, p, 12) for p in prompts]
 
 
 def test_streaming_interface_and_abort_free_blocks(checkpoint):
