@@ -28,6 +28,7 @@ its copies may still be pending.
 from __future__ import annotations
 
 import functools
+import operator
 
 import numpy as np
 import torch
@@ -53,6 +54,8 @@ from replica.sequence import Sequence
 # prefill forward (one token each) rather than in a decode forward after it. Read when a
 # runner is built; the benchmarks' switch (bench.engine --no-decode-in-prefill).
 DECODE_IN_PREFILL = True
+
+_GREEDY = operator.attrgetter("greedy")
 
 
 class StepHandle:
@@ -433,9 +436,9 @@ class ModelRunner:
         return graphs, pool
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        params = [s.params for s in seqs]
-        if all(p.greedy for p in params):
+        if all(map(_GREEDY, seqs)):  # a C-level pass: 256 rows a step on the hot path
             return SamplingBatch.greedy()
+        params = [s.params for s in seqs]
         generators = [self._request_generator(s) for s in seqs]
         return SamplingBatch.build(params, generators, self.vocab_size, self.device)
 

@@ -42,6 +42,7 @@ class Sequence:
         "num_emitted_tokens",
         "eos_token_id",
         "stop_ids",
+        "greedy",
         "max_len",
         "num_queued_blocks",
         "num_queued_hashes",
@@ -80,6 +81,7 @@ class Sequence:
         if eos_token_id is not None and not params.ignore_eos:
             stops.add(eos_token_id)
         self.stop_ids = frozenset(stops)
+        self.greedy = params.greedy  # a step of greedy sequences alone samples in its graph
         self.max_len = self.num_prompt_tokens + params.max_tokens
         if max_model_len is not None:
             self.max_len = min(self.max_len, max_model_len)
