@@ -102,13 +102,13 @@ class DecodeInputs:
         slots += [seq.slot for seq in seqs]
         n = len(ids)
         host = self._host[parity][0]
-        host[INPUT_IDS, :n] = ids
-        host[POSITIONS, :n] = positions
-        host[SLOTS, :n] = slots
-        host[CONTEXT_LENS, :n] = host[POSITIONS, :n] + 1
-        host[OUT_SLOTS, :first] = self.null_row
+        host[INPUT_IDS : SLOTS + 1, :n] = (ids, positions, slots)  # one conversion
+        np.add(host[POSITIONS, :n], 1, out=host[CONTEXT_LENS, :n])
+        if first:
+            host[OUT_SLOTS, :first] = self.null_row
         host[OUT_SLOTS, first:n] = host[SLOTS, first:n]
-        self.fill_padding(parity, n, num_rows)
+        if n < num_rows:
+            self.fill_padding(parity, n, num_rows)
         return first, done
 
     def fill_padding(self, parity: int, start: int = 0, end: int | None = None) -> None:

@@ -140,6 +140,9 @@ class ModelRunner:
         )
         self.decode_inputs = self.step_inputs.inputs  # [5, max_rows] on the device
         self.token_staging = torch.zeros((2, self.max_num_seqs), dtype=torch.int64, pin_memory=pin)
+        # One event per parity marks a step's tokens on the host: a step's handle is waited
+        # on before the step after next records its parity's event again (LLMEngine.step).
+        self.token_events = [torch.cuda.Event() for _ in range(2)] if pin else []
         self.parity = 0
         self.token_buf = torch.zeros(rows, dtype=torch.int64, device=device)  # last token per slot
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
@@ -288,7 +291,7 @@ class ModelRunner:
             host.copy_(tokens)
             return StepHandle(host, None)
         host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
+        event = self.token_events[self.parity]
         event.record()
         return StepHandle(host, event)
 
