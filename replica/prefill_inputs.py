@@ -120,8 +120,10 @@ class PrefillInputs:
         is_done = ends == np.fromiter((len(s) for s in seqs), np.int64, len(seqs))
         bucket = bucket or self.bucket(num_tokens, len(seqs))
         v = self._views(self.staging[parity].numpy(), bucket)
-        for seq, start, lo, hi in zip(seqs, starts.tolist(), cu[:-1].tolist(), cu[1:].tolist()):
-            v["ids"][lo:hi] = seq.token_ids[start : start + hi - lo]
+        ids: list[int] = []  # every chunk's ids, then one conversion
+        for seq, start, n in zip(seqs, starts.tolist(), lens, strict=True):
+            ids += seq.token_ids[start : start + n]
+        v["ids"][:num_tokens] = ids
         v["ids"][num_tokens:] = 0
         v["positions"][:num_tokens] = np.arange(num_tokens) + np.repeat(starts - cu[:-1], q_lens)
         v["positions"][num_tokens:] = 0
