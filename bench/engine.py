@@ -105,10 +105,15 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_new: int) -> Eng
     return run
 
 
+HOST_BOUND_WAIT = 0.1  # a step that waited for the device under this share of its wall
+
+
 def step_profile(run: EngineRun, slow_factor: float = 1.25) -> dict:
     """How the decode steps' walls spread, and what the slow ones (> slow_factor x the
     median) spent their time on: decode tok/s divides by the sum of walls, so a few slow
-    steps move it while the median (TPOT) stays put."""
+    steps move it while the median (TPOT) stays put. A step is host-bound when it waited
+    for the device's previous step less than HOST_BOUND_WAIT of its wall: the host's own
+    work (schedule, launch, drain) set its pace, and a faster host would have shortened it."""
     walls = run.decode_step_s
     if not walls:
         return {}
@@ -133,6 +138,7 @@ def step_profile(run: EngineRun, slow_factor: float = 1.25) -> dict:
         "max_ms": 1e3 * max(walls), "num_steps": len(walls), "num_slow": len(slow),
         "num_slow_at_rollover": sum(run.decode_boundary[i] for i in slow),
         "num_rollover_steps": sum(run.decode_boundary),
+        "num_host_bound": sum(p[3] < HOST_BOUND_WAIT * p[0] for p in run.decode_phases_s),
         "excess_share": sum(w - median for w in walls if w > median) / sum(walls),
         "slow_phases_ms": phases_ms(slow), "normal_phases_ms": phases_ms(normal),
         "slow_indices": slow,
@@ -150,7 +156,9 @@ def format_step_profile(batch: int, prof: dict) -> str:
         f" {prof['num_slow']} of {prof['num_steps']} steps slow (> 1.25x p50),"
         f" {prof['num_slow_at_rollover']} of them block rollovers"
         f" ({prof['num_rollover_steps']} rollover steps in all); time above p50:"
-        f" {100 * prof['excess_share']:.1f}% of the decode walls\n"
+        f" {100 * prof['excess_share']:.1f}% of the decode walls;"
+        f" {prof['num_host_bound']} steps host-bound (waited for the device under"
+        f" {100 * HOST_BOUND_WAIT:.0f}% of their wall)\n"
         f"  slow steps, mean ms: {fmt(prof['slow_phases_ms'])}; step (batch, requests"
         " finished): "
         + ", ".join(
