@@ -15,6 +15,8 @@ best rep is the least disturbed by other work on the machine.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -45,6 +47,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=80, help="decode steps per rep")
+    parser.add_argument(
+        "--count-calls", action="store_true",
+        help="after the reps, Python function calls per step over --steps more steps (cProfile)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
     max_len = 512  # gpt2-tiny's positions
@@ -55,7 +61,7 @@ def main() -> None:
         )
     )  # fmt: skip
     prompt_len = 16
-    total = 3 + args.reps * args.steps
+    total = 3 + (args.reps + args.count_calls) * args.steps
     if prompt_len + total > max_len:
         raise SystemExit(f"--reps x --steps: {total} steps exceed gpt2-tiny's {max_len} positions")
     params = SamplingParams(max_tokens=total + 1, temperature=0.0, ignore_eos=True)
@@ -83,7 +89,17 @@ def main() -> None:
         )
     best = min(rows, key=lambda r: r["step p50 ms"])
     print(f"batch {args.batch}: best rep's host step p50 {best['step p50 ms']:.3f} ms")
-    write_json(args.out, {"machine": machine_description(), "batch": args.batch, "rows": rows})
+    result = {"machine": machine_description(), "batch": args.batch, "rows": rows}
+    if args.count_calls:
+        # A count of work done, where a shared machine's wall time is too noisy to compare.
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.steps):
+            engine.step()
+        profile.disable()
+        result["calls_per_step"] = pstats.Stats(profile).total_calls / args.steps
+        print(f"batch {args.batch}: {result['calls_per_step']:.0f} Python calls per step")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ from bench import host_step
 
 def test_host_step_reports_every_rep_with_the_forward_stubbed(tmp_path, monkeypatch):
     out = tmp_path / "host.json"
-    argv = ["host_step", "--batch", "8", "--reps", "2", "--steps", "5", "--out", str(out)]
-    monkeypatch.setattr(sys, "argv", argv)
+    argv = ["host_step", "--batch", "8", "--reps", "2", "--steps", "5", "--count-calls"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
     host_step.main()
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    assert result["calls_per_step"] > 8  # at least one call per sequence a step
+    rows = result["rows"]
     assert [r["rep"] for r in rows] == [0, 1]
     for row in rows:
         assert row["step p50 ms"] > 0 and row["launch ms"] > 0 and row["drain ms"] > 0
