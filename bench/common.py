@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import cProfile
 import json
 import os
 import platform
+import pstats
 import statistics
 import time
 from typing import Any
@@ -21,6 +23,16 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def profiled_steps(engine: Any, steps: int) -> pstats.Stats:
+    """cProfile's statistics over `steps` calls of engine.step() (the host side)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    return pstats.Stats(profiler)
 
 
 def copy_bandwidth_gbps(device: torch.device, num_bytes: int = 2**30, repeats: int = 20) -> float:

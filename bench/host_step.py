@@ -15,14 +15,12 @@ best rep is the least disturbed by other work on the machine.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 import statistics
 import time
 
 import torch
 
-from bench.common import machine_description, write_json
+from bench.common import machine_description, profiled_steps, write_json
 from bench.engine import random_prompts
 from replica import EngineConfig, LLMEngine, SamplingParams
 
@@ -92,12 +90,7 @@ def main() -> None:
     result = {"machine": machine_description(), "batch": args.batch, "rows": rows}
     if args.count_calls:
         # A count of work done, where a shared machine's wall time is too noisy to compare.
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(args.steps):
-            engine.step()
-        profile.disable()
-        result["calls_per_step"] = pstats.Stats(profile).total_calls / args.steps
+        result["calls_per_step"] = profiled_steps(engine, args.steps).total_calls / args.steps
         print(f"batch {args.batch}: {result['calls_per_step']:.0f} Python calls per step")
     write_json(args.out, result)
 

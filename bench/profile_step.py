@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 import kernels.pdl
 import replica.models.gpt2
 import replica.models.llama
-from bench.common import percentile
+from bench.common import percentile, profiled_steps
 from bench.engine import random_prompts
 from replica import EngineConfig, LLMEngine, SamplingParams
 
@@ -84,7 +84,7 @@ def main() -> None:
     )
     if prefill_prof is not None:
         print_profile("prefill step (profiled, synchronized)", prefill_prof, args.top)
-    if host_prof is not None:
+    if host_prof is not None and len(prefill_walls) > 3:  # some step ran under host_prof
         print("\nhost side of the prefill steps after the profiled one (cProfile, tottime):")
         pstats.Stats(host_prof).sort_stats("tottime").print_stats(args.top)
 
@@ -103,13 +103,9 @@ def main() -> None:
         print(f"  {name:12s} {percentile(values, 50):.3f}")
 
     if args.cprofile:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(args.steps):
-            engine.step()
-        profiler.disable()
+        stats = profiled_steps(engine, args.steps)
         print(f"\nhost side over {args.steps} steps (cProfile, tottime):")
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
+        stats.sort_stats("tottime").print_stats(args.top)
 
     if args.timeline_steps:
         print_step_events(engine, args.timeline_steps)
