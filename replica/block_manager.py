@@ -127,11 +127,9 @@ class BlockManager:
         self._write_row(seq, 0)
 
     def can_append(self, seqs: Iterable[Sequence]) -> bool:
-        return self.blocks_needed_to_append(seqs) <= self.num_free_blocks
-
-    def blocks_needed_to_append(self, seqs: Iterable[Sequence]) -> int:
-        """Blocks that append_slots(seqs) would take: rollovers plus copy-on-writes."""
-        return len(self.needing_blocks(seqs))
+        """Whether the blocks append_slots(seqs) takes, one per sequence of
+        needing_blocks(seqs), are free."""
+        return len(self.needing_blocks(seqs)) <= self.num_free_blocks
 
     def needing_blocks(self, seqs: Iterable[Sequence]) -> list[Sequence]:
         """The sequences whose newest token needs a block: its position starts a new one

@@ -139,7 +139,7 @@ def test_batched_rollover_allocates_in_one_pass_and_marks_rows_dirty():
         compute_all(bm, s)
         s.token_ids.append(7)  # a sampled token at position 4: a block boundary
     bm.take_dirty_slots()
-    assert bm.blocks_needed_to_append(seqs) == 3
+    assert len(bm.needing_blocks(seqs)) == 3
     bm.append_slots(seqs)
     assert all(len(s.block_ids) == 2 for s in seqs)
     assert bm.take_dirty_slots() == sorted(s.slot for s in seqs)
@@ -179,7 +179,7 @@ def test_fork_then_append_copies_on_write():
     bm.fork(parent, child)
     bm.check_invariants([parent, child])
     child.token_ids.append(1)  # writes position 6, inside the shared partial block
-    assert bm.blocks_needed_to_append([child]) == 1
+    assert len(bm.needing_blocks([child])) == 1
     bm.append_slots([child])
     [(src, dst)] = bm.take_copies()
     assert src == parent.block_ids[1] and dst == child.block_ids[1] and src != dst
