@@ -20,6 +20,13 @@ buffer share a byte layout:
 upload() copies the bytes in use (the inputs, and the changed rows when there are
 any) in one copy, then scatters the rows into the device block table. The decode
 graphs read `inputs` by address, so the device buffer never moves.
+
+Most decode steps run the sequences of the step before, in the same order: each has
+moved one position on, and its newest token is the PLACEHOLDER of the token that step
+sampled. fill() then stages them from the other parity's rows in a few numpy passes
+instead of reading every sequence: 11-28 us against 47-78 at 256 rows on an H200's
+host (bench.step_pieces). The runner calls forget() after a launch that filled no
+decode rows, so "the step before" is always the launch just before this one.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
-from replica.sequence import Sequence
+from replica.sequence import PLACEHOLDER, Sequence
 
 INPUT_IDS, POSITIONS, SLOTS, CONTEXT_LENS, OUT_SLOTS = range(5)
 _NUM_INPUTS = 5
@@ -59,6 +66,12 @@ class DecodeInputs:
         self._host = [
             tuple(t.numpy() for t in self._views(self.staging[parity])) for parity in (0, 1)
         ]
+        # The last fill's parity and decode sequences, when it staged no prompt chunks.
+        self._last: tuple[int, list[Sequence]] | None = None
+
+    def forget(self) -> None:
+        """The launch after this one stages every row from its sequences."""
+        self._last = None
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         max_rows, num_rows, max_blocks = self._shapes
@@ -81,6 +94,10 @@ class DecodeInputs:
         their prompt: rows from the first sampling one on sample, in the order of
         those sequences, then seqs.
         """
+        last, self._last = self._last, (None if chunks else (parity, seqs))
+        if not chunks and last is not None and last[0] != parity and last[1] == seqs:
+            self._advance(parity, len(seqs), num_rows)
+            return 0, []
         ids, positions, slots = [], [], []
         done, last_rows = [], []
         for seq, n in chunks:
@@ -111,8 +128,22 @@ class DecodeInputs:
             self.fill_padding(parity, n, num_rows)
         return first, done
 
+    def _advance(self, parity: int, n: int, num_rows: int) -> None:
+        """Stage the other parity's n decode rows, each one position on, with its token
+        the PLACEHOLDER of the one that step samples."""
+        host, before = self._host[parity][0], self._host[parity ^ 1][0]
+        host[INPUT_IDS, :n] = PLACEHOLDER
+        np.add(before[POSITIONS, :n], 1, out=host[POSITIONS, :n])
+        np.add(host[POSITIONS, :n], 1, out=host[CONTEXT_LENS, :n])
+        host[SLOTS, :n] = before[SLOTS, :n]
+        host[OUT_SLOTS, :n] = before[SLOTS, :n]
+        if n < num_rows:
+            self.fill_padding(parity, n, num_rows)
+
     def fill_padding(self, parity: int, start: int = 0, end: int | None = None) -> None:
         """Padding rows read and write only the null row's null block."""
+        if start == 0:
+            self._last = None  # the rows a fill would advance from may be gone
         host = self._host[parity][0]
         end = self.max_rows if end is None else end
         host[INPUT_IDS, start:end] = 0

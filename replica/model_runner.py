@@ -234,6 +234,8 @@ class ModelRunner:
         first, done = 0, []
         if num_rows:
             first, done = self.step_inputs.fill(self.parity, decode_seqs, padded, chunks)
+        else:
+            self.step_inputs.forget()
         self.step_inputs.upload(
             self.parity, num_rows > 0, block_table, dirty_slots, self.block_table
         )

@@ -80,3 +80,134 @@ def test_prompt_chunks_take_a_row_per_token_and_only_last_tokens_sample():
     assert inputs[SLOTS].tolist() == [1, 1, 3, 3, 1, 0, 4, 4]
     assert inputs[CONTEXT_LENS].tolist() == [3, 4, 1, 2, 5, 3, 1, 1]
     assert inputs[OUT_SLOTS].tolist() == [4, 4, 4, 4, 1, 0, 4, 4]  # 4: the null row
+
+
+def _staged(di: DecodeInputs, parity: int, rows: int) -> list[list[int]]:
+    return di._host[parity][0][:, :rows].tolist()
+
+
+def test_the_same_decode_batch_again_advances_the_other_paritys_rows():
+    di = DecodeInputs(max_num_seqs=4, max_blocks_per_seq=4, device=torch.device("cpu"), pin=False)
+    seqs = [_seq([4, 5, 6], slot=2), _seq([7, 8], slot=0)]
+    di.fill(0, seqs, num_rows=4)
+    for seq in seqs:  # the launch: each takes the placeholder of the token it samples
+        seq.token_ids.append(PLACEHOLDER)
+    di.fill(1, list(seqs), num_rows=4)  # an equal list, as the scheduler builds each step
+    fresh = DecodeInputs(
+        max_num_seqs=4, max_blocks_per_seq=4, device=torch.device("cpu"), pin=False
+    )
+    fresh.fill(1, seqs, num_rows=4)
+    assert _staged(di, 1, 4) == _staged(fresh, 1, 4)
+    assert _staged(di, 1, 4)[POSITIONS] == [3, 2, 0, 0]
+    assert _staged(di, 1, 4)[INPUT_IDS] == [PLACEHOLDER, PLACEHOLDER, 0, 0]
+
+
+def test_rows_are_read_from_the_sequences_unless_the_launch_before_decoded_them_alone():
+    def fresh_rows(parity, seqs, rows, chunks=()):
+        fresh = DecodeInputs(
+            max_num_seqs=4, max_blocks_per_seq=4, device=torch.device("cpu"), pin=False,
+            max_rows=8,
+        )  # fmt: skip
+        fresh.fill(parity, seqs, rows, chunks)
+        return _staged(fresh, parity, rows)
+
+    di = DecodeInputs(
+        max_num_seqs=4, max_blocks_per_seq=4, device=torch.device("cpu"), pin=False, max_rows=8
+    )
+    a, b = _seq([1, 2], slot=0), _seq([3, 4, 5], slot=1)
+    # Other sequences (b left), after a launch that filled nothing (forget), after a step
+    # with prompt chunks, and on the same parity: each is read from its sequence, whose
+    # tokens here are not the placeholders an advance would assume.
+    di.fill(0, [a, b], 4)
+    di.fill(1, [a], 4)
+    assert _staged(di, 1, 4) == fresh_rows(1, [a], 4)
+    di.forget()
+    di.fill(0, [a], 4)
+    assert _staged(di, 0, 4) == fresh_rows(0, [a], 4)
+    prompt = _seq([9, 9, 9], slot=2)
+    di.fill(1, [a], 8, chunks=[(prompt, 3)])
+    di.fill(0, [a], 4)
+    assert _staged(di, 0, 4) == fresh_rows(0, [a], 4)
+    di.fill(0, [a], 4)
+    assert _staged(di, 0, 4) == fresh_rows(0, [a], 4)
+
+
+def _small_engine():
+    from replica import EngineConfig, LLMEngine
+
+    return LLMEngine(
+        EngineConfig(
+            model="gpt2-tiny", device="cpu", num_blocks=10, block_size=8, max_num_seqs=6,
+            max_model_len=128, mixed_prefill_tokens=8, max_num_batched_tokens=32,
+        )
+    )  # fmt: skip
+
+
+def _check_every_fill(engine) -> dict[str, int]:
+    """Each fill's staged rows are compared with a fresh DecodeInputs' (every row read
+    from its sequence); returns the counts of fills, and of advanced ones, as they come."""
+    staging = engine.runner.step_inputs
+    fill, calls = staging.fill, {"advanced": 0, "all": 0}
+
+    def checked_fill(parity, seqs, num_rows, chunks=()):
+        last = staging._last
+        advanced = not chunks and last is not None and last[0] != parity and last[1] == seqs
+        result = fill(parity, seqs, num_rows, chunks)
+        fresh = DecodeInputs(
+            engine.runner.max_num_seqs, engine.runner.max_blocks_per_seq, torch.device("cpu"),
+            pin=False, max_rows=staging.max_rows,
+        )  # fmt: skip
+        assert fresh.fill(parity, seqs, num_rows, chunks) == result
+        assert _staged(staging, parity, num_rows) == _staged(fresh, parity, num_rows)
+        calls["advanced"] += advanced
+        calls["all"] += 1
+        return result
+
+    staging.fill = checked_fill
+    return calls
+
+
+def test_an_engines_staged_rows_equal_rows_read_from_its_sequences_step_by_step():
+    """Arrivals, mixed steps, stops, an abort and preemptions (few blocks): every fill,
+    advanced or not, stages what reading each sequence would."""
+    import random
+
+    engine = _small_engine()
+    calls = _check_every_fill(engine)
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    for i in range(14):
+        prompt = [rng.randrange(vocab) for _ in range(rng.choice([3, 6, 11, 40]))]
+        params = SamplingParams(
+            max_tokens=rng.choice([1, 5, 12, 30]), temperature=rng.choice([0.0, 0.8]), seed=i,
+            stop_token_ids=[rng.randrange(vocab) for _ in range(20)],
+        )  # fmt: skip
+        engine.add_request(f"r{i}", prompt, params)
+        for _ in range(rng.choice([0, 1, 3])):
+            engine.step()
+        if i == 6:
+            engine.abort("r4")
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_invariants()
+    assert engine.scheduler.num_preempted_total > 0
+    assert 0 < calls["advanced"] < calls["all"]
+
+
+def test_decode_rows_after_launches_that_filled_none_are_read_from_their_sequences():
+    """A 40-token prompt that wants one token runs two prefill forwards, the decode rows
+    riding in them: the same two sequences decode before and after, three positions on."""
+    engine = _small_engine()
+    calls = _check_every_fill(engine)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], params)
+    engine.add_request("b", [4, 5, 6], params)
+    for _ in range(4):
+        engine.step()
+    assert calls == {"advanced": 2, "all": 4}  # the prompts' step, a's and b's first decode
+    engine.add_request("long", list(range(40)), SamplingParams(max_tokens=1))
+    for _ in range(3):
+        engine.step()
+    assert calls == {"advanced": 2, "all": 5}  # two prefill forwards, then a's and b's rows
+    while engine.has_unfinished():
+        engine.step()
