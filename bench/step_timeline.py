@@ -65,6 +65,11 @@ def _kind(event: dict) -> str:
     return "memcpy"
 
 
+def _short(name: str, width: int = 48) -> str:
+    """A kernel's name without its template arguments, cut to width."""
+    return name.split("<")[0].split("(")[0].strip()[:width]
+
+
 def step_timeline(
     events: list[dict], enqueued: dict[int, float], step_starts: Iterable[int]
 ) -> list[dict]:
@@ -77,6 +82,7 @@ def step_timeline(
     for first, nxt in zip(starts, starts[1:], strict=False):
         busy: dict[str, float] = defaultdict(float)
         gaps: dict[str, float] = defaultdict(float)
+        named: dict[str, float] = defaultdict(float)  # gaps by the events' names
         host_late = 0.0
         reach = events[first]["ts"]  # the device is busy up to here
         for i in range(first, nxt + 1):
@@ -84,6 +90,7 @@ def step_timeline(
             if i > first and e["ts"] - reach > _MIN_GAP_US:
                 gap = e["ts"] - reach
                 gaps[f"{_kind(events[i - 1])} > {_kind(e)}"] += gap
+                named[f"{_short(events[i - 1]['name'])} > {_short(e['name'])}"] += gap
                 queued = enqueued.get(e["corr"])
                 if queued is not None and queued > reach:
                     host_late += min(gap, queued - reach)
@@ -93,7 +100,7 @@ def step_timeline(
             reach = max(reach, e["end"])
         steps.append(
             {"span_us": events[nxt]["ts"] - events[first]["ts"], "busy_us": dict(busy),
-             "gaps_us": dict(gaps), "host_late_us": host_late}
+             "gaps_us": dict(gaps), "named_gaps_us": dict(named), "host_late_us": host_late}
         )  # fmt: skip
     return steps
 
@@ -116,15 +123,20 @@ def summarize(steps: list[dict]) -> dict:
         "gaps_us": {k: mean("gaps_us", k) for k in gap_kinds},
         "gap_total_us": statistics.mean(sum(s["gaps_us"].values()) for s in steps),
         "host_late_us": statistics.mean(s["host_late_us"] for s in steps),
+        "named_gaps_us": {
+            k: mean("named_gaps_us", k) for k in {k for s in steps for k in s["named_gaps_us"]}
+        },
     }
 
 
-def format_summary(batch: int, s: dict) -> str:
+def format_summary(batch: int, s: dict, top: int = 0) -> str:
     busy = ", ".join(f"{k} {v:.1f}" for k, v in s["busy_us"].items())
     gaps = ", ".join(f"{k} {v:.1f}" for k, v in sorted(s["gaps_us"].items(), key=lambda kv: -kv[1]))
+    named = sorted(s["named_gaps_us"].items(), key=lambda kv: -kv[1])[:top]
     return (
         f"batch {batch}: {s['num_steps']} steps, span {s['span_us']:.1f} us; busy: {busy};"
         f" gaps {s['gap_total_us']:.1f} us ({gaps}); host-late {s['host_late_us']:.1f} us"
+        + "".join(f"\n  {v:6.2f} us  {k}" for k, v in named)
     )
 
 
@@ -149,6 +161,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 256])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=40, help="profiled decode steps per batch")
+    parser.add_argument("--top", type=int, default=12, help="boundaries with the most gap")
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -175,7 +188,7 @@ def main() -> None:
         steps = step_timeline(events, enqueued, step_starts_after(events))
         summary = summarize(steps)
         results.append({"batch": batch} | summary)
-        print(format_summary(batch, summary))
+        print(format_summary(batch, summary, args.top))
         while engine.has_unfinished():
             engine.step()
     write_json(args.out, {"machine": machine_description(), "model": args.model, "rows": results})

@@ -57,7 +57,11 @@ def test_step_timeline_splits_busy_time_and_names_the_gaps():
     assert summary["num_steps"] == 2
     assert summary["gap_total_us"] == pytest.approx(7.0)
     assert summary["host_late_us"] == pytest.approx(1.5)
-    assert "host-late 1.5 us" in step_timeline.format_summary(256, summary)
+    assert summary["named_gaps_us"] == pytest.approx(
+        {"k1 > k2": 2.0, "Memcpy DtoH > Memcpy HtoD": 5.0}
+    )
+    text = step_timeline.format_summary(256, summary, top=1)
+    assert "host-late 1.5 us" in text and text.endswith("5.00 us  Memcpy DtoH > Memcpy HtoD")
 
 
 def test_overlapping_device_events_count_their_busy_time_once():
