@@ -355,7 +355,8 @@ def main() -> None:
         print(format_itl(args.itl_batch, itl["cohort"], itl["steady"]))
     write_json(args.out, {"model": args.model or model, "prompt_len": prompt_len,
                           "max_new": max_new, "rows": rows, "step_profiles": profiles,
-                          "itl": itl, "engine_start_s": start_s})  # fmt: skip
+                          "itl": itl, "engine_start_s": start_s,
+                          "copy_bw_gbps": bandwidth})  # fmt: skip
 
 
 def _max_positions(model: str) -> int:
