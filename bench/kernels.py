@@ -3,6 +3,7 @@
     python -m bench.kernels [--quick] [--out results/kernels.json]
     python -m bench.kernels --tune [--shapes gpt2,qwen3-0.6b] [--out results/tune.json]
     python -m bench.kernels --read-bw [--shapes gpt2,qwen3-0.6b]
+    python -m bench.kernels --prefill [--tune] [--shapes gpt2,qwen3-0.6b]
 
 The default run measures, on one CUDA GPU: device-to-device copy bandwidth (bytes
 read + written / time, the ceiling); append_kv_slots vs append_kv_slots_ref for
@@ -13,6 +14,10 @@ peer for small cases. --tune sweeps the decode launch parameters instead (see
 tune_decode) and prints the values to put in kernels/decode_attention.py.
 --read-bw asks what a read-only kernel gets out of HBM at 1 GiB and at the K/V bytes of
 one layer at B = 256, context 192, against decode attention at that shape.
+--prefill times paged prefill attention (the engine's work-list form) at the prompt
+shapes of PREFILL_CASES, in causal TFLOPS, against torch's scaled_dot_product_attention
+on the same prompts laid out contiguously (its flash kernel: the peer); with --tune it
+sweeps the launch tiles and prints the best per case.
 
 Timing. Primary ("us"): graph-timed. N launches are captured back to back in
 one torch.cuda.CUDAGraph (compiled and warmed before capture), the graph is
@@ -482,6 +487,130 @@ def bench_read_bandwidth(shapes: list[Shape], copy_gbps: float) -> list[dict]:
     return rows
 
 
+# (name, prompts, prompt tokens each, one-token decode rows at context 130): a 256-prompt
+# burst's steps (64 prompts of 128 alone, then with the running rows riding in the
+# forward, DECODE_IN_PREFILL), and long prompts.
+PREFILL_CASES = [
+    ("64x128", 64, 128, 0),
+    ("64x128 + 192 rows", 64, 128, 192),
+    ("4x2048", 4, 2048, 0),
+    ("1x8192", 1, 8192, 0),
+]
+PREFILL_DECODE_CONTEXT = 130
+PREFILL_TUNE = {"block_q": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8),
+                "num_stages": (2, 3)}  # fmt: skip
+
+
+def _prefill_inputs(shape: Shape, prompts: int, q_len: int, decodes: int, block_q: int):
+    """Packed queries, paged caches (fragmented pool, rotated copies), and the work list."""
+    import numpy as np
+
+    from kernels.prefill_attention import prefill_work_capacity, prefill_work_list
+
+    gen = torch.Generator(device=DEVICE).manual_seed(prompts * 1009 + q_len + decodes)
+    q_lens = np.array([q_len] * prompts + [1] * decodes)
+    contexts = np.array([q_len] * prompts + [PREFILL_DECODE_CONTEXT] * decodes)
+    num_seqs, num_tokens = len(q_lens), int(q_lens.sum())
+    blocks_per_seq = -(-int(contexts.max()) // BLOCK_SIZE)
+    cache_shape, block_table, slot_mapping = _paged_setup(shape, num_seqs, blocks_per_seq, gen)
+    kv_bytes = 2 * int(contexts.sum()) * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+    caches = [
+        (_randn(cache_shape, shape.dtype, gen), _randn(cache_shape, shape.dtype, gen))
+        for _ in range(num_copies(kv_bytes))
+    ]
+    q = _randn((num_tokens, shape.num_heads, shape.head_dim), shape.dtype, gen)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=DEVICE)
+    context_lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    work = np.zeros((prefill_work_capacity(num_tokens, num_seqs, block_q), 2), np.int64)
+    prefill_work_list(q_lens, block_q, work)
+    flops = (
+        4
+        * shape.num_heads
+        * shape.head_dim
+        * (prompts * q_len * (q_len + 1) / 2 + decodes * PREFILL_DECODE_CONTEXT)
+    )  # the two matmuls over the visible keys
+    return (
+        caches,
+        q,
+        block_table,
+        slot_mapping,
+        cu,
+        context_lens,
+        torch.tensor(work, device=DEVICE),
+        flops,
+    )
+
+
+def bench_prefill(shape: Shape, case: tuple, **launch) -> dict:
+    """One prefill case, graph-timed, checked against the torch reference first."""
+    from kernels.prefill_attention import paged_prefill_attention, prefill_block_q
+
+    name, prompts, q_len, decodes = case
+    block_q = launch.get("block_q") or prefill_block_q(shape.num_heads, shape.num_kv_heads)
+    caches, q, table, slots, cu, ctx, work, flops = _prefill_inputs(
+        shape, prompts, q_len, decodes, block_q
+    )
+    scale = shape.head_dim**-0.5
+    out = torch.empty_like(q)
+    call = lambda kc, vc: paged_prefill_attention(  # noqa: E731
+        q, kc, vc, table, slots, cu, ctx, scale, out=out, work=work, **launch
+    )
+    call(*caches[0])
+    rows = min(len(slots), 4)  # sequences are independent; the reference loops in Python
+    expect = ref.paged_prefill_attention_ref(
+        q[: int(cu[rows])], *caches[0], table, slots[:rows], cu[: rows + 1], ctx[:rows], scale
+    )
+    torch.testing.assert_close(out[: int(cu[rows])], expect, atol=2e-2, rtol=2e-2)
+    us = graph_time_us([lambda kc=kc, vc=vc: call(kc, vc) for kc, vc in caches])
+    return {"shape": shape.name, "case": name, "us": us, "TFLOPS": flops / us / 1e6,
+            "launch": "/".join(f"{v}" for v in launch.values()) or "default"}  # fmt: skip
+
+
+def bench_prefill_peer(shape: Shape, case: tuple) -> dict | None:
+    """torch SDPA, causal, on the prompts as [prompts, heads, q_len, head_dim] (no pages)."""
+    name, prompts, q_len, decodes = case
+    if decodes:
+        return None  # ragged: SDPA has no packed form to compare with
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    dims = (prompts, shape.num_heads, q_len, shape.head_dim)
+    kv_dims = (prompts, shape.num_kv_heads, q_len, shape.head_dim)
+    q = _randn(dims, shape.dtype, gen)
+    bytes_kv = 2 * prompts * q_len * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+    kvs = [(_randn(kv_dims, shape.dtype, gen), _randn(kv_dims, shape.dtype, gen))
+           for _ in range(num_copies(bytes_kv))]  # fmt: skip
+    group = shape.num_heads // shape.num_kv_heads
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    fns = [lambda k=k, v=v: sdpa(q, k, v, is_causal=True, enable_gqa=group > 1) for k, v in kvs]
+    us = graph_time_us(fns)
+    flops = 4 * shape.num_heads * shape.head_dim * prompts * q_len * (q_len + 1) / 2
+    return {"sdpa_us": us, "sdpa_TFLOPS": flops / us / 1e6}
+
+
+def _prefill_tune_rows(shape: Shape, case: tuple):
+    """bench_prefill over PREFILL_TUNE; tiles too big for the SM's registers or shared
+    memory (triton's OutOfResources) are passed over."""
+    from triton.runtime.errors import OutOfResources
+
+    for values in itertools.product(*PREFILL_TUNE.values()):
+        try:
+            yield bench_prefill(shape, case, **dict(zip(PREFILL_TUNE, values, strict=True)))
+        except OutOfResources:
+            continue
+
+
+def run_prefill(shapes: list[Shape], tune: bool) -> list[dict]:
+    rows = []
+    for shape, case in itertools.product(shapes, PREFILL_CASES):
+        row = bench_prefill(shape, case) | (bench_prefill_peer(shape, case) or {})
+        if tune:
+            best = min(_prefill_tune_rows(shape, case), key=lambda r: r["us"])
+            row |= {"best_us": best["us"], "best_TFLOPS": best["TFLOPS"],
+                    "best q/n/warps/stages": best["launch"]}  # fmt: skip
+        print_now(row)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
@@ -493,6 +622,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--read-bw", action="store_true", help="read-only bandwidth against decode attention"
     )
+    parser.add_argument(
+        "--prefill", action="store_true",
+        help="paged prefill attention against torch SDPA (with --tune: its tiles swept)",
+    )  # fmt: skip
     parser.add_argument("--shapes", default=",".join(s.name for s in SHAPES), help="filter")
     parser.add_argument(
         "--tune-cases", default=",".join(f"{b}x{c}" for b, c in TUNE_CASES),
@@ -532,6 +665,13 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.argmax:
         payload["argmax"] = sweep_argmax()
+    elif args.prefill:
+        rows = run_prefill(args.shapes, args.tune)
+        columns = ["shape", "case", "us", "TFLOPS", "sdpa_us", "sdpa_TFLOPS", "best_us",
+                   "best_TFLOPS", "best q/n/warps/stages"]  # fmt: skip
+        print_now("\n## Paged prefill attention, graph-timed (causal TFLOPS)\n")
+        print_now(markdown_table(rows, [c for c in columns if any(c in r for r in rows)]))
+        payload["prefill"] = rows
     elif args.read_bw:
         rows = bench_read_bandwidth(args.shapes, copy_gbps)
         columns = ["bytes", "MiB", "torch.sum GB/s", "read kernel GB/s", "read grid",

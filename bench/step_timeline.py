@@ -1,11 +1,11 @@
-"""The device's timeline over decode steps: kernels, copies, and the gaps between them.
+"""The device's timeline over engine steps: kernels, copies, and the gaps between them.
 
     python -m bench.step_timeline --model gpt2 --dtype float16 --batch 1 256
 
-Runs --steps decode steps of --batch greedy sequences under torch.profiler (CUDA
-activity) and splits each step's device time, from the event after one copy of
-tokens to the host to the event after the next, into kernel time, copy time and
-idle gaps. A gap is named by the events on
+Runs --steps decode steps of --batch greedy sequences (or, with --prompt-phase, the
+steps of their prompts' burst) under torch.profiler (CUDA activity) and splits each
+step's device time, from the event after one copy of tokens to the host to the event
+after the next, into kernel time, copy time and idle gaps. A gap is named by the events on
 either side of it (kernel > kernel inside a graph replay, kernel > memcpy at its end,
 ...), and is host-late when the event after it was enqueued by the host only after
 the device had gone idle: the host's work, not the device, set that gap. What the
@@ -31,7 +31,16 @@ from bench.engine import random_prompts
 from replica import EngineConfig, LLMEngine, SamplingParams
 
 _DEVICE_CATS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
+_REGION = "kvfleet.step_timeline"  # the record_function region the profiled steps run in
 _MIN_GAP_US = 0.5  # back-to-back events in a trace are often a fraction of a us apart
+
+
+def region_start(trace: dict, name: str = _REGION) -> float | None:
+    """The host time (us) at which the record_function region `name` began."""
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("name") == name:
+            return float(e["ts"])
+    return None
 
 
 def device_events(trace: dict) -> tuple[list[dict], dict[int, float]]:
@@ -83,6 +92,7 @@ def step_timeline(
         busy: dict[str, float] = defaultdict(float)
         gaps: dict[str, float] = defaultdict(float)
         named: dict[str, float] = defaultdict(float)  # gaps by the events' names
+        kernels: dict[str, float] = defaultdict(float)  # each kernel's own time, by name
         host_late = 0.0
         reach = events[first]["ts"]  # the device is busy up to here
         for i in range(first, nxt + 1):
@@ -97,10 +107,13 @@ def step_timeline(
             if i == nxt:
                 break
             busy[_kind(e)] += e["end"] - max(e["ts"], reach) if e["end"] > reach else 0.0
+            if e["kind"] == "kernel":
+                kernels[_short(e["name"])] += e["end"] - e["ts"]
             reach = max(reach, e["end"])
         steps.append(
             {"span_us": events[nxt]["ts"] - events[first]["ts"], "busy_us": dict(busy),
-             "gaps_us": dict(gaps), "named_gaps_us": dict(named), "host_late_us": host_late}
+             "gaps_us": dict(gaps), "named_gaps_us": dict(named), "host_late_us": host_late,
+             "kernels_us": dict(kernels)}
         )  # fmt: skip
     return steps
 
@@ -126,6 +139,9 @@ def summarize(steps: list[dict]) -> dict:
         "named_gaps_us": {
             k: mean("named_gaps_us", k) for k in {k for s in steps for k in s["named_gaps_us"]}
         },
+        "kernels_us": {
+            k: mean("kernels_us", k) for k in {k for s in steps for k in s["kernels_us"]}
+        },
     }
 
 
@@ -133,19 +149,40 @@ def format_summary(batch: int, s: dict, top: int = 0) -> str:
     busy = ", ".join(f"{k} {v:.1f}" for k, v in s["busy_us"].items())
     gaps = ", ".join(f"{k} {v:.1f}" for k, v in sorted(s["gaps_us"].items(), key=lambda kv: -kv[1]))
     named = sorted(s["named_gaps_us"].items(), key=lambda kv: -kv[1])[:top]
+    kernels = sorted(s["kernels_us"].items(), key=lambda kv: -kv[1])[:top]
     return (
         f"batch {batch}: {s['num_steps']} steps, span {s['span_us']:.1f} us; busy: {busy};"
         f" gaps {s['gap_total_us']:.1f} us ({gaps}); host-late {s['host_late_us']:.1f} us"
-        + "".join(f"\n  {v:6.2f} us  {k}" for k, v in named)
+        + ("\n  idle boundaries, us per step:" if named else "")
+        + "".join(f"\n  {v:8.2f}  {k}" for k, v in named)
+        + ("\n  kernels, us per step (overlaps counted in each):" if kernels else "")
+        + "".join(f"\n  {v:8.2f}  {k}" for k, v in kernels)
     )
 
 
-def profile_steps(engine: LLMEngine, steps: int) -> dict:
-    """A chrome trace of `steps` engine steps (device work included)."""
+def format_steps(steps: list[dict], lead_in_us: float) -> str:
+    """One line per step (a burst's prompt phase: its steps differ)."""
+    lines = [f"  device idle before the first step's work: {lead_in_us:.1f} us"]
+    for i, s in enumerate(steps):
+        lines.append(
+            f"  step {i}: span {s['span_us']:.1f} us, kernels"
+            f" {s['busy_us'].get('kernel', 0.0):.1f}, idle {sum(s['gaps_us'].values()):.1f}"
+            f" (host-late {s['host_late_us']:.1f})"
+        )
+    return "\n".join(lines)
+
+
+def profile_steps(engine: LLMEngine, steps: int | None) -> dict:
+    """A chrome trace of `steps` engine steps (device work included), or with None of
+    the steps up to and with the first one that computes no prompt tokens (a burst's
+    prompt phase). The steps run inside a record_function region named _REGION."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
-            engine.step()
+        with torch.profiler.record_function(_REGION):
+            for _ in range(steps or 10**6):
+                engine.step()
+                if steps is None and not engine.last_step.num_prefill_tokens:
+                    break
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
@@ -161,7 +198,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 256])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=40, help="profiled decode steps per batch")
-    parser.add_argument("--top", type=int, default=12, help="boundaries with the most gap")
+    parser.add_argument("--top", type=int, default=12, help="boundaries and kernels listed")
+    parser.add_argument(
+        "--prompt-phase", action="store_true",
+        help="profile each batch's prompt phase (its first steps, up to the first decode-only"
+        " step) rather than decode steps",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -182,13 +224,22 @@ def main() -> None:
         prompts = random_prompts(batch, args.prompt_len, engine.model_config.vocab_size, batch)
         for i, prompt in enumerate(prompts):
             engine.add_request(f"timeline-{batch}-{i}", prompt, params)
-        for _ in range(warm):  # the prefill, then decode steps
-            engine.step()
-        events, enqueued = device_events(profile_steps(engine, args.steps))
-        steps = step_timeline(events, enqueued, step_starts_after(events))
-        summary = summarize(steps)
+        if args.prompt_phase:
+            trace = profile_steps(engine, None)
+            events, enqueued = device_events(trace)
+            # The first step from its first event: nothing of the burst ran before it.
+            steps = step_timeline(events, enqueued, [0] + step_starts_after(events))
+            lead_in = events[0]["ts"] - (region_start(trace) or events[0]["ts"])
+            summary = summarize(steps) | {"lead_in_us": lead_in, "steps": steps}
+            print(format_summary(batch, summary, args.top))
+            print(format_steps(steps, lead_in))
+        else:
+            for _ in range(warm):  # the prefill, then decode steps
+                engine.step()
+            events, enqueued = device_events(profile_steps(engine, args.steps))
+            summary = summarize(step_timeline(events, enqueued, step_starts_after(events)))
+            print(format_summary(batch, summary, args.top))
         results.append({"batch": batch} | summary)
-        print(format_summary(batch, summary, args.top))
         while engine.has_unfinished():
             engine.step()
     write_json(args.out, {"machine": machine_description(), "model": args.model, "rows": results})

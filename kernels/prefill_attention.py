@@ -112,6 +112,10 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     max_q_len: int | None = None,  # >= the longest chunk; None: num_tokens
     work: torch.Tensor | None = None,  # [capacity, 2] (seq, query block); seq -1 = padding
+    block_n: int | None = None,  # launch overrides (benchmarks' sweeps); None: the defaults
+    block_q: int | None = None,  # with work: the block_q the work list was built with
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal paged prefill attention (flash-attention tiling, online softmax in fp32).
 
@@ -136,7 +140,7 @@ def paged_prefill_attention(
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_q = prefill_block_q(num_heads, num_kv_heads)
+    block_q = block_q or prefill_block_q(num_heads, num_kv_heads)
     if work is None:
         grid = (triton.cdiv(max_q_len, block_q), num_seqs, num_kv_heads)
     else:
@@ -151,9 +155,10 @@ def paged_prefill_attention(
         block_table.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=64 if head_dim <= 128 else 32,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n or (64 if head_dim <= 128 else 32),
         DOT_PRECISION=dot_precision(q.dtype), HAS_WORK=work is not None,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps or 4, num_stages=num_stages or 2,
     )  # fmt: skip
     return out
 

@@ -53,6 +53,7 @@ def test_step_timeline_splits_busy_time_and_names_the_gaps():
         {"kernel > kernel": 2.0, "memcpy DtoH > memcpy HtoD": 5.0}
     )
     assert step["host_late_us"] == pytest.approx(3.0)
+    assert step["kernels_us"] == pytest.approx({"k1": 40.0, "k2": 50.0})
     summary = step_timeline.summarize([step, dict(step, host_late_us=0.0)])
     assert summary["num_steps"] == 2
     assert summary["gap_total_us"] == pytest.approx(7.0)
@@ -61,7 +62,20 @@ def test_step_timeline_splits_busy_time_and_names_the_gaps():
         {"k1 > k2": 2.0, "Memcpy DtoH > Memcpy HtoD": 5.0}
     )
     text = step_timeline.format_summary(256, summary, top=1)
-    assert "host-late 1.5 us" in text and text.endswith("5.00 us  Memcpy DtoH > Memcpy HtoD")
+    assert "host-late 1.5 us" in text
+    assert "5.00  Memcpy DtoH > Memcpy HtoD" in text and text.endswith("50.00  k2")
+    lines = step_timeline.format_steps([step], lead_in_us=12.5).splitlines()
+    assert "12.5 us" in lines[0]
+    assert lines[1] == "  step 0: span 100.0 us, kernels 90.0, idle 7.0 (host-late 3.0)"
+
+
+def test_region_start_is_the_annotations_host_time():
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 1},
+        {"ph": "X", "cat": "user_annotation", "name": step_timeline._REGION, "ts": 7, "dur": 90},
+    ]}  # fmt: skip
+    assert step_timeline.region_start(trace) == 7.0
+    assert step_timeline.region_start({"traceEvents": []}) is None
 
 
 def test_overlapping_device_events_count_their_busy_time_once():

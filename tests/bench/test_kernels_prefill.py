@@ -1,0 +1,30 @@
+"""bench.kernels --prefill's plumbing on the CPU: inputs, the reference check, TFLOPS."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import kernels as bk
+
+
+def test_bench_prefill_checks_the_kernel_and_counts_causal_flops(monkeypatch):
+    monkeypatch.setattr(bk, "DEVICE", "cpu")
+    monkeypatch.setattr(bk, "num_copies", lambda num_bytes: 2)
+    timed = []
+
+    def fake_time_us(fns):  # the graph timer needs CUDA: call each copy, report 10 us
+        for fn in fns:
+            fn()
+        timed.append(len(fns))
+        return 10.0
+
+    monkeypatch.setattr(bk, "graph_time_us", fake_time_us)
+    shape = bk.Shape("tiny", num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    row = bk.bench_prefill(shape, ("2x20 + 3 rows", 2, 20, 3))
+    assert timed == [2]  # one timing over both cache copies
+    flops = 4 * 4 * 16 * (2 * 20 * 21 / 2 + 3 * bk.PREFILL_DECODE_CONTEXT)
+    assert row["TFLOPS"] == pytest.approx(flops / 10.0 / 1e6)
+    assert row["launch"] == "default"
+    tuned = bk.bench_prefill(shape, ("2x20", 2, 20, 0), block_q=16, block_n=16, num_warps=2)
+    assert tuned["launch"] == "16/16/2"
