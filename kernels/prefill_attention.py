@@ -3,7 +3,8 @@
 Flash-attention tiling: a program owns BLOCK_Q query tokens of one sequence and
 all GROUP query heads of one kv head (BLOCK_M = BLOCK_Q * GROUP_PAD rows, so
 K/V are read once per kv head), and walks the sequence's keys through the block
-table in tiles of BLOCK_N with an online softmax in float32. The chunk's own
+table in tiles of BLOCK_N with an online softmax in float32: first the tiles every
+row sees whole, with no mask, then the causal diagonal, masked. The chunk's own
 K/V must already be in the cache, so prefix-cache hits and chunked prefill are
 the same case: query j of a chunk of q_len sits at position
 context_len - q_len + j and sees keys 0..that position.
@@ -26,6 +27,43 @@ from kernels.decode_attention import dot_precision
 
 _LOG2E = 1.4426950408889634
 _BLOCK_M = 64
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, tile_start, kv_end, q_pos, bt_row, k_cache_ptr, v_cache_ptr, head_off,
+    stride_cache_block, stride_cache_slot, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One key tile's online-softmax update. Unmasked (MASKED False): every key of the
+    tile is in the context and visible to every row, so no mask is built or applied."""
+    tok = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    tok_mask = tok < kv_end
+    if MASKED:
+        block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0)
+    else:
+        block = tl.load(bt_row + tok // BLOCK_SIZE)
+    tok_off = block.to(tl.int64) * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_slot
+    kv_off = (tok_off + head_off)[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_off)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        visible = tok_mask[None, :] & (tok[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + kv_off)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -74,25 +112,22 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     kv_end = tl.minimum(ctx_len - q_len + tl.minimum(q_start + BLOCK_Q, q_len), ctx_len)
-    n = tl.arange(0, BLOCK_N)
+    # Keys up to the program's first query position are visible to all its rows: whole
+    # tiles of them go unmasked, the causal diagonal (and the context's end) masked.
+    full_end = (ctx_len - q_len + q_start + 1) // BLOCK_N * BLOCK_N
     head_off = kv_head * stride_cache_head
-    for tile_start in range(0, kv_end, BLOCK_N):
-        tok = tile_start + n  # [BLOCK_N]
-        tok_mask = tok < kv_end
-        block = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
-        tok_off = block * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_slot + head_off
-        kv_off = tok_off[:, None] + d[None, :]  # [BLOCK_N, HEAD_DIM]
-        k = tl.load(k_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = tok_mask[None, :] & (tok[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    for tile_start in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, tile_start, kv_end, q_pos, bt_row, k_cache_ptr, v_cache_ptr,
+            head_off, stride_cache_block, stride_cache_slot, qk_scale,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, MASKED=False,
+        )  # fmt: skip
+    for tile_start in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, tile_start, kv_end, q_pos, bt_row, k_cache_ptr, v_cache_ptr,
+            head_off, stride_cache_block, stride_cache_slot, qk_scale,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, MASKED=True,
+        )  # fmt: skip
 
     out = acc / l_i[:, None]
     out_ptrs = out_ptr + q_row[:, None] * stride_out_row + (head * stride_out_head)[:, None]

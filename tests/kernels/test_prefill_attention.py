@@ -109,6 +109,14 @@ def test_prefill_long_chunk_many_query_blocks(device):
     _run_case(torch.float32, 2, 1, 32, 16, [(0, 150), (37, 70)], device, seed=1)
 
 
+def test_prefill_whole_tiles_before_the_diagonal(device):
+    """Long chunks over long prefixes: most key tiles are visible to every row of their
+    program and go unmasked, the diagonal ones masked (both forms)."""
+    chunks = [(200, 300), (0, 257), (64, 64)]
+    _run_case(torch.float16, 4, 2, 64, 16, chunks, device, seed=3)
+    _run_case(torch.float16, 4, 2, 64, 16, chunks, device, seed=4, pad_tokens=5)
+
+
 def test_prefill_group_3_not_power_of_two(device):
     _run_case(torch.float16, 6, 2, 64, 16, [(0, 20), (16, 9)], device, seed=2)
 
