@@ -497,7 +497,8 @@ PREFILL_CASES = [
     ("1x8192", 1, 8192, 0),
 ]
 PREFILL_DECODE_CONTEXT = 130
-PREFILL_TUNE = {"block_q": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8),
+# block_m: query rows per program, block_q * the padded query heads per kv head
+PREFILL_TUNE = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8),
                 "num_stages": (2, 3)}  # fmt: skip
 
 
@@ -589,11 +590,18 @@ def bench_prefill_peer(shape: Shape, case: tuple) -> dict | None:
 def _prefill_tune_rows(shape: Shape, case: tuple):
     """bench_prefill over PREFILL_TUNE; tiles too big for the SM's registers or shared
     memory (triton's OutOfResources) are passed over."""
+    import triton
     from triton.runtime.errors import OutOfResources
 
-    for values in itertools.product(*PREFILL_TUNE.values()):
+    group_pad = triton.next_power_of_2(shape.num_heads // shape.num_kv_heads)
+    tune = PREFILL_TUNE
+    for block_m, block_n, num_warps, num_stages in itertools.product(
+        tune["block_m"], tune["block_n"], tune["num_warps"], tune["num_stages"]
+    ):
+        launch = {"block_q": block_m // group_pad, "block_n": block_n, "num_warps": num_warps,
+                  "num_stages": num_stages}  # fmt: skip
         try:
-            yield bench_prefill(shape, case, **dict(zip(PREFILL_TUNE, values, strict=True)))
+            yield bench_prefill(shape, case, **launch)
         except OutOfResources:
             continue
 

@@ -28,3 +28,15 @@ def test_bench_prefill_checks_the_kernel_and_counts_causal_flops(monkeypatch):
     assert row["launch"] == "default"
     tuned = bk.bench_prefill(shape, ("2x20", 2, 20, 0), block_q=16, block_n=16, num_warps=2)
     assert tuned["launch"] == "16/16/2"
+
+
+def test_prefill_tune_sweeps_query_rows_per_program(monkeypatch):
+    """block_m is query rows: with two query heads per kv head, block_q is half of it."""
+    monkeypatch.setattr(bk, "DEVICE", "cpu")
+    monkeypatch.setattr(bk, "num_copies", lambda num_bytes: 1)
+    monkeypatch.setattr(bk, "graph_time_us", lambda fns: [fn() for fn in fns] and 10.0)
+    grid = {"block_m": (32, 64), "block_n": (16,), "num_warps": (2,), "num_stages": (1,)}
+    monkeypatch.setattr(bk, "PREFILL_TUNE", grid)
+    shape = bk.Shape("tiny", num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    rows = list(bk._prefill_tune_rows(shape, ("2x20", 2, 20, 0)))
+    assert [r["launch"] for r in rows] == ["16/16/2/1", "32/16/2/1"]  # q/n/warps/stages
