@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 import kernels.pdl
 import replica.models.gpt2
 import replica.models.llama
+from bench import step_timeline
 from bench.common import percentile, profiled_steps
 from bench.engine import random_prompts
 from replica import EngineConfig, LLMEngine, SamplingParams
@@ -182,48 +183,18 @@ def print_step_events(engine: LLMEngine, num_steps: int) -> None:
 
 
 def print_timeline(engine: LLMEngine, num_steps: int, top: int) -> None:
-    """Trace num_steps engine steps as they run (graphs, overlap and all): how much of the
-    wall the GPU was busy (union of kernel and copy intervals), its idle gaps, and the
-    kernels per step, so that work outside the graphs and host stalls show. With PDL a
-    kernel's interval starts at its early launch, so per-kernel times include its wait
-    for the one before; the union (busy, gaps) does not double count."""
+    """Trace num_steps engine steps as they run (graphs, overlap and all) with
+    bench.step_timeline's analysis: per step the device's kernel, copy and idle time,
+    the boundaries that idle it, and each kernel's time, so that work outside the graphs
+    and host stalls show."""
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(num_steps):
-            engine.step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    if not events:
-        print("\ntimeline: the profiler recorded no device activity")
+    steps = step_timeline.traced_steps(engine, num_steps)
+    if not steps:
+        print("\ntimeline: fewer than two steps copied tokens to the host under the profiler")
         return
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
-    busy_us, gaps, (lo, hi) = 0.0, [], spans[0]
-    for start, end in spans[1:]:
-        if start > hi:
-            busy_us += hi - lo
-            gaps.append(start - hi)
-            lo, hi = start, end
-        else:
-            hi = max(hi, end)
-    busy_us += hi - lo
-    span_us = spans[-1][1] - spans[0][0]
-    gaps.sort(reverse=True)
-    print(
-        f"\ntimeline of {num_steps} engine steps: device span {span_us / num_steps:.1f} us per"
-        f" step, busy {busy_us / num_steps:.1f} us ({100 * busy_us / span_us:.1f}%);"
-        f" {len(gaps)} idle gaps, {sum(gaps) / num_steps:.1f} us per step, largest (us): "
-        + " ".join(f"{g:.1f}" for g in gaps[:8])
-    )
-    per_name: dict[str, list[float]] = {}
-    for e in events:
-        per_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
-    rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
-    print(f"  {len(events) / num_steps:.0f} device activities per step; by time per step:")
-    for name, durations in rows[:top]:
-        print(
-            f"  {len(durations) / num_steps:6.1f} x {sum(durations) / len(durations):7.1f} us"
-            f"  {name[:90]}"
-        )
+    summary = step_timeline.summarize(steps)
+    print(f"\ntimeline of {num_steps} engine steps:")
+    print(step_timeline.format_summary(len(engine.scheduler.running), summary, top))
 
 
 def print_profile(title: str, prof: profile, top: int) -> None:

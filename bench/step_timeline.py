@@ -191,6 +191,12 @@ def profile_steps(engine: LLMEngine, steps: int | None) -> dict:
             return json.load(f)
 
 
+def traced_steps(engine: LLMEngine, steps: int) -> list[dict]:
+    """The whole steps (step_timeline) among `steps` engine steps run under the profiler."""
+    events, enqueued = device_events(profile_steps(engine, steps))
+    return step_timeline(events, enqueued, step_starts_after(events))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt2")
@@ -236,8 +242,7 @@ def main() -> None:
         else:
             for _ in range(warm):  # the prefill, then decode steps
                 engine.step()
-            events, enqueued = device_events(profile_steps(engine, args.steps))
-            summary = summarize(step_timeline(events, enqueued, step_starts_after(events)))
+            summary = summarize(traced_steps(engine, args.steps))
             print(format_summary(batch, summary, args.top))
         results.append({"batch": batch} | summary)
         while engine.has_unfinished():
