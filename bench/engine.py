@@ -224,6 +224,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="preset or directory (gpt2 on GPU)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+        help="fp8: K/V stored as float8 e4m3 (HF's peer keeps its cache in --dtype)",
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, nargs="+", default=[256])
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--max-new", type=int, default=None)
@@ -285,8 +289,9 @@ def main() -> None:
         start = time.perf_counter()
         engine = LLMEngine(
             EngineConfig(
-                model=model, dtype=args.dtype, block_size=args.block_size,
-                max_num_seqs=max_num_seqs, enable_cuda_graphs=not args.no_cuda_graphs,
+                model=model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                block_size=args.block_size, max_num_seqs=max_num_seqs,
+                enable_cuda_graphs=not args.no_cuda_graphs,
                 enable_triton_linear=not args.no_triton_linear,
                 max_model_len=min(2048, _max_positions(model)),
                 **({"max_num_batched_tokens": args.max_batched_tokens}
@@ -338,7 +343,8 @@ def main() -> None:
                "% roofline", "TPOT ms", "step mean ms", "step p99 ms", "sched+drain ms",
                "sched+drain p99", "launch ms"]  # fmt: skip
     triton_linear = uses_triton_linear(engine.runner.model)
-    print(f"\nmodel={args.model or model} dtype={engine.dtype} prompt={prompt_len} new={max_new}"
+    print(f"\nmodel={args.model or model} dtype={engine.dtype}"
+          f" kv_cache={engine.runner.kv_cache.dtype} prompt={prompt_len} new={max_new}"
           f" block_size={args.block_size} cuda_graphs={engine.runner.use_cuda_graphs}"
           f" triton_linear={triton_linear}"
           f" pdl={kernels.pdl.use_pdl(engine.device)}"
@@ -354,7 +360,9 @@ def main() -> None:
     if itl:
         print(format_itl(args.itl_batch, itl["cohort"], itl["steady"]))
     write_json(args.out, {"model": args.model or model, "prompt_len": prompt_len,
-                          "max_new": max_new, "rows": rows, "step_profiles": profiles,
+                          "max_new": max_new, "rows": rows,
+                          "kv_cache_dtype": str(engine.runner.kv_cache.dtype),
+                          "step_profiles": profiles,
                           "itl": itl, "engine_start_s": start_s,
                           "copy_bw_gbps": bandwidth})  # fmt: skip
 

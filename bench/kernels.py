@@ -37,12 +37,12 @@ Every config is checked against its torch reference before it is timed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -56,19 +56,33 @@ GRAPH_LAUNCHES = 20  # at least this many launches per captured graph
 GRAPH_REPS = 15
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Shape:
     name: str
     num_heads: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    kv_dtype: torch.dtype | None = None  # the caches' dtype; None: dtype (--kv-cache-dtype)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
+
+    @property
+    def kv_row_bytes(self) -> int:  # one token's K (or V) for all kv heads, in the cache
+        return self.num_kv_heads * self.head_dim * self.cache_dtype.itemsize
 
 
 SHAPES = [
     Shape("gpt2", 12, 12, 64, torch.float16),
     Shape("qwen3-0.6b", 16, 8, 128, torch.bfloat16),
 ]
+
+
+def fp8_kv(shape: Shape) -> Shape:
+    """The shape with float8 e4m3 caches (EngineConfig.kv_cache_dtype="fp8")."""
+    return dataclasses.replace(shape, name=f"{shape.name}+fp8kv", kv_dtype=ref.FP8_KV_DTYPE)
 
 
 def print_now(*args: object) -> None:
@@ -145,6 +159,15 @@ def _randn(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> 
     return torch.randn(shape, generator=gen, device=DEVICE, dtype=dtype)
 
 
+def _random_caches(cache_shape: tuple[int, ...], shape: Shape, gen: torch.Generator, copies: int):
+    """copies (K, V) cache pairs of random values, stored as the shape's cache dtype."""
+
+    def one() -> torch.Tensor:
+        return ref.quantize_kv_ref(_randn(cache_shape, shape.dtype, gen), shape.cache_dtype)
+
+    return [(one(), one()) for _ in range(copies)]
+
+
 def bench_append(shape: Shape, batch: int) -> dict:
     from kernels.kv_append import append_kv_slots
 
@@ -153,21 +176,23 @@ def bench_append(shape: Shape, batch: int) -> dict:
     cache_shape, block_table, slot_mapping = _paged_setup(shape, batch, blocks_per_seq, gen)
     kv_shape = (batch, shape.num_kv_heads, shape.head_dim)
     row_bytes = shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
-    moved_bytes = 4 * batch * row_bytes  # K and V, each read once and written once
+    moved_bytes = 2 * batch * (row_bytes + shape.kv_row_bytes)  # K and V: read, then written
     inputs = [
         (_randn(kv_shape, shape.dtype, gen), _randn(kv_shape, shape.dtype, gen))
-        for _ in range(num_copies(moved_bytes // 2))
+        for _ in range(num_copies(2 * batch * row_bytes))
     ]
     positions = torch.randint(
         0, blocks_per_seq * BLOCK_SIZE, (batch,), generator=gen, device=DEVICE
     ).to(torch.int32)
-    k_cache = torch.zeros(cache_shape, dtype=shape.dtype, device=DEVICE)
+    k_cache = torch.zeros(cache_shape, dtype=shape.cache_dtype, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     k, v = inputs[0]
     append_kv_slots(k, v, k_cache, v_cache, block_table, slot_mapping, positions)
     ref.append_kv_slots_ref(k, v, k_ref, v_ref, block_table, slot_mapping, positions)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), "append mismatch"
+    same = [torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for a, b in ((k_cache, k_ref), (v_cache, v_ref))]  # fmt: skip
+    assert all(same), "append mismatch"
     tail = (k_cache, v_cache, block_table, slot_mapping, positions)
     triton_fns = [lambda k=k, v=v: append_kv_slots(k, v, *tail) for k, v in inputs]
     torch_fns = [lambda k=k, v=v: ref.append_kv_slots_ref(k, v, *tail) for k, v in inputs]
@@ -184,11 +209,8 @@ def _decode_inputs(shape: Shape, batch: int, context: int):
     gen = torch.Generator(device=DEVICE).manual_seed(batch * 100003 + context)
     blocks_per_seq = -(-context // BLOCK_SIZE)
     cache_shape, block_table, slot_mapping = _paged_setup(shape, batch, blocks_per_seq, gen)
-    kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
-    caches = [
-        (_randn(cache_shape, shape.dtype, gen), _randn(cache_shape, shape.dtype, gen))
-        for _ in range(num_copies(kv_bytes))
-    ]
+    kv_bytes = 2 * batch * context * shape.kv_row_bytes
+    caches = _random_caches(cache_shape, shape, gen, num_copies(kv_bytes))
     q = _randn((batch, shape.num_heads, shape.head_dim), shape.dtype, gen)
     context_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
     rows = min(8, batch)  # rows are independent; the reference loops in Python
@@ -514,11 +536,8 @@ def _prefill_inputs(shape: Shape, prompts: int, q_len: int, decodes: int, block_
     num_seqs, num_tokens = len(q_lens), int(q_lens.sum())
     blocks_per_seq = -(-int(contexts.max()) // BLOCK_SIZE)
     cache_shape, block_table, slot_mapping = _paged_setup(shape, num_seqs, blocks_per_seq, gen)
-    kv_bytes = 2 * int(contexts.sum()) * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
-    caches = [
-        (_randn(cache_shape, shape.dtype, gen), _randn(cache_shape, shape.dtype, gen))
-        for _ in range(num_copies(kv_bytes))
-    ]
+    kv_bytes = 2 * int(contexts.sum()) * shape.kv_row_bytes
+    caches = _random_caches(cache_shape, shape, gen, num_copies(kv_bytes))
     q = _randn((num_tokens, shape.num_heads, shape.head_dim), shape.dtype, gen)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=DEVICE)
     context_lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
@@ -636,6 +655,10 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument("--shapes", default=",".join(s.name for s in SHAPES), help="filter")
     parser.add_argument(
+        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+        help="fp8: the caches hold float8 e4m3 (each shape's name gets +fp8kv)",
+    )  # fmt: skip
+    parser.add_argument(
         "--tune-cases", default=",".join(f"{b}x{c}" for b, c in TUNE_CASES),
         help="BxCTX cases for --tune, e.g. 1x8192,256x1024",
     )  # fmt: skip
@@ -658,6 +681,8 @@ def main(argv: list[str] | None = None) -> None:
     args.shapes = [s for s in SHAPES if s.name in names]
     if len(args.shapes) != len(names):
         raise SystemExit(f"--shapes: unknown name in {names}; known {[s.name for s in SHAPES]}")
+    if args.kv_cache_dtype == "fp8":
+        args.shapes = [fp8_kv(s) for s in args.shapes]
 
     from kernels.decode_attention import num_sms
 

@@ -13,6 +13,7 @@ import time
 from cluster.app import build_app
 from cluster.client import Client
 from cluster.config import ROUTERS, ClusterConfig
+from replica.config import KV_CACHE_DTYPES
 from replica.sampling_params import SamplingParams
 
 
@@ -30,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
         help="streaming messages a replica sends per engine step (see ClusterConfig)",
     )  # fmt: skip
     serve_p.add_argument("--device", default="auto")
+    serve_p.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+        help="fp8: K/V stored as float8 e4m3, twice the blocks (EngineConfig.kv_cache_dtype)",
+    )  # fmt: skip
     serve_p.add_argument("--port", type=int, default=8000)
     serve_p.add_argument("--app-name", default="kvfleet")
     serve_p.add_argument("--no-http", action="store_true", help="Python client only")
@@ -60,6 +65,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         max_num_seqs=args.max_num_seqs,
         carrier_messages_per_step=args.carrier_messages_per_step,
         device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
         http=not args.no_http,
         access_log=args.access_log,
         engine_process={"auto": None, "process": True, "thread": False}[args.engine],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from replica.config import EngineConfig
+from replica.config import KV_CACHE_DTYPES, EngineConfig
 from router.config import POLICIES, RouterConfig
 
 # Ray Serve's own request routers, run as peers of the kvfleet policies (no admission).
@@ -92,6 +92,7 @@ class ClusterConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     stats_period_s: float = 0.05
@@ -123,6 +124,10 @@ class ClusterConfig:
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
@@ -210,6 +215,7 @@ class ClusterConfig:
             model=self.model,
             device=device,
             dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             max_num_seqs=self.max_num_seqs,

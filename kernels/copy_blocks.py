@@ -44,6 +44,8 @@ def copy_blocks(
     num_copies = src.shape[0]
     if num_copies == 0:
         return
+    if kv_cache.element_size() == 1:  # fp8 moves as bytes: no float conversion on the way
+        kv_cache = kv_cache.view(torch.uint8)
     block_elems = kv_cache[0, 0, 0].numel()
     chunk = min(_CHUNK, triton.next_power_of_2(block_elems))
     grid = (num_copies, num_layers * 2, triton.cdiv(block_elems, chunk))

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import check_cache_dtype, is_fp8, to_cache
 from kernels.pdl import pdl_launch, pdl_prologue
 
 _LOG2E = 1.4426950408889634
@@ -158,7 +159,7 @@ def _decode_kernel(
     stride_new_row, stride_new_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    APPEND: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    APPEND: tl.constexpr, KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)  # kernels.pdl: the merge (or next) kernel launches while this one runs
     # The heads of one row are adjacent programs: a token's K (or V) for all kv heads is
@@ -197,8 +198,10 @@ def _decode_kernel(
             new_off = row * stride_new_row + kv_head * stride_new_head + d  # [HEAD_DIM]
             block = tl.load(bt_row + last // BLOCK_SIZE).to(tl.int64)
             dst = block * stride_cache_block + (last % BLOCK_SIZE) * stride_cache_slot + head_off
-            tl.store(k_cache_ptr + dst + d, tl.load(k_new_ptr + new_off))
-            tl.store(v_cache_ptr + dst + d, tl.load(v_new_ptr + new_off))
+            k_new = to_cache(tl.load(k_new_ptr + new_off), k_cache_ptr, KV_FP8)
+            v_new = to_cache(tl.load(v_new_ptr + new_off), v_cache_ptr, KV_FP8)
+            tl.store(k_cache_ptr + dst + d, k_new)
+            tl.store(v_cache_ptr + dst + d, v_new)
         tl.debug_barrier()
     for tile_start in range(start, end, BLOCK_N):
         tok = tile_start + n  # [BLOCK_N]
@@ -207,8 +210,9 @@ def _decode_kernel(
         tok_off = block * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_slot + head_off
         kv_off = tok_off[:, None] + d[None, :]  # [BLOCK_N, HEAD_DIM]
         # V is loaded with K (not after the softmax) so both tiles are in flight together.
-        k = tl.load(k_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
+        # An fp8 cache's tiles convert to q's dtype exactly (a no-op otherwise).
+        k = tl.load(k_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0).to(q.dtype)
         # [GROUP_PAD, BLOCK_N] scores in the log2 domain
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(tok_mask[None, :], s, float("-inf"))
@@ -284,10 +288,11 @@ def paged_decode_attention(
 
     Constraints: num_heads % num_kv_heads == 0; head_dim a power of 2 >= 16;
     head_dim contiguous in q, out and the caches; fp16/bf16/fp32 (accumulated in
-    fp32). Launch parameters left None come from choose_decode_launch, with
-    max_context_len (default: the block table width * block_size) as the length
-    hint; explicit num_splits / block_n / num_warps / num_stages override them
-    (the tile defaults then follow the given num_splits). workspace: optional
+    fp32); the caches in q's dtype or float8_e4m3fn (kernels.kv_quant). Launch
+    parameters left None come from choose_decode_launch, with max_context_len
+    (default: the block table width * block_size) as the length hint; explicit
+    num_splits / block_n / num_warps / num_stages override them (the tile defaults
+    then follow the given num_splits). workspace: optional
     (partial_out [B*num_heads*num_splits*head_dim] fp32, partial_lse
     [B*num_heads*num_splits] fp32) for the split path; allocated per call when
     absent. Never reads device data on the host.
@@ -297,7 +302,8 @@ def paged_decode_attention(
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    assert k_cache.dtype == v_cache.dtype, "the K and V caches must share a dtype"
+    check_cache_dtype(q, k_cache)
     append = k_new is not None
     if append:
         assert v_new is not None and k_new.shape == v_new.shape, "k_new and v_new together"
@@ -331,7 +337,7 @@ def paged_decode_attention(
         new[0].stride(0), new[0].stride(1),
         GROUP=group, GROUP_PAD=max(_MIN_QUERY_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n or tiles.block_n, SPLIT=split,
-        APPEND=append, DOT_PRECISION=dot_precision(q.dtype),
+        APPEND=append, KV_FP8=is_fp8(k_cache), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps or tiles.num_warps, num_stages=num_stages or tiles.num_stages,
         **pdl_launch(q.device),
     )  # fmt: skip

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import check_cache_dtype, is_fp8, to_cache
 from kernels.pdl import pdl_launch, pdl_prologue
 
 # How the destination of write i is found (constexpr MODE).
@@ -40,7 +41,7 @@ def _append_kv_kernel(
     stride_cache_block, stride_cache_slot, stride_cache_head,
     HEAD_DIM: tl.constexpr, ROW_WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr, HD_BLOCK: tl.constexpr, MODE: tl.constexpr, HAS_SRC_ROWS: tl.constexpr,
-    PDL: tl.constexpr,
+    KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
     pid_row = tl.program_id(0)
@@ -83,8 +84,10 @@ def _append_kv_kernel(
     src = src_row[:, None] * stride_src_row + (head * stride_src_head + dim)[None, :]
     dst_row = block.to(tl.int64) * stride_cache_block + offset.to(tl.int64) * stride_cache_slot
     dst = dst_row[:, None] + (head * stride_cache_head + dim)[None, :]
-    tl.store(k_cache_ptr + dst, tl.load(k_ptr + src, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + dst, tl.load(v_ptr + src, mask=mask), mask=mask)
+    k = to_cache(tl.load(k_ptr + src, mask=mask), k_cache_ptr, KV_FP8)
+    v = to_cache(tl.load(v_ptr + src, mask=mask), v_cache_ptr, KV_FP8)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def _check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -94,7 +97,8 @@ def _check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         "k rows must match the cache's [num_kv_heads, head_dim]"
     )
     assert k.stride(2) == 1 and k_cache.stride(3) == 1, "head_dim must be contiguous"
-    assert k.dtype == k_cache.dtype, "k/v and the cache must share a dtype"
+    assert k.dtype == v.dtype and k_cache.dtype == v_cache.dtype
+    check_cache_dtype(k, k_cache)
 
 
 def _launch(
@@ -135,7 +139,7 @@ def _launch(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, ROW_WIDTH=row_width, BLOCK_SIZE=k_cache.shape[1],
         ROWS=rows, HD_BLOCK=hd_block, MODE=mode, HAS_SRC_ROWS=src_rows is not None,
-        num_warps=num_warps, **pdl_launch(k.device),
+        KV_FP8=is_fp8(k_cache), num_warps=num_warps, **pdl_launch(k.device),
     )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_attention import dot_precision
+from kernels.kv_quant import check_cache_dtype
 
 _LOG2E = 1.4426950408889634
 _BLOCK_M = 64
@@ -50,6 +51,7 @@ def _attend_tile(
         k = tl.load(k_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
     else:
         k = tl.load(k_cache_ptr + kv_off)
+    k = k.to(q.dtype)  # an fp8 cache's tile, exactly (a no-op otherwise)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         visible = tok_mask[None, :] & (tok[None, :] <= q_pos[:, None])
@@ -62,6 +64,7 @@ def _attend_tile(
         v = tl.load(v_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
     else:
         v = tl.load(v_cache_ptr + kv_off)
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -160,14 +163,15 @@ def paged_prefill_attention(
     per entry and kv head, max_q_len unused; rows of q no entry covers (token
     padding) are left unwritten. Constraints as paged_decode_attention: GQA with
     num_heads a multiple of num_kv_heads, head_dim a power of 2 >= 16,
-    fp16/bf16/fp32.
+    fp16/bf16/fp32, the caches in q's dtype or float8_e4m3fn.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    assert k_cache.dtype == v_cache.dtype, "the K and V caches must share a dtype"
+    check_cache_dtype(q, k_cache)
     out = torch.empty_like(q) if out is None else out
     num_seqs = slot_mapping.shape[0]
     max_q_len = num_tokens if max_q_len is None else max_q_len

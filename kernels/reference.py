@@ -10,11 +10,23 @@ and the kernels take one layer's views k_cache = kv_cache[l, 0], v_cache = kv_ca
 A token at position `pos` of the sequence in table row `slot` lives at
     block = block_table[slot, pos // block_size], offset = pos % block_size.
 All index tensors are int32 (int64 accepted by the references).
+A cache holds the model's dtype, or float8_e4m3fn (quantize_kv_ref) read back exactly.
 """
 
 from __future__ import annotations
 
 import torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+
+
+def quantize_kv_ref(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of cache_dtype stores it: a cast, or for an fp8 cache the nearest
+    e4m3 value (ties to even) saturated at +-448, with no scale (kernels.kv_quant)."""
+    if cache_dtype == FP8_KV_DTYPE:
+        return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(cache_dtype)
+    return x.to(cache_dtype)
 
 
 def append_kv_ref(
@@ -28,8 +40,8 @@ def append_kv_ref(
 ) -> None:
     """Generic form: write k[src_rows[i]] at (block_ids[i], offsets[i])."""
     rows = src_rows.long() if src_rows is not None else slice(None, block_ids.shape[0])
-    k_cache[block_ids.long(), offsets.long()] = k[rows]
-    v_cache[block_ids.long(), offsets.long()] = v[rows]
+    k_cache[block_ids.long(), offsets.long()] = quantize_kv_ref(k[rows], k_cache.dtype)
+    v_cache[block_ids.long(), offsets.long()] = quantize_kv_ref(v[rows], v_cache.dtype)
 
 
 def append_kv_slots_ref(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
@@ -57,6 +58,11 @@ class EngineConfig:
     tokens runs them as extra rows of its decode forward (one pass over the
     weights, SGLang's mixed chunk) instead of a prefill forward before the
     decode; 0 keeps prefill and decode apart.
+    kv_cache_dtype: "auto" stores K/V in the model's dtype; "fp8" (or "fp8_e4m3")
+    stores them as float8 e4m3 with no scale (rounded to nearest, saturated at
+    +-448; kernels.kv_quant), which halves a block's bytes: twice the blocks in the
+    same memory, and half the bytes a decode step's attention reads. On CUDA it
+    needs compute capability 8.9 or later (Ada, Hopper).
     """
 
     model: str = "gpt2-tiny"
@@ -74,6 +80,7 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     enable_triton_linear: bool = True
     mixed_prefill_tokens: int = 32
+    kv_cache_dtype: str = "auto"
     replica_id: str = "replica-0"
     max_prefix_hashes_in_stats: int = 2048
 
@@ -84,6 +91,10 @@ class EngineConfig:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.block_size not in _BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {_BLOCK_SIZES}, got {self.block_size!r}")
         _positive_int("num_blocks", self.num_blocks, allow_none=True)

@@ -33,6 +33,7 @@ import operator
 import numpy as np
 import torch
 
+from kernels.reference import FP8_KV_DTYPE
 from replica.attention import AttentionMetadata, make_attention_backend
 from replica.config import EngineConfig
 from replica.decode_inputs import (
@@ -93,6 +94,18 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
+def resolve_kv_cache_dtype(name: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype: the model's, or float8 e4m3 for "fp8" / "fp8_e4m3"."""
+    if name == "auto":
+        return dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            f"kv_cache_dtype: {name!r} needs a GPU of compute capability 8.9 or later "
+            f"(fp8 conversions), this one is {torch.cuda.get_device_capability(device)}"
+        )
+    return FP8_KV_DTYPE
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -105,6 +118,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, device, dtype)
         self.max_num_seqs = config.max_num_seqs
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
@@ -163,7 +177,7 @@ class ModelRunner:
     # ---- set-up ---------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         mc = self.model_config
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        itemsize = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * itemsize
 
     def num_blocks_from_memory(self) -> int:
@@ -197,7 +211,7 @@ class ModelRunner:
         mc = self.model_config
         self.null_block = num_blocks
         shape = (mc.num_layers, 2, num_blocks + 1, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         self.block_table.fill_(self.null_block)
         self.step_inputs.fill_padding(self.parity)
         if self.use_cuda_graphs:

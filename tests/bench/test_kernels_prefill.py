@@ -40,3 +40,22 @@ def test_prefill_tune_sweeps_query_rows_per_program(monkeypatch):
     shape = bk.Shape("tiny", num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     rows = list(bk._prefill_tune_rows(shape, ("2x20", 2, 20, 0)))
     assert [r["launch"] for r in rows] == ["16/16/2/1", "32/16/2/1"]  # q/n/warps/stages
+
+
+def test_fp8_kv_shapes_bench_fp8_caches_and_count_their_bytes(monkeypatch):
+    """--kv-cache-dtype fp8: every kernel bench gets e4m3 caches, checked against the
+    reference, and decode's GB/s counts one byte an element."""
+    monkeypatch.setattr(bk, "DEVICE", "cpu")
+    monkeypatch.setattr(bk, "num_copies", lambda num_bytes: 1)
+    monkeypatch.setattr(bk, "graph_time_us", lambda fns: [fn() for fn in fns] and 10.0)
+    monkeypatch.setattr(bk, "do_bench_us", lambda fns: 10.0)
+    wide = bk.Shape("tiny", num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float16)
+    shape = bk.fp8_kv(wide)
+    assert (shape.name, shape.cache_dtype) == ("tiny+fp8kv", torch.float8_e4m3fn)
+    caches = bk._decode_inputs(shape, 3, 40)[0]
+    assert caches[0][0].dtype == torch.float8_e4m3fn
+    row = bk.bench_decode(shape, 3, 40, copy_gbps=1000.0)
+    assert row["GB/s"] == pytest.approx(2 * 3 * 40 * 2 * 16 / 10.0 / 1e3)
+    assert bk.bench_decode(wide, 3, 40, copy_gbps=1000.0)["GB/s"] == 2 * row["GB/s"]
+    assert bk.bench_prefill(shape, ("2x20 + 3 rows", 2, 20, 3))["launch"] == "default"
+    assert bk.bench_append(shape, 4)["shape"] == "tiny+fp8kv"

@@ -24,6 +24,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
         ("num_blocks", -1),
         ("max_num_seqs", 0),
         ("dtype", "int8"),
+        ("kv_cache_dtype", "int8"),
         ("device", "tpu"),
         ("stats_period_s", 0.0),
         ("stats_period_s", 5.0),
@@ -61,13 +62,15 @@ def test_num_gpus_auto() -> None:
 
 def test_router_and_engine_configs_follow_cluster_config() -> None:
     config = ClusterConfig(
-        router="prefix", high_watermark=0.8, on_overload="reject", num_blocks=64, balance_band=0.2
-    )
+        router="prefix", high_watermark=0.8, on_overload="reject", num_blocks=64, balance_band=0.2,
+        kv_cache_dtype="fp8",
+    )  # fmt: skip
     router = config.router_config()
     assert (router.policy, router.high_watermark, router.on_overload) == ("prefix", 0.8, "reject")
     assert router.balance_band == 0.2
     engine = config.engine_config("r1", num_gpus=0)
     assert (engine.device, engine.num_blocks, engine.replica_id) == ("cpu", 64, "r1")
+    assert engine.kv_cache_dtype == "fp8"
     assert config.engine_config("r1", num_gpus=1).device == "cuda"
 
 
@@ -107,6 +110,15 @@ def test_cli_serve_engine_flag(flag: list[str], expected: bool | None) -> None:
 
     config = serve_config(_parser().parse_args(["serve", "--model", "gpt2-tiny", *flag]))
     assert config.engine_process is expected and config.model == "gpt2-tiny"
+
+
+def test_cli_serve_kv_cache_dtype_flag() -> None:
+    from cluster.__main__ import _parser, serve_config
+
+    config = serve_config(_parser().parse_args(["serve"]))
+    assert config.kv_cache_dtype == "auto"
+    config = serve_config(_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"]))
+    assert config.engine_config("r0", num_gpus=0).kv_cache_dtype == "fp8"
 
 
 @pytest.mark.parametrize(

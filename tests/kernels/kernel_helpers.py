@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.reference import quantize_kv_ref
+
 TOL = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
     torch.float16: dict(atol=2e-3, rtol=2e-3),
@@ -25,11 +27,14 @@ def shuffled_slots(num_seqs: int, gen: torch.Generator, device) -> torch.Tensor:
 
 
 def filled_cache(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, gen, device
-) -> tuple[torch.Tensor, torch.Tensor]:
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, gen, device,
+    cache_dtype=None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Random K/V caches of dtype, stored as cache_dtype (None: dtype; fp8: quantized)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k = torch.randn(shape, generator=gen).to(dtype).to(device)
-    v = torch.randn(shape, generator=gen).to(dtype).to(device)
+    cache_dtype = cache_dtype or dtype
+    k = quantize_kv_ref(torch.randn(shape, generator=gen).to(dtype), cache_dtype).to(device)
+    v = quantize_kv_ref(torch.randn(shape, generator=gen).to(dtype), cache_dtype).to(device)
     return k, v
 
 
@@ -45,7 +50,10 @@ def poison_outside_context(
     for slot, ctx_len in zip(slot_mapping.tolist(), context_lens.tolist()):
         for pos in range(ctx_len):
             keep[block_table[slot, pos // block_size].long(), pos % block_size] = True
-    cache[~keep] = float("nan")
+    if cache.dtype == torch.float8_e4m3fn:  # no masked_fill for fp8 on CPU: its NaN code
+        cache.view(torch.uint8)[~keep] = 0x7F
+    else:
+        cache[~keep] = float("nan")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -27,9 +27,10 @@ from tests.kernels.kernel_helpers import (
 
 def _run_case(
     dtype, num_heads, num_kv_heads, head_dim, block_size, ctx_lens, num_splits, device, seed=0,
-    append=False, **launch,
+    append=False, cache_dtype=None, **launch,
 ):  # fmt: skip
-    """append: the newest token of each row comes as k_new / v_new (strided views of one
+    """cache_dtype: the caches' dtype (None: dtype; float8_e4m3fn: an fp8 cache).
+    append: the newest token of each row comes as k_new / v_new (strided views of one
     qkv tensor, as a model's projection gives them), its cache position holds NaN before
     the launch, and the caches must equal the reference's append afterwards."""
     gen = torch.Generator().manual_seed(seed)
@@ -37,7 +38,7 @@ def _run_case(
     max_blocks = max(-(-c // block_size) for c in ctx_lens) + 1
     num_blocks = (num_rows + 1) * max_blocks
     k_cache, v_cache = filled_cache(
-        num_blocks, block_size, num_kv_heads, head_dim, dtype, gen, device
+        num_blocks, block_size, num_kv_heads, head_dim, dtype, gen, device, cache_dtype
     )
     block_table = random_block_table(num_rows, max_blocks, num_blocks, gen, device)
     slot_mapping = shuffled_slots(num_rows, gen, device)

@@ -25,9 +25,11 @@ from tests.kernels.kernel_helpers import (
 
 
 def _run_case(
-    dtype, num_heads, num_kv_heads, head_dim, block_size, chunks, device, seed=0, pad_tokens=None
-):
+    dtype, num_heads, num_kv_heads, head_dim, block_size, chunks, device, seed=0, pad_tokens=None,
+    cache_dtype=None,
+):  # fmt: skip
     """chunks: (cached prefix length, chunk length) per sequence.
+    cache_dtype: the caches' dtype (None: dtype; float8_e4m3fn: an fp8 cache).
 
     pad_tokens: None for the grid launch form; else the work-list form over a
     token bucket with pad_tokens padding rows, which must stay unwritten.
@@ -38,7 +40,7 @@ def _run_case(
     max_blocks = max(-(-c // block_size) for c in ctx_lens) + 1
     num_blocks = (num_seqs + 1) * max_blocks
     k_cache, v_cache = filled_cache(
-        num_blocks, block_size, num_kv_heads, head_dim, dtype, gen, device
+        num_blocks, block_size, num_kv_heads, head_dim, dtype, gen, device, cache_dtype
     )
     block_table = random_block_table(num_seqs, max_blocks, num_blocks, gen, device)
     slot_mapping = shuffled_slots(num_seqs, gen, device)
