@@ -245,11 +245,12 @@ def bench_decode(
     caches, block_table, slot_mapping, q, context_lens, kv_bytes, expect = _decode_inputs(
         shape, batch, context
     )
+    kv_fp8 = shape.kv_dtype is not None
     default = choose_decode_launch(
-        batch, shape.num_kv_heads, shape.head_dim, context, num_sms(q.device)
+        batch, shape.num_kv_heads, shape.head_dim, context, num_sms(q.device), kv_fp8
     )
     splits = launch.get("num_splits") or default.num_splits
-    tiles = default_tiles(shape.head_dim, split=splits > 1)
+    tiles = default_tiles(shape.head_dim, splits > 1, kv_fp8)
     scale = shape.head_dim**-0.5
     out = torch.full_like(q, float("nan"))
     num_parts = batch * shape.num_heads * splits

@@ -80,6 +80,14 @@ SPLIT_TILES = {
     64: DecodeTiles(block_n=64, num_warps=4, num_stages=2),
     128: DecodeTiles(block_n=64, num_warps=4, num_stages=2),
 }
+# One pass over an fp8 cache (H200, 2026-11-25, .diag sweep over block_n 32/64/128 x 2/4
+# warps x 1-3 stages; BENCHMARKS.md "fp8 KV cache"): a tile of half the bytes is half
+# the work in flight, so longer tiles; at B=256, ctx 192: gpt2 64/2w/2s 33.3 us against
+# 41.6 for 32/2w/2s, qwen3 64/2w/1s 51.5 against 62.5. Split tiles stay as above.
+ONE_PASS_TILES_FP8 = {
+    64: DecodeTiles(block_n=64, num_warps=2, num_stages=2),
+    128: DecodeTiles(block_n=64, num_warps=2, num_stages=1),
+}
 
 
 @dataclass(frozen=True)
@@ -90,9 +98,10 @@ class DecodeLaunch:
     tiles: DecodeTiles
 
 
-def default_tiles(head_dim: int, split: bool) -> DecodeTiles:
-    """The tuned tile for this head_dim; other head dims scale block_n to ~8 KiB of K."""
-    table = SPLIT_TILES if split else ONE_PASS_TILES
+def default_tiles(head_dim: int, split: bool, kv_fp8: bool = False) -> DecodeTiles:
+    """The tuned tile for this head_dim (and cache dtype); other head dims scale block_n
+    to ~8 KiB of K."""
+    table = SPLIT_TILES if split else ONE_PASS_TILES_FP8 if kv_fp8 else ONE_PASS_TILES
     if head_dim in table:
         return table[head_dim]
     return DecodeTiles(block_n=max(16, min(64, 8192 // head_dim)), num_warps=4, num_stages=2)
@@ -125,11 +134,16 @@ def choose_num_splits(
 
 
 def choose_decode_launch(
-    batch: int, num_kv_heads: int, head_dim: int, max_context_len_hint: int, num_sms: int
+    batch: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_context_len_hint: int,
+    num_sms: int,
+    kv_fp8: bool = False,
 ) -> DecodeLaunch:
     """Split count and tile for a decode shape: a pure function, chosen once per shape."""
     num_splits = choose_num_splits(batch, num_kv_heads, max_context_len_hint, num_sms, head_dim)
-    return DecodeLaunch(num_splits, default_tiles(head_dim, split=num_splits > 1))
+    return DecodeLaunch(num_splits, default_tiles(head_dim, num_splits > 1, kv_fp8))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -313,11 +327,13 @@ def paged_decode_attention(
     out = torch.empty_like(q) if out is None else out
     if num_rows == 0:
         return out
+    kv_fp8 = is_fp8(k_cache)
     if num_splits is None:
         hint = max_context_len or block_table.shape[1] * block_size
-        launch = choose_decode_launch(num_rows, num_kv_heads, head_dim, hint, num_sms(q.device))
+        sms = num_sms(q.device)
+        launch = choose_decode_launch(num_rows, num_kv_heads, head_dim, hint, sms, kv_fp8)
     else:
-        launch = DecodeLaunch(num_splits, default_tiles(head_dim, split=num_splits > 1))
+        launch = DecodeLaunch(num_splits, default_tiles(head_dim, num_splits > 1, kv_fp8))
     num_splits, tiles = launch.num_splits, launch.tiles
     group = num_heads // num_kv_heads
     split = num_splits > 1
@@ -337,7 +353,7 @@ def paged_decode_attention(
         new[0].stride(0), new[0].stride(1),
         GROUP=group, GROUP_PAD=max(_MIN_QUERY_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n or tiles.block_n, SPLIT=split,
-        APPEND=append, KV_FP8=is_fp8(k_cache), DOT_PRECISION=dot_precision(q.dtype),
+        APPEND=append, KV_FP8=kv_fp8, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps or tiles.num_warps, num_stages=num_stages or tiles.num_stages,
         **pdl_launch(q.device),
     )  # fmt: skip

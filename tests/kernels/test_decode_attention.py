@@ -9,6 +9,7 @@ import torch
 
 from kernels import reference as ref
 from kernels.decode_attention import (
+    DecodeLaunch,
     DecodeTiles,
     choose_decode_launch,
     choose_num_splits,
@@ -234,6 +235,18 @@ def test_choose_decode_launch_is_a_pure_function_of_shapes():
     for head_dim in (32, 64, 128, 256):
         tiles = choose_decode_launch(1, 8, head_dim, 8192, 132).tiles
         assert tiles.block_n * head_dim <= 128 * 128  # a K tile stays in registers
+
+
+def test_fp8_caches_take_their_own_one_pass_tiles():
+    from kernels.decode_attention import ONE_PASS_TILES, ONE_PASS_TILES_FP8
+
+    for head_dim in (64, 128):
+        assert choose_decode_launch(256, 12, head_dim, 1024, 132).tiles == ONE_PASS_TILES[head_dim]
+        fp8 = choose_decode_launch(256, 12, head_dim, 1024, 132, kv_fp8=True)
+        assert fp8 == DecodeLaunch(1, ONE_PASS_TILES_FP8[head_dim])
+    # Splits keep their tiles whatever the cache holds.
+    split = choose_decode_launch(1, 8, 128, 8192, 132, kv_fp8=True)
+    assert split.tiles == choose_decode_launch(1, 8, 128, 8192, 132).tiles
 
 
 def test_decode_tiles_reject_bad_values():
