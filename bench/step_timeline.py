@@ -210,6 +210,7 @@ def main() -> None:
         help="profile each batch's prompt phase (its first steps, up to the first decode-only"
         " step) rather than decode steps",
     )  # fmt: skip
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -221,7 +222,7 @@ def main() -> None:
     engine = LLMEngine(
         EngineConfig(
             model=args.model, device="cuda", dtype=args.dtype, max_num_seqs=max(args.batch),
-            max_model_len=max_len,
+            max_model_len=max_len, kv_cache_dtype=args.kv_cache_dtype,
         )
     )  # fmt: skip
     results = []

@@ -146,3 +146,13 @@ def test_cache_of_another_float_dtype_is_refused(device):
     one = torch.ones(1, dtype=torch.int32, device=device)
     with pytest.raises(AssertionError, match="the cache must be"):
         paged_decode_attention(q, cache, cache, table, one - 1, one, 0.125)
+
+
+def test_triton_backend_appends_to_an_fp8_cache_in_its_own_launch():
+    """Chosen once, when the backend is built: fused over a cache in the model's dtype,
+    apart over an fp8 one (replica.triton_attention.FUSE_DECODE_APPEND_FP8)."""
+    from replica.attention import make_attention_backend
+
+    cuda = torch.device("cuda")  # builds the Triton backend; nothing touches a GPU
+    assert make_attention_backend(cuda, torch.float16).fuse_decode_append
+    assert not make_attention_backend(cuda, FP8).fuse_decode_append
