@@ -348,7 +348,7 @@ def main() -> None:
           f" block_size={args.block_size} cuda_graphs={engine.runner.use_cuda_graphs}"
           f" triton_linear={triton_linear}"
           f" pdl={kernels.pdl.use_pdl(engine.device)}"
-          f" fused_append={not args.no_fused_append}"
+          f" fused_append={getattr(engine.runner.backend, 'fuse_decode_append', False)}"
           f" decode_in_prefill={engine.runner.decode_in_prefill}"
           f" mixed_prefill_tokens={engine.config.mixed_prefill_tokens}"
           f" engine_start={start_s:.2f} s"
