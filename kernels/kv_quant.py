@@ -17,8 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-E4M3_MAX = tl.constexpr(448.0)
+from kernels import reference
+from kernels.reference import FP8_KV_DTYPE
+
+E4M3_MAX = tl.constexpr(reference.E4M3_MAX)
 _E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6
 _E4M3_SUBNORMAL_STEPS = tl.constexpr(512.0)  # subnormals are multiples of 2^-9
 
