@@ -80,14 +80,12 @@ SPLIT_TILES = {
     64: DecodeTiles(block_n=64, num_warps=4, num_stages=2),
     128: DecodeTiles(block_n=64, num_warps=4, num_stages=2),
 }
-# One pass over an fp8 cache (H200, 2026-11-25, .diag sweep over block_n 32/64/128 x 2/4
-# warps x 1-3 stages; BENCHMARKS.md "fp8 KV cache"): a tile of half the bytes is half
-# the work in flight, so longer tiles; at B=256, ctx 192: gpt2 64/2w/2s 33.3 us against
-# 41.6 for 32/2w/2s, qwen3 64/2w/1s 51.5 against 62.5. Split tiles stay as above.
-ONE_PASS_TILES_FP8 = {
-    64: DecodeTiles(block_n=64, num_warps=2, num_stages=2),
-    128: DecodeTiles(block_n=64, num_warps=2, num_stages=1),
-}
+# One pass over an fp8 cache (H200, 2026-11-25, bench.kernels --tune --kv-cache-dtype fp8;
+# BENCHMARKS.md "Decode attention over an fp8 (e4m3) cache"): a tile of half the bytes is
+# half the work in flight, so gpt2 takes 64 tokens (256 rows, ctx 192: 33.5 us against 42.0
+# for 32/2w/2s). qwen3's best without the append, 64/2w/1s, took 65 us with the fused
+# append against 54 for its fp16 tile, which it keeps. Split tiles stay as above.
+ONE_PASS_TILES_FP8 = {64: DecodeTiles(block_n=64, num_warps=2, num_stages=2)}
 
 
 @dataclass(frozen=True)
@@ -101,7 +99,9 @@ class DecodeLaunch:
 def default_tiles(head_dim: int, split: bool, kv_fp8: bool = False) -> DecodeTiles:
     """The tuned tile for this head_dim (and cache dtype); other head dims scale block_n
     to ~8 KiB of K."""
-    table = SPLIT_TILES if split else ONE_PASS_TILES_FP8 if kv_fp8 else ONE_PASS_TILES
+    if kv_fp8 and not split and head_dim in ONE_PASS_TILES_FP8:
+        return ONE_PASS_TILES_FP8[head_dim]
+    table = SPLIT_TILES if split else ONE_PASS_TILES
     if head_dim in table:
         return table[head_dim]
     return DecodeTiles(block_n=max(16, min(64, 8192 // head_dim)), num_warps=4, num_stages=2)
@@ -181,7 +181,9 @@ def _decode_kernel(
     kv_head = tl.program_id(0)
     row = tl.program_id(1)
     split = tl.program_id(2)
-    ctx_len = tl.load(context_lens_ptr + row)
+    # Positions in int32 whatever the index dtype: the engine passes int64 rows, and over
+    # an fp8 cache the fused append's code then took a gpt2 launch from 42 to 60 us (H200).
+    ctx_len = tl.load(context_lens_ptr + row).to(tl.int32)
     slot = tl.load(slot_mapping_ptr + row).to(tl.int64)
     bt_row = block_table_ptr + slot * stride_bt
 

@@ -92,12 +92,10 @@ class TorchAttention:
         )  # fmt: skip
 
 
-def make_attention_backend(
-    device: torch.device, kv_cache_dtype: torch.dtype | None = None
-) -> AttentionBackend:
+def make_attention_backend(device: torch.device) -> AttentionBackend:
     """Torch references on CPU, Triton kernels on CUDA; chosen once, never per call."""
     if device.type == "cpu":
         return TorchAttention()
     from replica.triton_attention import TritonAttention
 
-    return TritonAttention(kv_fp8=kv_cache_dtype == ref.FP8_KV_DTYPE)
+    return TritonAttention()

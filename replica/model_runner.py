@@ -122,7 +122,7 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
-        self.backend = make_attention_backend(device, self.kv_cache_dtype)
+        self.backend = make_attention_backend(device)
         self.model, self.model_config = load_model(
             config.model,
             dtype=dtype,

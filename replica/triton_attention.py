@@ -14,11 +14,6 @@ from replica.attention import AttentionMetadata
 # v_new): read once, when a backend is built. False keeps a separate append_kv_slots
 # launch; the benchmarks' switch (bench.engine --no-fused-append).
 FUSE_DECODE_APPEND = True
-# Over an fp8 cache the append stays a launch of its own: in a gpt2 engine at 256 rows
-# (H200, bench.step_timeline without PDL, 2026-11-25) the fused form took the decode
-# kernel from 35.2 to 51.1 us a layer, where the separate append costs 2.6 us (with an
-# fp16 cache fusing costs 1.1 us and saves the append's 2.0).
-FUSE_DECODE_APPEND_FP8 = False
 
 
 class TritonAttention:
@@ -26,8 +21,7 @@ class TritonAttention:
 
     Decode: paged_decode_attention, which appends the new K/V itself (positions are
     context_lens - 1 in a decode batch), or append_kv_slots first where
-    FUSE_DECODE_APPEND was off, the cache is fp8 (FUSE_DECODE_APPEND_FP8), or rows
-    share a sequence (meta.append_first).
+    FUSE_DECODE_APPEND was off or rows share a sequence (meta.append_first).
     Neither reads device data on the host and the split count comes from shapes
     (the block table width), so the decode branch can be captured in a CUDA graph.
     Prefill with a work list (bucketed, capturable): append_kv_slots per token +
@@ -35,11 +29,10 @@ class TritonAttention:
     paged_prefill_attention, with grids sized by the host int meta.max_q_len.
     """
 
-    def __init__(self, decode_num_splits: int | None = None, kv_fp8: bool = False) -> None:
+    def __init__(self, decode_num_splits: int | None = None) -> None:
         # None: chosen from shapes per batch size (fixed per captured graph).
         self.decode_num_splits = decode_num_splits
-        fuse = FUSE_DECODE_APPEND_FP8 if kv_fp8 else True
-        self.fuse_decode_append = FUSE_DECODE_APPEND and fuse
+        self.fuse_decode_append = FUSE_DECODE_APPEND
 
     def copy_blocks(
         self,

@@ -28,9 +28,10 @@ from tests.kernels.kernel_helpers import (
 
 def _run_case(
     dtype, num_heads, num_kv_heads, head_dim, block_size, ctx_lens, num_splits, device, seed=0,
-    append=False, cache_dtype=None, **launch,
+    append=False, cache_dtype=None, index_dtype=torch.int32, **launch,
 ):  # fmt: skip
     """cache_dtype: the caches' dtype (None: dtype; float8_e4m3fn: an fp8 cache).
+    index_dtype: slot_mapping's and context_lens' (the engine passes int64 rows).
     append: the newest token of each row comes as k_new / v_new (strided views of one
     qkv tensor, as a model's projection gives them), its cache position holds NaN before
     the launch, and the caches must equal the reference's append afterwards."""
@@ -42,8 +43,8 @@ def _run_case(
         num_blocks, block_size, num_kv_heads, head_dim, dtype, gen, device, cache_dtype
     )
     block_table = random_block_table(num_rows, max_blocks, num_blocks, gen, device)
-    slot_mapping = shuffled_slots(num_rows, gen, device)
-    context_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    slot_mapping = shuffled_slots(num_rows, gen, device).to(index_dtype)
+    context_lens = torch.tensor(ctx_lens, dtype=index_dtype, device=device)
     poison_outside_context(k_cache, block_table, slot_mapping, context_lens)
     poison_outside_context(v_cache, block_table, slot_mapping, context_lens)
     q = torch.randn(num_rows, num_heads, head_dim, generator=gen).to(dtype).to(device)
@@ -240,10 +241,13 @@ def test_choose_decode_launch_is_a_pure_function_of_shapes():
 def test_fp8_caches_take_their_own_one_pass_tiles():
     from kernels.decode_attention import ONE_PASS_TILES, ONE_PASS_TILES_FP8
 
-    for head_dim in (64, 128):
-        assert choose_decode_launch(256, 12, head_dim, 1024, 132).tiles == ONE_PASS_TILES[head_dim]
-        fp8 = choose_decode_launch(256, 12, head_dim, 1024, 132, kv_fp8=True)
-        assert fp8 == DecodeLaunch(1, ONE_PASS_TILES_FP8[head_dim])
+    assert choose_decode_launch(256, 12, 64, 1024, 132).tiles == ONE_PASS_TILES[64]
+    fp8 = choose_decode_launch(256, 12, 64, 1024, 132, kv_fp8=True)
+    assert fp8 == DecodeLaunch(1, ONE_PASS_TILES_FP8[64]) != DecodeLaunch(1, ONE_PASS_TILES[64])
+    # A head_dim without an fp8 entry keeps the tile of its cache in the model's dtype.
+    assert 128 not in ONE_PASS_TILES_FP8
+    fp8 = choose_decode_launch(256, 8, 128, 1024, 132, kv_fp8=True)
+    assert fp8 == choose_decode_launch(256, 8, 128, 1024, 132)
     # Splits keep their tiles whatever the cache holds.
     split = choose_decode_launch(1, 8, 128, 8192, 132, kv_fp8=True)
     assert split.tiles == choose_decode_launch(1, 8, 128, 8192, 132).tiles

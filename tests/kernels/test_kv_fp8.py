@@ -91,6 +91,7 @@ def test_append_slots_and_prefill_forms(dtype, device):
     assert torch.equal(bits(v_cache), bits(v_expect))
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("append", [False, True])
 @pytest.mark.parametrize(
@@ -98,13 +99,14 @@ def test_append_slots_and_prefill_forms(dtype, device):
     [(torch.float16, 4, 4, 64, 16), (torch.bfloat16, 8, 2, 128, 16), (torch.float32, 4, 1, 64, 8)],
 )
 def test_decode_attention_fp8_cache(
-    dtype, num_heads, num_kv_heads, head_dim, block_size, append, num_splits, device
+    dtype, num_heads, num_kv_heads, head_dim, block_size, append, num_splits, index_dtype, device
 ):
     """The fused append quantizes (the cache equals the reference's bit for bit) and the
-    loop attends the stored e4m3 values, as the reference does in fp32."""
+    loop attends the stored e4m3 values, as the reference does in fp32; with the int32
+    index tensors of the tests and the int64 ones the engine passes."""
     test_decode_attention._run_case(
         dtype, num_heads, num_kv_heads, head_dim, block_size, [1, 17, 70, 33], num_splits,
-        device, seed=4, append=append, cache_dtype=FP8,
+        device, seed=4, append=append, cache_dtype=FP8, index_dtype=index_dtype,
     )  # fmt: skip
 
 
@@ -146,13 +148,3 @@ def test_cache_of_another_float_dtype_is_refused(device):
     one = torch.ones(1, dtype=torch.int32, device=device)
     with pytest.raises(AssertionError, match="the cache must be"):
         paged_decode_attention(q, cache, cache, table, one - 1, one, 0.125)
-
-
-def test_triton_backend_appends_to_an_fp8_cache_in_its_own_launch():
-    """Chosen once, when the backend is built: fused over a cache in the model's dtype,
-    apart over an fp8 one (replica.triton_attention.FUSE_DECODE_APPEND_FP8)."""
-    from replica.attention import make_attention_backend
-
-    cuda = torch.device("cuda")  # builds the Triton backend; nothing touches a GPU
-    assert make_attention_backend(cuda, torch.float16).fuse_decode_append
-    assert not make_attention_backend(cuda, FP8).fuse_decode_append
