@@ -28,6 +28,7 @@ import replica.triton_attention
 from bench.common import copy_bandwidth_gbps, markdown_table, percentile, write_json
 from bench.itl import cohort_itl, format_itl, steady_itl
 from replica import EngineConfig, LLMEngine, SamplingParams
+from replica.config import KV_CACHE_DTYPES
 from replica.models.layers import uses_triton_linear
 from replica.models.presets import PRESETS
 
@@ -225,7 +226,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="preset or directory (gpt2 on GPU)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument(
-        "--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
         help="fp8: K/V stored as float8 e4m3 (HF's peer keeps its cache in --dtype)",
     )  # fmt: skip
     parser.add_argument("--batch", type=int, nargs="+", default=[256])

@@ -245,7 +245,7 @@ def bench_decode(
     caches, block_table, slot_mapping, q, context_lens, kv_bytes, expect = _decode_inputs(
         shape, batch, context
     )
-    kv_fp8 = shape.kv_dtype is not None
+    kv_fp8 = shape.cache_dtype == ref.FP8_KV_DTYPE
     default = choose_decode_launch(
         batch, shape.num_kv_heads, shape.head_dim, context, num_sms(q.device), kv_fp8
     )

@@ -29,6 +29,7 @@ import torch
 from bench.common import machine_description, write_json
 from bench.engine import random_prompts
 from replica import EngineConfig, LLMEngine, SamplingParams
+from replica.config import KV_CACHE_DTYPES
 
 _DEVICE_CATS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
 _REGION = "kvfleet.step_timeline"  # the record_function region the profiled steps run in
@@ -210,7 +211,7 @@ def main() -> None:
         help="profile each batch's prompt phase (its first steps, up to the first decode-only"
         " step) rather than decode steps",
     )  # fmt: skip
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 
@@ -36,21 +37,31 @@ HF_CLASSES = {
 }
 
 
+def save_checkpoint(name: str, directory, **config_overrides) -> tuple[str, torch.nn.Module]:
+    """A save_pretrained directory of random weights (seeded), and its HF model."""
+    config = HF_CONFIGS[name]
+    if config_overrides:
+        config = copy.deepcopy(config)
+        for key, value in config_overrides.items():
+            setattr(config, key, value)
+    torch.manual_seed(1234)
+    model = HF_CLASSES[name](config).eval()
+    model.save_pretrained(directory)
+    return str(directory), model
+
+
 @pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
 def checkpoint(request, tmp_path_factory):
     """A save_pretrained directory of random weights, and its HF model for reference."""
-    torch.manual_seed(1234)
-    model = HF_CLASSES[request.param](HF_CONFIGS[request.param]).eval()
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return str(path), model
+    return save_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+def hf_greedy(model, prompt: list[int], max_new: int, **generate_kwargs) -> list[int]:
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new, do_sample=False, pad_token_id=model.config.eos_token_id,
+            **generate_kwargs,
         )  # fmt: skip
     tokens = out[0, len(prompt) :].tolist()
     eos = model.config.eos_token_id

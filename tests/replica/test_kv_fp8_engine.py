@@ -10,22 +10,19 @@ preemption, chunks) against an independent model, not against itself.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
 import transformers
 
 from kernels.reference import FP8_KV_DTYPE, quantize_kv_ref
 from replica import EngineConfig, LLMEngine, SamplingParams
 from tests.replica.test_engine_hf import (
-    HF_CLASSES,
     HF_CONFIGS,
     MAX_NEW,
     assert_no_leak,
     hf_greedy,
     make_engine,
     random_prompts,
+    save_checkpoint,
 )
 
 
@@ -33,13 +30,8 @@ from tests.replica.test_engine_hf import (
 def checkpoint(request, tmp_path_factory):
     """test_engine_hf's checkpoints with weights drawn 5x wider (initializer_range 0.1):
     at 0.02 attention is so flat that gpt2's greedy tokens never feel the rounding."""
-    config = copy.deepcopy(HF_CONFIGS[request.param])
-    config.initializer_range = 0.1
-    torch.manual_seed(1234)
-    model = HF_CLASSES[request.param](config).eval()
-    path = tmp_path_factory.mktemp(f"{request.param}-wide")
-    model.save_pretrained(path)
-    return str(path), model
+    directory = tmp_path_factory.mktemp(f"{request.param}-wide")
+    return save_checkpoint(request.param, directory, initializer_range=0.1)
 
 
 def hf_greedy_fp8_kv(model, prompt: list[int], max_new: int) -> list[int]:
@@ -53,15 +45,7 @@ def hf_greedy_fp8_kv(model, prompt: list[int], max_new: int) -> list[int]:
         return store(key_states, value_states, layer_idx, *args, **kwargs)
 
     cache.update = update
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new, do_sample=False, pad_token_id=model.config.eos_token_id,
-            past_key_values=cache,
-        )  # fmt: skip
-    tokens = out[0, len(prompt) :].tolist()
-    eos = model.config.eos_token_id
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+    return hf_greedy(model, prompt, max_new, past_key_values=cache)
 
 
 def assert_matches_hf_fp8(engine, hf_model, prompts) -> int:
