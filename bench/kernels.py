@@ -525,7 +525,9 @@ PREFILL_TUNE = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4,
                 "num_stages": (2, 3)}  # fmt: skip
 
 
-def _prefill_inputs(shape: Shape, prompts: int, q_len: int, decodes: int, block_q: int):
+def _prefill_inputs(
+    shape: Shape, prompts: int, q_len: int, decodes: int, block_q: int, short_q: int
+):
     """Packed queries, paged caches (fragmented pool, rotated copies), and the work list."""
     import numpy as np
 
@@ -543,7 +545,7 @@ def _prefill_inputs(shape: Shape, prompts: int, q_len: int, decodes: int, block_
     cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=DEVICE)
     context_lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
     work = np.zeros((prefill_work_capacity(num_tokens, num_seqs, block_q), 2), np.int64)
-    prefill_work_list(q_lens, block_q, work)
+    prefill_work_list(q_lens, block_q, work, short_q)
     flops = (
         4
         * shape.num_heads
@@ -563,13 +565,19 @@ def _prefill_inputs(shape: Shape, prompts: int, q_len: int, decodes: int, block_
 
 
 def bench_prefill(shape: Shape, case: tuple, **launch) -> dict:
-    """One prefill case, graph-timed, checked against the torch reference first."""
-    from kernels.prefill_attention import paged_prefill_attention, prefill_block_q
+    """One prefill case, graph-timed, checked against the torch reference first.
+    launch: paged_prefill_attention's overrides; short_q=0 runs no short entries."""
+    from kernels.prefill_attention import (
+        paged_prefill_attention,
+        prefill_block_q,
+        prefill_short_q,
+    )
 
     name, prompts, q_len, decodes = case
     block_q = launch.get("block_q") or prefill_block_q(shape.num_heads, shape.num_kv_heads)
+    short_q = launch.get("short_q", prefill_short_q(shape.num_heads, shape.num_kv_heads))
     caches, q, table, slots, cu, ctx, work, flops = _prefill_inputs(
-        shape, prompts, q_len, decodes, block_q
+        shape, prompts, q_len, decodes, block_q, short_q
     )
     scale = shape.head_dim**-0.5
     out = torch.empty_like(q)
@@ -630,6 +638,8 @@ def run_prefill(shapes: list[Shape], tune: bool) -> list[dict]:
     rows = []
     for shape, case in itertools.product(shapes, PREFILL_CASES):
         row = bench_prefill(shape, case) | (bench_prefill_peer(shape, case) or {})
+        if case[3]:  # decode rows: against running them in BLOCK_M programs, as before
+            row["no_short_us"] = bench_prefill(shape, case, short_q=0)["us"]
         if tune:
             best = min(_prefill_tune_rows(shape, case), key=lambda r: r["us"])
             row |= {"best_us": best["us"], "best_TFLOPS": best["TFLOPS"],

@@ -21,7 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.prefill_attention import prefill_block_q, prefill_work_capacity, prefill_work_list
+from kernels.prefill_attention import (
+    prefill_block_q,
+    prefill_short_q,
+    prefill_work_capacity,
+    prefill_work_list,
+)
 from replica.attention import AttentionMetadata
 from replica.sequence import Sequence
 
@@ -70,6 +75,7 @@ class PrefillInputs:
         self.max_num_seqs = max_num_seqs
         self.null_row = null_row
         self.block_q = prefill_block_q(num_heads, num_kv_heads)
+        self.short_q = prefill_short_q(num_heads, num_kv_heads)
         self.padded = padded
         self.token_buckets = prefill_token_buckets(max_num_tokens) if padded else []
         self.device = device
@@ -144,7 +150,7 @@ class PrefillInputs:
         v["last_rows"][num_done:] = 0
         v["done_slots"][:num_done] = slots[is_done]
         v["done_slots"][num_done:] = self.null_row
-        prefill_work_list(q_lens, self.block_q, v["work"])
+        prefill_work_list(q_lens, self.block_q, v["work"], self.short_q)
         src = self.staging[parity]
         self.inputs.copy_(src, non_blocking=src.is_pinned())
         return PrefillStep(bucket, [s for s, d in zip(seqs, is_done.tolist()) if d])

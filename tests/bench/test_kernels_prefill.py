@@ -59,3 +59,19 @@ def test_fp8_kv_shapes_bench_fp8_caches_and_count_their_bytes(monkeypatch):
     assert bk.bench_decode(wide, 3, 40, copy_gbps=1000.0)["GB/s"] == 2 * row["GB/s"]
     assert bk.bench_prefill(shape, ("2x20 + 3 rows", 2, 20, 3))["launch"] == "default"
     assert bk.bench_append(shape, 4)["shape"] == "tiny+fp8kv"
+
+
+def test_run_prefill_times_decode_rows_without_short_entries_too(monkeypatch):
+    """A case with decode rows is timed twice: short entries (the engine's launch) and
+    every row in BLOCK_M programs (short_q=0, no_short_us)."""
+    monkeypatch.setattr(bk, "DEVICE", "cpu")
+    monkeypatch.setattr(bk, "num_copies", lambda num_bytes: 1)
+    monkeypatch.setattr(bk, "graph_time_us", lambda fns: [fn() for fn in fns] and 10.0)
+    launches = []
+    real = bk.bench_prefill
+    monkeypatch.setattr(bk, "bench_prefill", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(bk, "PREFILL_CASES", [("2x20", 2, 20, 0), ("2x20 + 3 rows", 2, 20, 3)])
+    shape = bk.Shape("tiny", num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    rows = bk.run_prefill([shape], tune=False)
+    assert launches == [{}, {}, {"short_q": 0}]
+    assert "no_short_us" not in rows[0] and rows[1]["no_short_us"] == 10.0

@@ -12,6 +12,7 @@ from kernels import reference as ref
 from kernels.prefill_attention import (
     paged_prefill_attention,
     prefill_block_q,
+    prefill_short_q,
     prefill_work_capacity,
     prefill_work_list,
 )
@@ -26,13 +27,14 @@ from tests.kernels.kernel_helpers import (
 
 def _run_case(
     dtype, num_heads, num_kv_heads, head_dim, block_size, chunks, device, seed=0, pad_tokens=None,
-    cache_dtype=None,
+    cache_dtype=None, short_q=None,
 ):  # fmt: skip
     """chunks: (cached prefix length, chunk length) per sequence.
     cache_dtype: the caches' dtype (None: dtype; float8_e4m3fn: an fp8 cache).
 
     pad_tokens: None for the grid launch form; else the work-list form over a
-    token bucket with pad_tokens padding rows, which must stay unwritten.
+    token bucket with pad_tokens padding rows, which must stay unwritten. short_q:
+    the work list's short chunks (None: the engine's prefill_short_q; 0: none).
     """
     gen = torch.Generator().manual_seed(seed)
     num_seqs = len(chunks)
@@ -64,9 +66,12 @@ def _run_case(
     else:
         num_tokens = sum(q_lens) + pad_tokens
         block_q = prefill_block_q(num_heads, num_kv_heads)
+        if short_q is None:
+            short_q = prefill_short_q(num_heads, num_kv_heads)
         work = np.zeros((prefill_work_capacity(num_tokens, num_seqs + 2, block_q), 2), np.int64)
-        num_work = prefill_work_list(np.array(q_lens), block_q, work)
-        assert num_work == sum(-(-n // block_q) for n in q_lens)
+        num_work = prefill_work_list(np.array(q_lens), block_q, work, short_q)
+        assert num_work == sum(1 if n <= short_q else -(-n // block_q) for n in q_lens)
+        assert (work[:num_work, 1] < 0).sum() == sum(n <= short_q for n in q_lens)
         q_bucket = torch.cat([q, q.new_zeros(pad_tokens, num_heads, head_dim)])
         out = torch.full_like(q_bucket, float("nan"))
         got = paged_prefill_attention(
@@ -131,6 +136,20 @@ def test_prefill_work_list_form(dtype, num_heads, num_kv_heads, head_dim, block_
     _run_case(dtype, num_heads, num_kv_heads, head_dim, bs, chunks, device, pad_tokens=9)
 
 
+@pytest.mark.parametrize("short", [True, False])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 2)])
+def test_prefill_short_chunks(short, num_heads, num_kv_heads, device):
+    """Decode rows riding in a prefill forward (one-token chunks over long contexts),
+    chunks of exactly short_q and short_q + 1 tokens, beside long chunks: the short
+    entries' 16-row programs give what the BLOCK_M programs give (short=False)."""
+    short_q = prefill_short_q(num_heads, num_kv_heads)
+    chunks = [(0, 40), (130, 1), (0, 1), (77, 1), (5, short_q), (9, short_q + 1), (64, 1)]
+    _run_case(
+        torch.float16, num_heads, num_kv_heads, 64, 16, chunks, device, seed=5, pad_tokens=3,
+        short_q=None if short else 0,
+    )  # fmt: skip
+
+
 def test_prefill_work_list_layout():
     out = np.zeros((prefill_work_capacity(40, 4, 16), 2), np.int64)
     assert out.shape[0] == 3 + 4
@@ -138,3 +157,6 @@ def test_prefill_work_list_layout():
     assert out.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0], [-1, -1], [-1, -1]]
     with pytest.raises(ValueError, match="work"):
         prefill_work_list(np.array([64, 64]), 16, out[:7])
+    # Chunks of 1..short_q tokens are one entry each, query block -1; empty chunks none.
+    assert prefill_work_list(np.array([1, 33, 0, 4, 5]), 16, out, short_q=4) == 1 + 3 + 1 + 1
+    assert out.tolist() == [[0, -1], [1, 0], [1, 1], [1, 2], [3, -1], [4, 0], [-1, -1]]

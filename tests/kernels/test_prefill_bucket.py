@@ -65,7 +65,9 @@ def test_fill_layout():
     assert v["context_lens"][:3].tolist() == [5, 16, 19]
     assert v["last_rows"][:2].tolist() == [4, 23] and v["done_slots"][:2].tolist() == [1, 7]
     work = v["work"].tolist()
-    assert work[:3] == [[0, 0], [1, 0], [2, 0]] and all(w == [-1, -1] for w in work[3:])
+    # Group 2: chunks of up to 8 tokens run as short entries (query block -1).
+    assert inputs.short_q == 8
+    assert work[:3] == [[0, -1], [1, 0], [2, -1]] and all(w == [-1, -1] for w in work[3:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
