@@ -510,32 +510,33 @@ def bench_read_bandwidth(shapes: list[Shape], copy_gbps: float) -> list[dict]:
     return rows
 
 
-# (name, prompts, prompt tokens each, one-token decode rows at context 130): a 256-prompt
-# burst's steps (64 prompts of 128 alone, then with the running rows riding in the
-# forward, DECODE_IN_PREFILL), and long prompts.
-PREFILL_CASES = [
-    ("64x128", 64, 128, 0),
-    ("64x128 + 192 rows", 64, 128, 192),
-    ("4x2048", 4, 2048, 0),
-    ("1x8192", 1, 8192, 0),
-]
 PREFILL_DECODE_CONTEXT = 130
+# (name, prompts, prompt tokens each, one-token decode rows, their context): a 256-prompt
+# burst's steps (64 prompts of 128 alone, then with the running rows riding in the
+# forward, DECODE_IN_PREFILL), a serving step (a 4K chunk beside 192 rows at 2K), and
+# long prompts.
+PREFILL_CASES = [
+    ("64x128", 64, 128, 0, 0),
+    ("64x128 + 192 rows", 64, 128, 192, PREFILL_DECODE_CONTEXT),
+    ("8x512 + 192 rows at 2048", 8, 512, 192, 2048),
+    ("4x2048", 4, 2048, 0, 0),
+    ("1x8192", 1, 8192, 0, 0),
+]
 # block_m: query rows per program, block_q * the padded query heads per kv head
 PREFILL_TUNE = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8),
                 "num_stages": (2, 3)}  # fmt: skip
 
 
-def _prefill_inputs(
-    shape: Shape, prompts: int, q_len: int, decodes: int, block_q: int, short_q: int
-):
+def _prefill_inputs(shape: Shape, case: tuple, block_q: int, short_q: int):
     """Packed queries, paged caches (fragmented pool, rotated copies), and the work list."""
     import numpy as np
 
     from kernels.prefill_attention import prefill_work_capacity, prefill_work_list
 
+    _, prompts, q_len, decodes, decode_ctx = case
     gen = torch.Generator(device=DEVICE).manual_seed(prompts * 1009 + q_len + decodes)
     q_lens = np.array([q_len] * prompts + [1] * decodes)
-    contexts = np.array([q_len] * prompts + [PREFILL_DECODE_CONTEXT] * decodes)
+    contexts = np.array([q_len] * prompts + [decode_ctx] * decodes)
     num_seqs, num_tokens = len(q_lens), int(q_lens.sum())
     blocks_per_seq = -(-int(contexts.max()) // BLOCK_SIZE)
     cache_shape, block_table, slot_mapping = _paged_setup(shape, num_seqs, blocks_per_seq, gen)
@@ -545,12 +546,13 @@ def _prefill_inputs(
     cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=DEVICE)
     context_lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
     work = np.zeros((prefill_work_capacity(num_tokens, num_seqs, block_q), 2), np.int64)
-    prefill_work_list(q_lens, block_q, work, short_q)
+    short = np.zeros((num_seqs if short_q else 0, 2), np.int64)
+    prefill_work_list(q_lens, block_q, work, short, short_q)
     flops = (
         4
         * shape.num_heads
         * shape.head_dim
-        * (prompts * q_len * (q_len + 1) / 2 + decodes * PREFILL_DECODE_CONTEXT)
+        * (prompts * q_len * (q_len + 1) / 2 + decodes * decode_ctx)
     )  # the two matmuls over the visible keys
     return (
         caches,
@@ -560,6 +562,7 @@ def _prefill_inputs(
         cu,
         context_lens,
         torch.tensor(work, device=DEVICE),
+        torch.tensor(short, device=DEVICE),
         flops,
     )
 
@@ -573,16 +576,26 @@ def bench_prefill(shape: Shape, case: tuple, **launch) -> dict:
         prefill_short_q,
     )
 
-    name, prompts, q_len, decodes = case
     block_q = launch.get("block_q") or prefill_block_q(shape.num_heads, shape.num_kv_heads)
     short_q = launch.get("short_q", prefill_short_q(shape.num_heads, shape.num_kv_heads))
-    caches, q, table, slots, cu, ctx, work, flops = _prefill_inputs(
-        shape, prompts, q_len, decodes, block_q, short_q
+    caches, q, table, slots, cu, ctx, work, short_work, flops = _prefill_inputs(
+        shape, case, block_q, short_q
     )
     scale = shape.head_dim**-0.5
     out = torch.empty_like(q)
     call = lambda kc, vc: paged_prefill_attention(  # noqa: E731
-        q, kc, vc, table, slots, cu, ctx, scale, out=out, work=work, **launch
+        q,
+        kc,
+        vc,
+        table,
+        slots,
+        cu,
+        ctx,
+        scale,
+        out=out,
+        work=work,
+        short_work=short_work,
+        **{k: v for k, v in launch.items() if k != "short_q"},
     )
     call(*caches[0])
     rows = min(len(slots), 4)  # sequences are independent; the reference loops in Python
@@ -591,13 +604,13 @@ def bench_prefill(shape: Shape, case: tuple, **launch) -> dict:
     )
     torch.testing.assert_close(out[: int(cu[rows])], expect, atol=2e-2, rtol=2e-2)
     us = graph_time_us([lambda kc=kc, vc=vc: call(kc, vc) for kc, vc in caches])
-    return {"shape": shape.name, "case": name, "us": us, "TFLOPS": flops / us / 1e6,
+    return {"shape": shape.name, "case": case[0], "us": us, "TFLOPS": flops / us / 1e6,
             "launch": "/".join(f"{v}" for v in launch.values()) or "default"}  # fmt: skip
 
 
 def bench_prefill_peer(shape: Shape, case: tuple) -> dict | None:
     """torch SDPA, causal, on the prompts as [prompts, heads, q_len, head_dim] (no pages)."""
-    name, prompts, q_len, decodes = case
+    name, prompts, q_len, decodes, _ = case
     if decodes:
         return None  # ragged: SDPA has no packed form to compare with
     gen = torch.Generator(device=DEVICE).manual_seed(7)

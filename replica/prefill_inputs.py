@@ -9,9 +9,9 @@ bucket is the exact size, so the same buffers feed the eager reference path.
 Layout of the int64 buffer (fixed offsets, sized for the largest bucket):
 input ids, positions and table rows per token; table row, context length,
 start position, cu_seqlens, logit row and sampled slot per sequence; the
-attention work list. Host staging alternates between two copies (the model
-runner's parity), so a step's inputs are never overwritten while its copy may
-still be pending.
+attention work lists (chunks, and short chunks: kernels.prefill_attention). Host
+staging alternates between two copies (the model runner's parity), so a step's
+inputs are never overwritten while its copy may still be pending.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class PrefillBucket:
     num_tokens: int
     num_seqs: int  # sequence rows and logit rows
     num_work: int  # attention work-list capacity
+    num_short: int  # the short chunks' work-list capacity
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class PrefillInputs:
             *((f, max_num_seqs) for f in self._SEQ_FIELDS),
             ("cu_seqlens", max_num_seqs + 1),
             ("work", 2 * max_work),
+            ("short_work", 2 * min(max_num_seqs, max_num_tokens)),
         ):
             offsets[name] = (size, n)
             size += n
@@ -103,7 +105,7 @@ class PrefillInputs:
             num_tokens = next(t for t in self.token_buckets if t >= num_tokens)
             num_seqs = min(num_tokens, self.max_num_seqs)
         work = prefill_work_capacity(num_tokens, num_seqs, self.block_q)
-        return PrefillBucket(num_tokens, num_seqs, work)
+        return PrefillBucket(num_tokens, num_seqs, work, min(num_seqs, num_tokens))
 
     def fill(
         self,
@@ -150,7 +152,7 @@ class PrefillInputs:
         v["last_rows"][num_done:] = 0
         v["done_slots"][:num_done] = slots[is_done]
         v["done_slots"][num_done:] = self.null_row
-        prefill_work_list(q_lens, self.block_q, v["work"], self.short_q)
+        prefill_work_list(q_lens, self.block_q, v["work"], v["short_work"], self.short_q)
         src = self.staging[parity]
         self.inputs.copy_(src, non_blocking=src.is_pinned())
         return PrefillStep(bucket, [s for s, d in zip(seqs, is_done.tolist()) if d])
@@ -179,6 +181,7 @@ class PrefillInputs:
             max_q_len=bucket.num_tokens,
             token_slots=v["token_slots"],
             prefill_work=v["work"],
+            prefill_short_work=v["short_work"],
         )
 
     def _views(self, buf, bucket: PrefillBucket) -> dict:  # numpy or torch, same slicing
@@ -186,6 +189,8 @@ class PrefillInputs:
         sizes |= {f: bucket.num_seqs for f in self._SEQ_FIELDS}
         sizes["cu_seqlens"] = bucket.num_seqs + 1
         sizes["work"] = 2 * bucket.num_work
+        sizes["short_work"] = 2 * bucket.num_short
         views = {name: buf[off : off + sizes[name]] for name, (off, _) in self.offsets.items()}
         views["work"] = views["work"].reshape(bucket.num_work, 2)
+        views["short_work"] = views["short_work"].reshape(bucket.num_short, 2)
         return views

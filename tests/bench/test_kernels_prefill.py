@@ -21,12 +21,12 @@ def test_bench_prefill_checks_the_kernel_and_counts_causal_flops(monkeypatch):
 
     monkeypatch.setattr(bk, "graph_time_us", fake_time_us)
     shape = bk.Shape("tiny", num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
-    row = bk.bench_prefill(shape, ("2x20 + 3 rows", 2, 20, 3))
+    row = bk.bench_prefill(shape, ("2x20 + 3 rows", 2, 20, 3, bk.PREFILL_DECODE_CONTEXT))
     assert timed == [2]  # one timing over both cache copies
     flops = 4 * 4 * 16 * (2 * 20 * 21 / 2 + 3 * bk.PREFILL_DECODE_CONTEXT)
     assert row["TFLOPS"] == pytest.approx(flops / 10.0 / 1e6)
     assert row["launch"] == "default"
-    tuned = bk.bench_prefill(shape, ("2x20", 2, 20, 0), block_q=16, block_n=16, num_warps=2)
+    tuned = bk.bench_prefill(shape, ("2x20", 2, 20, 0, 0), block_q=16, block_n=16, num_warps=2)
     assert tuned["launch"] == "16/16/2"
 
 
@@ -38,7 +38,7 @@ def test_prefill_tune_sweeps_query_rows_per_program(monkeypatch):
     grid = {"block_m": (32, 64), "block_n": (16,), "num_warps": (2,), "num_stages": (1,)}
     monkeypatch.setattr(bk, "PREFILL_TUNE", grid)
     shape = bk.Shape("tiny", num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
-    rows = list(bk._prefill_tune_rows(shape, ("2x20", 2, 20, 0)))
+    rows = list(bk._prefill_tune_rows(shape, ("2x20", 2, 20, 0, 0)))
     assert [r["launch"] for r in rows] == ["16/16/2/1", "32/16/2/1"]  # q/n/warps/stages
 
 
@@ -57,7 +57,10 @@ def test_fp8_kv_shapes_bench_fp8_caches_and_count_their_bytes(monkeypatch):
     row = bk.bench_decode(shape, 3, 40, copy_gbps=1000.0)
     assert row["GB/s"] == pytest.approx(2 * 3 * 40 * 2 * 16 / 10.0 / 1e3)
     assert bk.bench_decode(wide, 3, 40, copy_gbps=1000.0)["GB/s"] == 2 * row["GB/s"]
-    assert bk.bench_prefill(shape, ("2x20 + 3 rows", 2, 20, 3))["launch"] == "default"
+    assert (
+        bk.bench_prefill(shape, ("2x20 + 3 rows", 2, 20, 3, bk.PREFILL_DECODE_CONTEXT))["launch"]
+        == "default"
+    )
     assert bk.bench_append(shape, 4)["shape"] == "tiny+fp8kv"
 
 
@@ -70,7 +73,11 @@ def test_run_prefill_times_decode_rows_without_short_entries_too(monkeypatch):
     launches = []
     real = bk.bench_prefill
     monkeypatch.setattr(bk, "bench_prefill", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
-    monkeypatch.setattr(bk, "PREFILL_CASES", [("2x20", 2, 20, 0), ("2x20 + 3 rows", 2, 20, 3)])
+    monkeypatch.setattr(
+        bk,
+        "PREFILL_CASES",
+        [("2x20", 2, 20, 0, 0), ("2x20 + 3 rows", 2, 20, 3, bk.PREFILL_DECODE_CONTEXT)],
+    )
     shape = bk.Shape("tiny", num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
     rows = bk.run_prefill([shape], tune=False)
     assert launches == [{}, {}, {"short_q": 0}]

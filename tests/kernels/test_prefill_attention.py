@@ -69,14 +69,16 @@ def _run_case(
         if short_q is None:
             short_q = prefill_short_q(num_heads, num_kv_heads)
         work = np.zeros((prefill_work_capacity(num_tokens, num_seqs + 2, block_q), 2), np.int64)
-        num_work = prefill_work_list(np.array(q_lens), block_q, work, short_q)
+        short = np.zeros((num_seqs + 2, 2), np.int64)
+        num_work = prefill_work_list(np.array(q_lens), block_q, work, short, short_q)
         assert num_work == sum(1 if n <= short_q else -(-n // block_q) for n in q_lens)
-        assert (work[:num_work, 1] < 0).sum() == sum(n <= short_q for n in q_lens)
+        assert (short[:, 0] >= 0).sum() == sum(n <= short_q for n in q_lens)
         q_bucket = torch.cat([q, q.new_zeros(pad_tokens, num_heads, head_dim)])
         out = torch.full_like(q_bucket, float("nan"))
         got = paged_prefill_attention(
             q_bucket, k_cache, v_cache, block_table, slot_mapping, cu, context_lens, scale,
             out=out, work=torch.from_numpy(work).to(device),
+            short_work=torch.from_numpy(short).to(device),
         )  # fmt: skip
         assert out[len(q) :].isnan().all(), "padding rows must stay unwritten"
         out = out[: len(q)]
@@ -141,7 +143,7 @@ def test_prefill_work_list_form(dtype, num_heads, num_kv_heads, head_dim, block_
 def test_prefill_short_chunks(short, num_heads, num_kv_heads, device):
     """Decode rows riding in a prefill forward (one-token chunks over long contexts),
     chunks of exactly short_q and short_q + 1 tokens, beside long chunks: the short
-    entries' 16-row programs give what the BLOCK_M programs give (short=False)."""
+    launch's 16-row programs give what the BLOCK_M programs give (short=False)."""
     short_q = prefill_short_q(num_heads, num_kv_heads)
     chunks = [(0, 40), (130, 1), (0, 1), (77, 1), (5, short_q), (9, short_q + 1), (64, 1)]
     _run_case(
@@ -157,6 +159,10 @@ def test_prefill_work_list_layout():
     assert out.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0], [-1, -1], [-1, -1]]
     with pytest.raises(ValueError, match="work"):
         prefill_work_list(np.array([64, 64]), 16, out[:7])
-    # Chunks of 1..short_q tokens are one entry each, query block -1; empty chunks none.
-    assert prefill_work_list(np.array([1, 33, 0, 4, 5]), 16, out, short_q=4) == 1 + 3 + 1 + 1
-    assert out.tolist() == [[0, -1], [1, 0], [1, 1], [1, 2], [3, -1], [4, 0], [-1, -1]]
+    # Chunks of 1..short_q tokens: one entry each on the short list; empty chunks none.
+    short = np.zeros((4, 2), np.int64)
+    assert prefill_work_list(np.array([1, 33, 0, 4, 5]), 16, out, short, 4) == 3 + 1 + 2
+    assert out.tolist() == [[1, 0], [1, 1], [1, 2], [4, 0], [-1, -1], [-1, -1], [-1, -1]]
+    assert short.tolist() == [[0, 0], [3, 0], [-1, -1], [-1, -1]]
+    with pytest.raises(ValueError, match="short_work"):
+        prefill_work_list(np.array([1, 1, 1, 1, 1]), 16, out, short, 4)

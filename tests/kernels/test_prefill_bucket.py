@@ -65,9 +65,11 @@ def test_fill_layout():
     assert v["context_lens"][:3].tolist() == [5, 16, 19]
     assert v["last_rows"][:2].tolist() == [4, 23] and v["done_slots"][:2].tolist() == [1, 7]
     work = v["work"].tolist()
-    # Group 2: chunks of up to 8 tokens run as short entries (query block -1).
-    assert inputs.short_q == 8
-    assert work[:3] == [[0, -1], [1, 0], [2, -1]] and all(w == [-1, -1] for w in work[3:])
+    # Group 2: chunks of up to 8 tokens go on the short list.
+    assert inputs.short_q == 8 and step.bucket.num_short == MAX_SEQS
+    assert work[:1] == [[1, 0]] and all(w == [-1, -1] for w in work[1:])
+    short = v["short_work"].tolist()
+    assert short[:2] == [[0, 0], [2, 0]] and all(w == [-1, -1] for w in short[2:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
