@@ -15,11 +15,11 @@ pairs, built on the host by prefill_work_list and padded with sequence -1, so
 the grid depends only on the list's capacity: the launch is CUDA-graph
 capturable for a bucket of token counts, whatever the chunk lengths.
 
-Short chunks (at most SHORT_Q tokens: decode rows riding in a prefill forward)
+Short chunks (up to prefill_short_q tokens: decode rows riding in a prefill forward)
 have a list and a launch of their own, in 16-row programs (tl.dot's least) on
-the decode kernel's small tiles: in the BLOCK_M programs a decode row paid for 63
-empty rows, and in one kernel with both shapes the short programs would get the
-long ones' registers and shared memory, so as few of them per SM.
+a tile of their own: in the BLOCK_M programs a decode row paid for 63 empty
+rows, and in one kernel with both shapes the short programs would get the long
+ones' registers and shared memory, so as few of them per SM.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from kernels.kv_quant import check_cache_dtype
 _LOG2E = 1.4426950408889634
 _BLOCK_M = 64
 _SHORT_BLOCK_M = 16
-# The short launch's tile: the decode kernel's one-pass tile for 16-bit caches.
-SHORT_TILE = {"block_n": 32, "num_warps": 2, "num_stages": 2}
+# The short launch's tile (BENCHMARKS.md: the best all-round in a sweep over decode rows
+# at contexts 130-2048; 32 keys or 1 warp win only at the shortest contexts).
+SHORT_TILE = {"block_n": 64, "num_warps": 2, "num_stages": 2}
 
 
 @triton.jit
