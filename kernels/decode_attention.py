@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant import check_cache_dtype, is_fp8, to_cache
+from kernels.kv_quant import check_cache_dtype, f16_math, is_fp8, to_cache
 from kernels.pdl import pdl_launch, pdl_prologue
 
 _LOG2E = 1.4426950408889634
@@ -173,7 +173,8 @@ def _decode_kernel(
     stride_new_row, stride_new_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    APPEND: tl.constexpr, KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    APPEND: tl.constexpr, KV_FP8: tl.constexpr, F16_MATH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)  # kernels.pdl: the merge (or next) kernel launches while this one runs
     # The heads of one row are adjacent programs: a token's K (or V) for all kv heads is
@@ -199,6 +200,9 @@ def _decode_kernel(
     g_mask = g < GROUP
     q_ptrs = q_ptr + row * stride_q_row + head[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+    if F16_MATH:  # kernels.kv_quant.f16_math: the scale goes into q before its rounding
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -226,7 +230,7 @@ def _decode_kernel(
         tok_off = block * stride_cache_block + (tok % BLOCK_SIZE) * stride_cache_slot + head_off
         kv_off = tok_off[:, None] + d[None, :]  # [BLOCK_N, HEAD_DIM]
         # V is loaded with K (not after the softmax) so both tiles are in flight together.
-        # An fp8 cache's tiles convert to q's dtype exactly (a no-op otherwise).
+        # An fp8 cache's tiles convert to q's dtype exactly (a no-op for a 16-bit cache).
         k = tl.load(k_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0).to(q.dtype)
         # [GROUP_PAD, BLOCK_N] scores in the log2 domain
@@ -355,7 +359,8 @@ def paged_decode_attention(
         new[0].stride(0), new[0].stride(1),
         GROUP=group, GROUP_PAD=max(_MIN_QUERY_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n or tiles.block_n, SPLIT=split,
-        APPEND=append, KV_FP8=kv_fp8, DOT_PRECISION=dot_precision(q.dtype),
+        APPEND=append, KV_FP8=kv_fp8, F16_MATH=f16_math(q, k_cache),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps or tiles.num_warps, num_stages=num_stages or tiles.num_stages,
         **pdl_launch(q.device),
     )  # fmt: skip

@@ -58,6 +58,14 @@ def is_fp8(cache: torch.Tensor) -> bool:
     return cache.dtype == FP8_KV_DTYPE
 
 
+def f16_math(compute: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether attention multiplies an fp8 cache's tiles in fp16, not in the queries'
+    bf16 (the kernels' F16_MATH constexpr). e4m3 widens to fp16 exactly in one
+    instruction per pair, to bf16 only by way of fp32; fp16 holds every e4m3 value, and
+    the queries, scaled by the softmax scale first, fit fp16's range."""
+    return is_fp8(cache) and compute.dtype == torch.bfloat16
+
+
 def check_cache_dtype(compute: torch.Tensor, cache: torch.Tensor) -> None:
     """A cache holds the compute dtype or e4m3; anything else is a caller's bug."""
     assert cache.dtype in (compute.dtype, FP8_KV_DTYPE), (

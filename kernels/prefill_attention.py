@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_attention import dot_precision
-from kernels.kv_quant import check_cache_dtype
+from kernels.kv_quant import check_cache_dtype, f16_math
 
 _LOG2E = 1.4426950408889634
 _BLOCK_M = 64
@@ -90,7 +90,7 @@ def _prefill_kernel(
     stride_out_row, stride_out_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HAS_WORK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_WORK: tl.constexpr, F16_MATH: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(2)
     if HAS_WORK:
@@ -120,6 +120,9 @@ def _prefill_kernel(
     q_row = (row_start + q_idx).to(tl.int64)
     q_ptrs = q_ptr + q_row[:, None] * stride_q_row + (head * stride_q_head)[:, None] + d[None, :]
     q = tl.load(q_ptrs, mask=row_mask[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    if F16_MATH:  # kernels.kv_quant.f16_math: the scale goes into q before its rounding
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
@@ -218,6 +221,7 @@ def paged_prefill_attention(
             HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             BLOCK_N=tile["block_n"] or (64 if head_dim <= 128 else 32),
             DOT_PRECISION=dot_precision(q.dtype), HAS_WORK=work is not None,
+            F16_MATH=f16_math(q, k_cache),
             num_warps=tile["num_warps"] or 4, num_stages=tile["num_stages"] or 2,
         )  # fmt: skip
     return out
