@@ -82,10 +82,14 @@ SPLIT_TILES = {
 }
 # One pass over an fp8 cache (H200, 2026-11-25, bench.kernels --tune --kv-cache-dtype fp8;
 # BENCHMARKS.md "Decode attention over an fp8 (e4m3) cache"): a tile of half the bytes is
-# half the work in flight, so gpt2 takes 64 tokens (256 rows, ctx 192: 33.5 us against 42.0
-# for 32/2w/2s). qwen3's best without the append, 64/2w/1s, took 65 us with the fused
-# append against 54 for its fp16 tile, which it keeps. Split tiles stay as above.
-ONE_PASS_TILES_FP8 = {64: DecodeTiles(block_n=64, num_warps=2, num_stages=2)}
+# half the work in flight, so both take 64 tokens: gpt2 256 rows at ctx 192 33.5 us against
+# 42.0 for 32/2w/2s; qwen3 (bf16 queries, once they multiply in fp16: f16_math) 256 rows at
+# ctx 1024 168 against 254 us, and its engine step at 256 rows 2.58 against 2.64 ms.
+# Split tiles stay as above.
+ONE_PASS_TILES_FP8 = {
+    64: DecodeTiles(block_n=64, num_warps=2, num_stages=2),
+    128: DecodeTiles(block_n=64, num_warps=2, num_stages=2),
+}
 
 
 @dataclass(frozen=True)

@@ -245,9 +245,9 @@ def test_fp8_caches_take_their_own_one_pass_tiles():
     fp8 = choose_decode_launch(256, 12, 64, 1024, 132, kv_fp8=True)
     assert fp8 == DecodeLaunch(1, ONE_PASS_TILES_FP8[64]) != DecodeLaunch(1, ONE_PASS_TILES[64])
     # A head_dim without an fp8 entry keeps the tile of its cache in the model's dtype.
-    assert 128 not in ONE_PASS_TILES_FP8
-    fp8 = choose_decode_launch(256, 8, 128, 1024, 132, kv_fp8=True)
-    assert fp8 == choose_decode_launch(256, 8, 128, 1024, 132)
+    assert 256 not in ONE_PASS_TILES_FP8
+    fp8 = choose_decode_launch(256, 4, 256, 1024, 132, kv_fp8=True)
+    assert fp8 == choose_decode_launch(256, 4, 256, 1024, 132)
     # Splits keep their tiles whatever the cache holds.
     split = choose_decode_launch(1, 8, 128, 8192, 132, kv_fp8=True)
     assert split.tiles == choose_decode_launch(1, 8, 128, 8192, 132).tiles
