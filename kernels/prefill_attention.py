@@ -196,22 +196,23 @@ def paged_prefill_attention(
     group_pad = triton.next_power_of_2(group)
     block_q = block_q or prefill_block_q(num_heads, num_kv_heads)
     tile = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
+    # (grid, query tokens per program, tile, work list); the grid form reads no list.
     if work is None:
-        launches = [((triton.cdiv(max_q_len, block_q), num_seqs, num_kv_heads), block_q, tile)]
+        grid = (triton.cdiv(max_q_len, block_q), num_seqs, num_kv_heads)
+        launches = [(grid, block_q, tile, cu_seqlens_q)]
     else:
         assert work.dim() == 2 and work.shape[1] == 2 and work.is_contiguous()
         launches = [((work.shape[0], 1, num_kv_heads), block_q, tile, work)]
         if short_work is not None and short_work.shape[0]:
             assert short_work.dim() == 2 and short_work.shape[1] == 2
             assert short_work.is_contiguous()
+            short_q = prefill_short_q(num_heads, num_kv_heads)
             grid = (short_work.shape[0], 1, num_kv_heads)
-            launches.append(
-                (grid, prefill_short_q(num_heads, num_kv_heads), SHORT_TILE, short_work)
-            )
-    for grid, rows, tile, *work_list in launches:
+            launches.append((grid, short_q, SHORT_TILE, short_work))
+    for grid, rows, tile, work_list in launches:
         _prefill_kernel[grid](
             q, k_cache, v_cache, block_table, slot_mapping, cu_seqlens_q, context_lens, out,
-            work_list[0] if work_list else cu_seqlens_q,
+            work_list,
             scale * _LOG2E,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -256,7 +257,9 @@ def prefill_work_list(
     no Python loop per block. Returns the number of real entries in both; raises
     ValueError when a capacity is too small.
     """
-    short = (q_lens > 0) & (q_lens <= short_q) if short_out is not None else q_lens < 0
+    short = (q_lens > 0) & (q_lens <= short_q)
+    if short_out is None:
+        short[:] = False
     blocks = np.where(short, 0, -(-q_lens // block_q))  # [num_seqs]
     num_work = int(blocks.sum())
     num_short = int(short.sum())

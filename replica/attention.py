@@ -30,8 +30,9 @@ class AttentionMetadata:
     A bucketed prefill (CUDA graphs) pads tokens and sequences: padding sequences
     are empty (cu_seqlens_q repeats), padding tokens follow the last chunk, and
     token_slots [num_tokens] (each token's table row; the null row for padding)
-    plus prefill_work and prefill_short_work (the attention work lists) make every launch's grid a
-    function of the bucket alone. Backends that do not need them ignore them.
+    plus prefill_work and prefill_short_work (the attention work lists) make every
+    launch's grid a function of the bucket alone. Backends that do not need them
+    ignore them.
     """
 
     is_decode: bool
