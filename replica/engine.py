@@ -300,17 +300,34 @@ class LLMEngine:
     def generate(
         self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> list[CompletionOutput]:
-        """Run prompts to completion; outputs in prompt order."""
+        """Run prompts to completion; outputs in prompt order.
+
+        All or nothing: a bad prompt or params raises ValueError naming prompts[i] and
+        the field, with none of the prompts left queued. The engine must be idle: the
+        steps would hand requests added with add_request their outputs here, where
+        they would be lost, so generate refuses to run beside them (RuntimeError).
+        """
+        if self.requests:
+            raise RuntimeError(
+                f"generate needs an idle engine: {len(self.requests)} requests added with"
+                " add_request are in flight, and their outputs would be lost here; finish"
+                " them with step() (or abort them) first"
+            )
         params = params or SamplingParams()
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         if len(per_prompt) != len(prompts):
             raise ValueError("params: one SamplingParams per prompt, or one for all")
         ids = []
-        for prompt, p in zip(prompts, per_prompt, strict=True):
-            request_id = f"gen-{self._next_id}"
-            self._next_id += 1
-            self.add_request(request_id, prompt, p)
-            ids.append(request_id)
+        try:
+            for prompt, p in zip(prompts, per_prompt, strict=True):
+                request_id = f"gen-{self._next_id}"
+                self._next_id += 1
+                self.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except ValueError as e:
+            for request_id in ids:
+                self.abort(request_id)
+            raise ValueError(f"prompts[{len(ids)}]: {e}") from None
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         finals: dict[str, RequestOutput] = {}
         while len(finals) < len(ids):

@@ -186,3 +186,26 @@ def test_out_of_int64_sampling_values_are_refused(fields: dict) -> None:
 def test_bad_engine_config_fields_are_named(fields: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         EngineConfig(model="gpt2-tiny", **fields)
+
+
+def test_generate_is_all_or_nothing(engine: LLMEngine, expected: list[int]) -> None:
+    """A bad prompt among good ones: a ValueError naming it, and none of them queued."""
+    with pytest.raises(ValueError, match=r"prompts\[2\]: prompt_token_ids\[1\]"):
+        engine.generate([GOOD_PROMPT, GOOD_PROMPT, [1, -1], GOOD_PROMPT], GOOD)
+    assert not engine.has_unfinished()
+    with pytest.raises(ValueError, match=r"prompts\[1\]: max_tokens"):
+        engine.generate([GOOD_PROMPT, [1] * 100], SamplingParams(max_tokens=100))
+    assert not engine.has_unfinished()
+    engine.check_invariants()
+    assert engine.generate([GOOD_PROMPT], GOOD)[0].token_ids == expected
+
+
+def test_generate_refuses_to_run_beside_add_request(engine: LLMEngine, expected: list[int]) -> None:
+    """generate's steps would take another request's outputs: it refuses, and that request
+    still gets every token from step()."""
+
+    def offer_bad() -> None:
+        with pytest.raises(RuntimeError, match="idle engine: 1 requests"):
+            engine.generate([GOOD_PROMPT], GOOD)
+
+    _good_request_survives(engine, expected, offer_bad)
