@@ -567,7 +567,7 @@ def _prefill_inputs(shape: Shape, case: tuple, block_q: int, short_q: int):
     )
 
 
-def bench_prefill(shape: Shape, case: tuple, **launch) -> dict:
+def bench_prefill(shape: Shape, case: tuple, short_q: int | None = None, **launch) -> dict:
     """One prefill case, graph-timed, checked against the torch reference first.
     launch: paged_prefill_attention's overrides; short_q=0 runs no short entries."""
     from kernels.prefill_attention import (
@@ -577,26 +577,20 @@ def bench_prefill(shape: Shape, case: tuple, **launch) -> dict:
     )
 
     block_q = launch.get("block_q") or prefill_block_q(shape.num_heads, shape.num_kv_heads)
-    short_q = launch.get("short_q", prefill_short_q(shape.num_heads, shape.num_kv_heads))
+    if short_q is None:
+        short_q = prefill_short_q(shape.num_heads, shape.num_kv_heads)
     caches, q, table, slots, cu, ctx, work, short_work, flops = _prefill_inputs(
         shape, case, block_q, short_q
     )
     scale = shape.head_dim**-0.5
     out = torch.empty_like(q)
-    call = lambda kc, vc: paged_prefill_attention(  # noqa: E731
-        q,
-        kc,
-        vc,
-        table,
-        slots,
-        cu,
-        ctx,
-        scale,
-        out=out,
-        work=work,
-        short_work=short_work,
-        **{k: v for k, v in launch.items() if k != "short_q"},
-    )
+
+    def call(kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        return paged_prefill_attention(
+            q, kc, vc, table, slots, cu, ctx, scale, out=out, work=work, short_work=short_work,
+            **launch,
+        )  # fmt: skip
+
     call(*caches[0])
     rows = min(len(slots), 4)  # sequences are independent; the reference loops in Python
     expect = ref.paged_prefill_attention_ref(

@@ -257,9 +257,8 @@ def prefill_work_list(
     no Python loop per block. Returns the number of real entries in both; raises
     ValueError when a capacity is too small.
     """
+    assert short_out is not None or short_q == 0, "short_q needs short_out"
     short = (q_lens > 0) & (q_lens <= short_q)
-    if short_out is None:
-        short[:] = False
     blocks = np.where(short, 0, -(-q_lens // block_q))  # [num_seqs]
     num_work = int(blocks.sum())
     num_short = int(short.sum())

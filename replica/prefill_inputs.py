@@ -37,8 +37,7 @@ class PrefillBucket:
 
     num_tokens: int
     num_seqs: int  # sequence rows and logit rows
-    num_work: int  # attention work-list capacity
-    num_short: int  # the short chunks' work-list capacity
+    num_work: int  # attention work-list capacity (the short chunks' list: num_seqs)
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ class PrefillInputs:
             *((f, max_num_seqs) for f in self._SEQ_FIELDS),
             ("cu_seqlens", max_num_seqs + 1),
             ("work", 2 * max_work),
-            ("short_work", 2 * min(max_num_seqs, max_num_tokens)),
+            ("short_work", 2 * max_num_seqs),  # at most one entry a sequence
         ):
             offsets[name] = (size, n)
             size += n
@@ -105,7 +104,7 @@ class PrefillInputs:
             num_tokens = next(t for t in self.token_buckets if t >= num_tokens)
             num_seqs = min(num_tokens, self.max_num_seqs)
         work = prefill_work_capacity(num_tokens, num_seqs, self.block_q)
-        return PrefillBucket(num_tokens, num_seqs, work, min(num_seqs, num_tokens))
+        return PrefillBucket(num_tokens, num_seqs, work)
 
     def fill(
         self,
@@ -189,8 +188,8 @@ class PrefillInputs:
         sizes |= {f: bucket.num_seqs for f in self._SEQ_FIELDS}
         sizes["cu_seqlens"] = bucket.num_seqs + 1
         sizes["work"] = 2 * bucket.num_work
-        sizes["short_work"] = 2 * bucket.num_short
+        sizes["short_work"] = 2 * bucket.num_seqs
         views = {name: buf[off : off + sizes[name]] for name, (off, _) in self.offsets.items()}
         views["work"] = views["work"].reshape(bucket.num_work, 2)
-        views["short_work"] = views["short_work"].reshape(bucket.num_short, 2)
+        views["short_work"] = views["short_work"].reshape(bucket.num_seqs, 2)
         return views

@@ -66,7 +66,7 @@ def test_fill_layout():
     assert v["last_rows"][:2].tolist() == [4, 23] and v["done_slots"][:2].tolist() == [1, 7]
     work = v["work"].tolist()
     # Group 2: chunks of up to 8 tokens go on the short list.
-    assert inputs.short_q == 8 and step.bucket.num_short == MAX_SEQS
+    assert inputs.short_q == 8 and v["short_work"].shape == (MAX_SEQS, 2)
     assert work[:1] == [[1, 0]] and all(w == [-1, -1] for w in work[1:])
     short = v["short_work"].tolist()
     assert short[:2] == [[0, 0], [2, 0]] and all(w == [-1, -1] for w in short[2:])
