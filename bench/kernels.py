@@ -519,6 +519,7 @@ PREFILL_CASES = [
     ("64x128", 64, 128, 0, 0),
     ("64x128 + 192 rows", 64, 128, 192, PREFILL_DECODE_CONTEXT),
     ("8x512 + 192 rows at 2048", 8, 512, 192, 2048),
+    ("8x1024", 8, 1024, 0, 0),
     ("4x2048", 4, 2048, 0, 0),
     ("1x8192", 1, 8192, 0, 0),
 ]
@@ -527,8 +528,8 @@ PREFILL_TUNE = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4,
                 "num_stages": (2, 3)}  # fmt: skip
 
 
-def _prefill_inputs(shape: Shape, case: tuple, block_q: int, short_q: int):
-    """Packed queries, paged caches (fragmented pool, rotated copies), and the work list."""
+def _prefill_inputs(shape: Shape, case: tuple, block_q: int, short_q: int, long_q: int):
+    """Packed queries, paged caches (fragmented pool, rotated copies), and the work lists."""
     import numpy as np
 
     from kernels.prefill_attention import prefill_work_capacity, prefill_work_list
@@ -547,7 +548,10 @@ def _prefill_inputs(shape: Shape, case: tuple, block_q: int, short_q: int):
     context_lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
     work = np.zeros((prefill_work_capacity(num_tokens, num_seqs, block_q), 2), np.int64)
     short = np.zeros((num_seqs if short_q else 0, 2), np.int64)
-    prefill_work_list(q_lens, block_q, work, short, short_q)
+    long = np.zeros((prefill_work_capacity(num_tokens, num_seqs, long_q) if long_q else 0, 2),
+                    np.int64)  # fmt: skip
+    prefill_work_list(q_lens, block_q, work, short, short_q, context_lens=contexts,
+                      long_out=long if long_q else None, long_q=long_q)  # fmt: skip
     flops = (
         4
         * shape.num_heads
@@ -563,24 +567,35 @@ def _prefill_inputs(shape: Shape, case: tuple, block_q: int, short_q: int):
         context_lens,
         torch.tensor(work, device=DEVICE),
         torch.tensor(short, device=DEVICE),
+        torch.tensor(long, device=DEVICE),
         flops,
     )
 
 
-def bench_prefill(shape: Shape, case: tuple, short_q: int | None = None, **launch) -> dict:
+def bench_prefill(
+    shape: Shape, case: tuple, short_q: int | None = None, long: bool = True, **launch
+) -> dict:
     """One prefill case, graph-timed, checked against the torch reference first.
-    launch: paged_prefill_attention's overrides; short_q=0 runs no short entries."""
+    launch: paged_prefill_attention's overrides of the main tile (they run every chunk
+    but the short ones: no long list); short_q=0 runs no short entries; long=False no
+    long entries (long chunks in the main launch)."""
     from kernels.prefill_attention import (
         paged_prefill_attention,
         prefill_block_q,
         prefill_short_q,
+        prefill_tiles,
     )
 
-    block_q = launch.get("block_q") or prefill_block_q(shape.num_heads, shape.num_kv_heads)
+    heads = (shape.num_heads, shape.num_kv_heads)
+    tiles = prefill_tiles(shape.head_dim, shape.cache_dtype)
+    block_q = launch.get("block_q") or prefill_block_q(*heads, tiles.main.rows)
     if short_q is None:
-        short_q = prefill_short_q(shape.num_heads, shape.num_kv_heads)
-    caches, q, table, slots, cu, ctx, work, short_work, flops = _prefill_inputs(
-        shape, case, block_q, short_q
+        short_q = prefill_short_q(*heads)
+    long_q = 0
+    if long and not launch and tiles.long is not None:
+        long_q = prefill_block_q(*heads, tiles.long.rows)
+    caches, q, table, slots, cu, ctx, work, short_work, long_work, flops = _prefill_inputs(
+        shape, case, block_q, short_q, long_q
     )
     scale = shape.head_dim**-0.5
     out = torch.empty_like(q)
@@ -588,7 +603,7 @@ def bench_prefill(shape: Shape, case: tuple, short_q: int | None = None, **launc
     def call(kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
         return paged_prefill_attention(
             q, kc, vc, table, slots, cu, ctx, scale, out=out, work=work, short_work=short_work,
-            **launch,
+            long_work=long_work, **launch,
         )  # fmt: skip
 
     call(*caches[0])
@@ -641,12 +656,24 @@ def _prefill_tune_rows(shape: Shape, case: tuple):
             continue
 
 
+def _has_long_chunks(shape: Shape, case: tuple) -> bool:
+    """Whether the case's prompts go on the long list (the shape has a long tile and they
+    reach LONG_CONTEXT); decode rows never do."""
+    from kernels import prefill_attention as pa
+
+    _, _, q_len, _, _ = case
+    has_tile = pa.prefill_tiles(shape.head_dim, shape.cache_dtype).long is not None
+    return has_tile and q_len >= pa.LONG_CONTEXT
+
+
 def run_prefill(shapes: list[Shape], tune: bool) -> list[dict]:
     rows = []
     for shape, case in itertools.product(shapes, PREFILL_CASES):
         row = bench_prefill(shape, case) | (bench_prefill_peer(shape, case) or {})
         if case[3]:  # decode rows: against running them in BLOCK_M programs, as before
             row["no_short_us"] = bench_prefill(shape, case, short_q=0)["us"]
+        if _has_long_chunks(shape, case):  # against the main launch's tile
+            row["no_long_us"] = bench_prefill(shape, case, long=False)["us"]
         if tune:
             best = min(_prefill_tune_rows(shape, case), key=lambda r: r["us"])
             row |= {"best_us": best["us"], "best_TFLOPS": best["TFLOPS"],

@@ -19,10 +19,20 @@ Short chunks (up to prefill_short_q tokens: decode rows riding in a prefill forw
 have a list and a launch of their own, in 16-row programs (tl.dot's least) on
 a tile of their own: in the BLOCK_M programs a decode row paid for 63 empty
 rows, and in one kernel with both shapes the short programs would get the long
-ones' registers and shared memory, so as few of them per SM.
+ones' registers and shared memory, so as few of them per SM. Long chunks (a
+context of LONG_CONTEXT keys or more) have a third list where the model's tiles
+(prefill_tiles) give them wider programs: 128 query rows reuse each K/V tile
+twice as often, which pays over long contexts and costs over short ones.
+
+Each list comes longest program first, and a work-list launch's grid runs its
+entries in that order with the kv head fastest, so that a causal launch's last
+wave holds its shortest programs (the grid form's heads went one after another,
+each head's longest programs last).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,14 +40,53 @@ import triton
 import triton.language as tl
 
 from kernels.decode_attention import dot_precision
-from kernels.kv_quant import check_cache_dtype, f16_math
+from kernels.kv_quant import FP8_KV_DTYPE, check_cache_dtype, f16_math
 
 _LOG2E = 1.4426950408889634
-_BLOCK_M = 64
-_SHORT_BLOCK_M = 16
-# The short launch's tile (BENCHMARKS.md: the best all-round in a sweep over decode rows
-# at contexts 130-2048; 32 keys or 1 warp win only at the shortest contexts).
-SHORT_TILE = {"block_n": 64, "num_warps": 2, "num_stages": 2}
+_SHORT_ROWS = 16  # tl.dot's least
+# A chunk whose context (cached prefix + chunk) reaches this many keys goes on the long
+# list, where the model has a long tile (BENCHMARKS.md: the 128-row tiles gain 2-6% on
+# 2048-token prompts and 12-16% at 8192, and lose 4-11% on 1024-token ones).
+LONG_CONTEXT = 2048
+
+
+@dataclass(frozen=True)
+class PrefillTile:
+    rows: int  # query rows per program: query tokens x the padded query heads of a kv head
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """One model's launch tiles: every chunk's, long chunks' (None: no long list, they go
+    with every chunk) and short chunks'."""
+
+    main: PrefillTile
+    long: PrefillTile | None
+    short: PrefillTile
+
+
+# (head_dim, fp8 cache) -> the main, long and short launches' tiles (rows, keys, warps,
+# stages), from sweeps on an H200 (BENCHMARKS.md, prefill attention).
+_T = PrefillTile
+_TILES = {
+    (64, False): PrefillTiles(_T(64, 64, 4, 2), None, _T(16, 64, 2, 2)),
+    (64, True): PrefillTiles(_T(64, 64, 4, 2), _T(128, 128, 4, 2), _T(16, 64, 2, 3)),
+    (128, False): PrefillTiles(_T(64, 64, 4, 2), _T(128, 128, 8, 2), _T(16, 64, 2, 2)),
+    (128, True): PrefillTiles(_T(64, 64, 4, 2), _T(128, 128, 8, 3), _T(16, 32, 1, 2)),
+}
+
+
+def prefill_tiles(head_dim: int, cache_dtype: torch.dtype) -> PrefillTiles:
+    """The launch tiles for a head_dim and cache dtype; untuned head dims get the defaults
+    (64 rows, 64 keys up to head_dim 128 else 32, 4 warps, 2 stages) and no long list."""
+    tiles = _TILES.get((head_dim, cache_dtype == FP8_KV_DTYPE))
+    if tiles is None:
+        main = PrefillTile(64, 64 if head_dim <= 128 else 32, 4, 2)
+        tiles = PrefillTiles(main, None, PrefillTile(16, 64, 2, 2))
+    return tiles
 
 
 @triton.jit
@@ -91,14 +140,17 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_WORK: tl.constexpr, F16_MATH: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
 ):  # fmt: skip
-    kv_head = tl.program_id(2)
-    if HAS_WORK:
-        seq = tl.load(work_ptr + 2 * tl.program_id(0))
-        q_block = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
+    if HAS_WORK:  # grid (entries x kv heads,), kv head fastest: the list's order across heads
+        entry = tl.program_id(0) // NUM_KV_HEADS
+        kv_head = tl.program_id(0) % NUM_KV_HEADS
+        seq = tl.load(work_ptr + 2 * entry)
+        q_block = tl.load(work_ptr + 2 * entry + 1)
         if seq < 0:
             return
     else:
+        kv_head = tl.program_id(2)
         q_block = tl.program_id(0)
         seq = tl.program_id(1)
     row_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -164,7 +216,8 @@ def paged_prefill_attention(
     max_q_len: int | None = None,  # >= the longest chunk; None: num_tokens
     work: torch.Tensor | None = None,  # [capacity, 2] (seq, query block); seq -1 = padding
     short_work: torch.Tensor | None = None,  # [capacity, 2]: the short chunks' list
-    block_n: int | None = None,  # launch overrides (benchmarks' sweeps); None: the defaults
+    long_work: torch.Tensor | None = None,  # [capacity, 2]: the long chunks' list
+    block_n: int | None = None,  # overrides of the main launch's tile (benchmarks' sweeps)
     block_q: int | None = None,  # with work: the block_q the work list was built with
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -174,11 +227,13 @@ def paged_prefill_attention(
     Without work: grid (query blocks of max_q_len, sequences, kv heads); query
     blocks past a chunk's length exit at once, so an overestimated max_q_len
     only costs empty programs. With work (from prefill_work_list): one program
-    per entry and kv head, max_q_len unused; rows of q no entry covers (token
-    padding) are left unwritten. short_work (with work): a second launch over the
-    short chunks, prefill_short_q tokens and SHORT_TILE. Constraints as
-    paged_decode_attention: GQA with num_heads a multiple of num_kv_heads, head_dim
-    a power of 2 >= 16, fp16/bf16/fp32, the caches in q's dtype or float8_e4m3fn.
+    per entry and kv head, in the list's order with the kv head fastest;
+    max_q_len unused; rows of q no entry covers (token padding) are left
+    unwritten. short_work and long_work (with work): a launch each over the short
+    and the long chunks, on prefill_tiles' tiles (long_work only where the tiles
+    have a long one). Constraints as paged_decode_attention: GQA with num_heads a
+    multiple of num_kv_heads, head_dim a power of 2 >= 16, fp16/bf16/fp32, the
+    caches in q's dtype or float8_e4m3fn.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -194,22 +249,27 @@ def paged_prefill_attention(
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_q = block_q or prefill_block_q(num_heads, num_kv_heads)
-    tile = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
-    # (grid, query tokens per program, tile, work list); the grid form reads no list.
+    tiles = prefill_tiles(head_dim, k_cache.dtype)
+    main = PrefillTile(
+        (block_q or prefill_block_q(num_heads, num_kv_heads, tiles.main.rows)) * group_pad,
+        block_n or tiles.main.block_n,
+        num_warps or tiles.main.num_warps,
+        num_stages or tiles.main.num_stages,
+    )
+    # (grid, tile, work list); the grid form reads no list.
     if work is None:
-        grid = (triton.cdiv(max_q_len, block_q), num_seqs, num_kv_heads)
-        launches = [(grid, block_q, tile, cu_seqlens_q)]
+        grid = (triton.cdiv(max_q_len, main.rows // group_pad), num_seqs, num_kv_heads)
+        launches = [(grid, main, cu_seqlens_q)]
     else:
-        assert work.dim() == 2 and work.shape[1] == 2 and work.is_contiguous()
-        launches = [((work.shape[0], 1, num_kv_heads), block_q, tile, work)]
-        if short_work is not None and short_work.shape[0]:
-            assert short_work.dim() == 2 and short_work.shape[1] == 2
-            assert short_work.is_contiguous()
-            short_q = prefill_short_q(num_heads, num_kv_heads)
-            grid = (short_work.shape[0], 1, num_kv_heads)
-            launches.append((grid, short_q, SHORT_TILE, short_work))
-    for grid, rows, tile, work_list in launches:
+        launches = []
+        for tile, work_list in ((main, work), (tiles.long, long_work), (tiles.short, short_work)):
+            if work_list is None or work_list.shape[0] == 0:
+                continue
+            assert tile is not None, "long_work: these heads and cache have no long tile"
+            assert work_list.dim() == 2 and work_list.shape[1] == 2
+            assert work_list.is_contiguous()
+            launches.append(((work_list.shape[0] * num_kv_heads,), tile, work_list))
+    for grid, tile, work_list in launches:
         _prefill_kernel[grid](
             q, k_cache, v_cache, block_table, slot_mapping, cu_seqlens_q, context_lens, out,
             work_list,
@@ -218,24 +278,23 @@ def paged_prefill_attention(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_table.stride(0),
             out.stride(0), out.stride(1),
-            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=rows,
-            HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            BLOCK_N=tile["block_n"] or (64 if head_dim <= 128 else 32),
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(1, tile.rows // group_pad),
+            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=tile.block_n,
             DOT_PRECISION=dot_precision(q.dtype), HAS_WORK=work is not None,
-            F16_MATH=f16_math(q, k_cache),
-            num_warps=tile["num_warps"] or 4, num_stages=tile["num_stages"] or 2,
+            F16_MATH=f16_math(q, k_cache), NUM_KV_HEADS=num_kv_heads,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
     return out
 
 
-def prefill_block_q(num_heads: int, num_kv_heads: int) -> int:
-    """Query tokens per program: BLOCK_M rows shared by the query heads of one kv head."""
-    return max(1, _BLOCK_M // triton.next_power_of_2(num_heads // num_kv_heads))
+def prefill_block_q(num_heads: int, num_kv_heads: int, rows: int = 64) -> int:
+    """Query tokens per program of rows rows, shared by the query heads of one kv head."""
+    return max(1, rows // triton.next_power_of_2(num_heads // num_kv_heads))
 
 
 def prefill_short_q(num_heads: int, num_kv_heads: int) -> int:
     """The longest chunk that goes on the short list: 16 rows' worth of query tokens."""
-    return max(1, _SHORT_BLOCK_M // triton.next_power_of_2(num_heads // num_kv_heads))
+    return prefill_block_q(num_heads, num_kv_heads, _SHORT_ROWS)
 
 
 def prefill_work_capacity(max_tokens: int, max_seqs: int, block_q: int) -> int:
@@ -249,31 +308,49 @@ def prefill_work_list(
     out: np.ndarray,
     short_out: np.ndarray | None = None,
     short_q: int = 0,
+    *,
+    context_lens: np.ndarray | None = None,
+    long_out: np.ndarray | None = None,
+    long_q: int = 0,
+    long_context: int | None = None,
 ) -> int:
     """Fill out [capacity, 2] with (seq, query block) for chunks of q_lens; pad with seq -1.
 
     With short_out, chunks of 1..short_q tokens (prefill_short_q for the launch's
-    heads) go there instead, one entry (seq, 0) each, also padded. Host-side numpy,
-    no Python loop per block. Returns the number of real entries in both; raises
-    ValueError when a capacity is too small.
+    heads) go there instead, one entry (seq, 0) each. With long_out, the other
+    chunks whose context reaches long_context keys (default LONG_CONTEXT) go there,
+    in blocks of long_q tokens. context_lens: each chunk's cached prefix + the
+    chunk (default q_lens). Every list is padded and comes longest first, by the
+    keys each program reads (ties in sequence order). Host-side numpy, no Python
+    loop per block. Returns the number of real entries in all; raises ValueError
+    when a capacity is too small.
     """
     assert short_out is not None or short_q == 0, "short_q needs short_out"
+    assert long_out is not None or long_q == 0, "long_q needs long_out"
+    ctx = q_lens if context_lens is None else context_lens
+    long_context = LONG_CONTEXT if long_context is None else long_context
     short = (q_lens > 0) & (q_lens <= short_q)
-    blocks = np.where(short, 0, -(-q_lens // block_q))  # [num_seqs]
-    num_work = int(blocks.sum())
-    num_short = int(short.sum())
-    if num_work > out.shape[0]:
-        raise ValueError(f"work: {num_work} entries exceed the capacity {out.shape[0]}")
-    seq = np.repeat(np.arange(len(q_lens)), blocks)
-    out[:num_work, 0] = seq
-    out[:num_work, 1] = np.arange(num_work) - np.repeat(np.cumsum(blocks) - blocks, blocks)
-    out[num_work:] = -1
+    long = (q_lens > 0) & ~short & (ctx >= long_context) & (long_q > 0)
+    main = (q_lens > 0) & ~short & ~long
+    num = _fill_blocks(q_lens, ctx, main, block_q, out, "work")
     if short_out is not None:
-        if num_short > short_out.shape[0]:
-            raise ValueError(
-                f"short_work: {num_short} entries exceed the capacity {short_out.shape[0]}"
-            )
-        short_out[:num_short, 0] = np.flatnonzero(short)
-        short_out[:num_short, 1] = 0
-        short_out[num_short:] = -1
-    return num_work + num_short
+        num += _fill_blocks(q_lens, ctx, short, short_q, short_out, "short_work")
+    if long_out is not None:
+        num += _fill_blocks(q_lens, ctx, long, long_q, long_out, "long_work")
+    return num
+
+
+def _fill_blocks(q_lens, ctx, chosen, block_q, out, name) -> int:
+    """The chosen chunks' query blocks into out, longest program first, padded with -1."""
+    blocks = np.where(chosen, -(-q_lens // max(block_q, 1)), 0)  # [num_seqs]
+    num = int(blocks.sum())
+    if num > out.shape[0]:
+        raise ValueError(f"{name}: {num} entries exceed the capacity {out.shape[0]}")
+    seq = np.repeat(np.arange(len(q_lens)), blocks)
+    q_block = np.arange(num) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    keys = (ctx - q_lens)[seq] + np.minimum((q_block + 1) * block_q, q_lens[seq])
+    order = np.argsort(-keys, kind="stable")
+    out[:num, 0] = seq[order]
+    out[:num, 1] = q_block[order]
+    out[num:] = -1
+    return num

@@ -30,9 +30,9 @@ class AttentionMetadata:
     A bucketed prefill (CUDA graphs) pads tokens and sequences: padding sequences
     are empty (cu_seqlens_q repeats), padding tokens follow the last chunk, and
     token_slots [num_tokens] (each token's table row; the null row for padding)
-    plus prefill_work and prefill_short_work (the attention work lists) make every
-    launch's grid a function of the bucket alone. Backends that do not need them
-    ignore them.
+    plus prefill_work, prefill_short_work and prefill_long_work (the attention work
+    lists) make every launch's grid a function of the bucket alone. Backends that do
+    not need them ignore them.
     """
 
     is_decode: bool
@@ -46,6 +46,7 @@ class AttentionMetadata:
     token_slots: torch.Tensor | None = None
     prefill_work: torch.Tensor | None = None  # [capacity, 2] (seq, query block), -1 padded
     prefill_short_work: torch.Tensor | None = None  # the same for short chunks (decode rows)
+    prefill_long_work: torch.Tensor | None = None  # and for long chunks (None: no such list)
     append_first: bool = False
 
 

@@ -169,8 +169,8 @@ class ModelRunner:
         # shapes, same tokens); on CPU it runs the exact shape.
         self.prefill = PrefillInputs(
             config.max_num_batched_tokens, self.max_num_seqs, self.model_config.num_heads,
-            self.model_config.num_kv_heads, null_row=self.max_num_seqs, device=device,
-            padded=device.type == "cuda",
+            self.model_config.num_kv_heads, self.model_config.head_dim, self.kv_cache_dtype,
+            null_row=self.max_num_seqs, device=device, padded=device.type == "cuda",
         )  # fmt: skip
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 

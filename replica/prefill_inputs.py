@@ -9,7 +9,8 @@ bucket is the exact size, so the same buffers feed the eager reference path.
 Layout of the int64 buffer (fixed offsets, sized for the largest bucket):
 input ids, positions and table rows per token; table row, context length,
 start position, cu_seqlens, logit row and sampled slot per sequence; the
-attention work lists (chunks, and short chunks: kernels.prefill_attention). Host
+attention work lists (chunks, short chunks and long chunks:
+kernels.prefill_attention). Host
 staging alternates between two copies (the model runner's parity), so a step's
 inputs are never overwritten while its copy may still be pending.
 """
@@ -24,6 +25,7 @@ import torch
 from kernels.prefill_attention import (
     prefill_block_q,
     prefill_short_q,
+    prefill_tiles,
     prefill_work_capacity,
     prefill_work_list,
 )
@@ -38,6 +40,7 @@ class PrefillBucket:
     num_tokens: int
     num_seqs: int  # sequence rows and logit rows
     num_work: int  # attention work-list capacity (the short chunks' list: num_seqs)
+    num_long_work: int  # the long chunks' list (0 where the model has no long tile)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class PrefillInputs:
         max_num_seqs: int,
         num_heads: int,
         num_kv_heads: int,
+        head_dim: int,
+        cache_dtype: torch.dtype,
         null_row: int,
         device: torch.device,
         padded: bool,
@@ -74,12 +79,16 @@ class PrefillInputs:
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.null_row = null_row
-        self.block_q = prefill_block_q(num_heads, num_kv_heads)
+        tiles = prefill_tiles(head_dim, cache_dtype)
+        self.block_q = prefill_block_q(num_heads, num_kv_heads, tiles.main.rows)
         self.short_q = prefill_short_q(num_heads, num_kv_heads)
+        # Query tokens per long-list entry; 0: the model has no long tile, nor the list.
+        self.long_q = prefill_block_q(num_heads, num_kv_heads, tiles.long.rows) if tiles.long else 0
         self.padded = padded
         self.token_buckets = prefill_token_buckets(max_num_tokens) if padded else []
         self.device = device
         max_work = prefill_work_capacity(max_num_tokens, max_num_seqs, self.block_q)
+        max_long = self._long_capacity(max_num_tokens, max_num_seqs)
         offsets: dict[str, tuple[int, int]] = {}
         size = 0
         for name, n in (
@@ -88,6 +97,7 @@ class PrefillInputs:
             ("cu_seqlens", max_num_seqs + 1),
             ("work", 2 * max_work),
             ("short_work", 2 * max_num_seqs),  # at most one entry a sequence
+            ("long_work", 2 * max_long),
         ):
             offsets[name] = (size, n)
             size += n
@@ -104,7 +114,14 @@ class PrefillInputs:
             num_tokens = next(t for t in self.token_buckets if t >= num_tokens)
             num_seqs = min(num_tokens, self.max_num_seqs)
         work = prefill_work_capacity(num_tokens, num_seqs, self.block_q)
-        return PrefillBucket(num_tokens, num_seqs, work)
+        return PrefillBucket(num_tokens, num_seqs, work, self._long_capacity(num_tokens, num_seqs))
+
+    def _long_capacity(self, num_tokens: int, num_seqs: int) -> int:
+        """Long-list entries for any packing; a long chunk has more than short_q tokens."""
+        if not self.long_q:
+            return 0
+        return prefill_work_capacity(num_tokens, min(num_seqs, num_tokens // (self.short_q + 1)),
+                                     self.long_q)  # fmt: skip
 
     def fill(
         self,
@@ -151,7 +168,10 @@ class PrefillInputs:
         v["last_rows"][num_done:] = 0
         v["done_slots"][:num_done] = slots[is_done]
         v["done_slots"][num_done:] = self.null_row
-        prefill_work_list(q_lens, self.block_q, v["work"], v["short_work"], self.short_q)
+        prefill_work_list(
+            q_lens, self.block_q, v["work"], v["short_work"], self.short_q, context_lens=ends,
+            long_out=v["long_work"] if self.long_q else None, long_q=self.long_q,
+        )  # fmt: skip
         src = self.staging[parity]
         self.inputs.copy_(src, non_blocking=src.is_pinned())
         return PrefillStep(bucket, [s for s, d in zip(seqs, is_done.tolist()) if d])
@@ -181,6 +201,7 @@ class PrefillInputs:
             token_slots=v["token_slots"],
             prefill_work=v["work"],
             prefill_short_work=v["short_work"],
+            prefill_long_work=v["long_work"] if self.long_q else None,
         )
 
     def _views(self, buf, bucket: PrefillBucket) -> dict:  # numpy or torch, same slicing
@@ -189,7 +210,9 @@ class PrefillInputs:
         sizes["cu_seqlens"] = bucket.num_seqs + 1
         sizes["work"] = 2 * bucket.num_work
         sizes["short_work"] = 2 * bucket.num_seqs
+        sizes["long_work"] = 2 * bucket.num_long_work
         views = {name: buf[off : off + sizes[name]] for name, (off, _) in self.offsets.items()}
         views["work"] = views["work"].reshape(bucket.num_work, 2)
         views["short_work"] = views["short_work"].reshape(bucket.num_seqs, 2)
+        views["long_work"] = views["long_work"].reshape(bucket.num_long_work, 2)
         return views

@@ -72,7 +72,7 @@ class TritonAttention:
             return paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_table, meta.slot_mapping,
                 meta.cu_seqlens_q, meta.context_lens, scale, work=meta.prefill_work,
-                short_work=meta.prefill_short_work,
+                short_work=meta.prefill_short_work, long_work=meta.prefill_long_work,
             )  # fmt: skip
         append_kv_prefill(
             k, v, k_cache, v_cache, meta.block_table, meta.slot_mapping,

@@ -82,3 +82,25 @@ def test_run_prefill_times_decode_rows_without_short_entries_too(monkeypatch):
     rows = bk.run_prefill([shape], tune=False)
     assert launches == [{}, {}, {"short_q": 0}]
     assert "no_short_us" not in rows[0] and rows[1]["no_short_us"] == 10.0
+
+
+def test_run_prefill_times_long_prompts_without_the_long_list_too(monkeypatch):
+    """A shape with a long tile (head_dim 128) and prompts past LONG_CONTEXT (lowered to
+    16 here): timed on the long list (the engine's launch) and in the main launch
+    (no_long_us); a shape without a long tile only once."""
+    from kernels import prefill_attention as pa
+
+    monkeypatch.setattr(bk, "DEVICE", "cpu")
+    monkeypatch.setattr(bk, "num_copies", lambda num_bytes: 1)
+    monkeypatch.setattr(bk, "graph_time_us", lambda fns: [fn() for fn in fns] and 10.0)
+    monkeypatch.setattr(pa, "LONG_CONTEXT", 16)
+    launches = []
+    real = bk.bench_prefill
+    monkeypatch.setattr(bk, "bench_prefill", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(bk, "PREFILL_CASES", [("2x20", 2, 20, 0, 0), ("2x8", 2, 8, 0, 0)])
+    wide = bk.Shape("tiny128", num_heads=4, num_kv_heads=2, head_dim=128, dtype=torch.float16)
+    narrow = bk.Shape("tiny64", num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    rows = bk.run_prefill([wide, narrow], tune=False)
+    assert launches == [{}, {"long": False}, {}, {}, {}]
+    assert rows[0]["no_long_us"] == 10.0
+    assert all("no_long_us" not in r for r in rows[1:])

@@ -13,6 +13,7 @@ from kernels.prefill_attention import (
     paged_prefill_attention,
     prefill_block_q,
     prefill_short_q,
+    prefill_tiles,
     prefill_work_capacity,
     prefill_work_list,
 )
@@ -27,7 +28,7 @@ from tests.kernels.kernel_helpers import (
 
 def _run_case(
     dtype, num_heads, num_kv_heads, head_dim, block_size, chunks, device, seed=0, pad_tokens=None,
-    cache_dtype=None, short_q=None,
+    cache_dtype=None, short_q=None, long_context=None,
 ):  # fmt: skip
     """chunks: (cached prefix length, chunk length) per sequence.
     cache_dtype: the caches' dtype (None: dtype; float8_e4m3fn: an fp8 cache).
@@ -35,6 +36,7 @@ def _run_case(
     pad_tokens: None for the grid launch form; else the work-list form over a
     token bucket with pad_tokens padding rows, which must stay unwritten. short_q:
     the work list's short chunks (None: the engine's prefill_short_q; 0: none).
+    long_context: chunks of that many keys or more go on the long list (None: no list).
     """
     gen = torch.Generator().manual_seed(seed)
     num_seqs = len(chunks)
@@ -70,15 +72,30 @@ def _run_case(
             short_q = prefill_short_q(num_heads, num_kv_heads)
         work = np.zeros((prefill_work_capacity(num_tokens, num_seqs + 2, block_q), 2), np.int64)
         short = np.zeros((num_seqs + 2, 2), np.int64)
-        num_work = prefill_work_list(np.array(q_lens), block_q, work, short, short_q)
-        assert num_work == sum(1 if n <= short_q else -(-n // block_q) for n in q_lens)
+        long_q, long = 0, None
+        if long_context is not None:
+            rows = prefill_tiles(head_dim, cache_dtype or dtype).long.rows
+            long_q = prefill_block_q(num_heads, num_kv_heads, rows)
+            long = np.zeros((prefill_work_capacity(num_tokens, num_seqs, long_q), 2), np.int64)
+        num_work = prefill_work_list(
+            np.array(q_lens), block_q, work, short, short_q, context_lens=np.array(ctx_lens),
+            long_out=long, long_q=long_q, long_context=long_context or 0,
+        )  # fmt: skip
+        is_long = [n > short_q and c >= (long_context or 1 << 30) for n, c in zip(q_lens, ctx_lens)]
+        assert num_work == sum(
+            1 if n <= short_q else -(-n // (long_q if b else block_q))
+            for n, b in zip(q_lens, is_long)
+        )
         assert (short[:, 0] >= 0).sum() == sum(n <= short_q for n in q_lens)
+        if long is not None:
+            assert sorted(set(long[long[:, 0] >= 0, 0])) == [i for i, b in enumerate(is_long) if b]
         q_bucket = torch.cat([q, q.new_zeros(pad_tokens, num_heads, head_dim)])
         out = torch.full_like(q_bucket, float("nan"))
         got = paged_prefill_attention(
             q_bucket, k_cache, v_cache, block_table, slot_mapping, cu, context_lens, scale,
             out=out, work=torch.from_numpy(work).to(device),
             short_work=torch.from_numpy(short).to(device),
+            long_work=None if long is None else torch.from_numpy(long).to(device),
         )  # fmt: skip
         assert out[len(q) :].isnan().all(), "padding rows must stay unwritten"
         out = out[: len(q)]
@@ -152,17 +169,66 @@ def test_prefill_short_chunks(short, num_heads, num_kv_heads, device):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "dtype,cache_dtype,num_heads,num_kv_heads,head_dim",
+    [
+        (torch.float16, None, 4, 2, 128),  # qwen3's head_dim: 128-row programs, 8 warps
+        (torch.bfloat16, ref.FP8_KV_DTYPE, 2, 2, 64),  # gpt2's over an fp8 cache
+        (torch.float16, ref.FP8_KV_DTYPE, 6, 2, 128),
+    ],
+)
+def test_prefill_long_chunks(dtype, cache_dtype, num_heads, num_kv_heads, head_dim, device):
+    """Chunks past long_context (here 96 keys) in the long launch's wider programs, beside
+    ordinary and short chunks: a chunk after a long prefix, a long fresh prompt, a chunk
+    that reaches the threshold exactly, and a decode row (short, whatever its context)."""
+    chunks = [(0, 40), (100, 30), (0, 150), (90, 6), (200, 1), (10, 20)]
+    _run_case(
+        dtype, num_heads, num_kv_heads, head_dim, 16, chunks, device, seed=6, pad_tokens=4,
+        cache_dtype=cache_dtype, long_context=96,
+    )  # fmt: skip
+
+
+def test_prefill_tiles_table():
+    """Every tuned model has a short tile of 16 rows; the long tile, where there is one,
+    has more rows than the main one (or it would not be worth a list of its own)."""
+    for head_dim in (64, 128):
+        for cache_dtype in (torch.float16, ref.FP8_KV_DTYPE):
+            tiles = prefill_tiles(head_dim, cache_dtype)
+            assert tiles.short.rows == 16
+            assert tiles.long is None or tiles.long.rows > tiles.main.rows
+    assert prefill_tiles(64, torch.float16).long is None  # gpt2: the main tile was best
+    assert prefill_tiles(256, torch.bfloat16).main.block_n == 32  # untuned: the defaults
+
+
 def test_prefill_work_list_layout():
     out = np.zeros((prefill_work_capacity(40, 4, 16), 2), np.int64)
     assert out.shape[0] == 3 + 4
+    # Longest first, by the keys each program reads (ties in list order).
     assert prefill_work_list(np.array([1, 33, 16]), 16, out) == 1 + 3 + 1
-    assert out.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0], [-1, -1], [-1, -1]]
+    assert out.tolist() == [[1, 2], [1, 1], [1, 0], [2, 0], [0, 0], [-1, -1], [-1, -1]]
     with pytest.raises(ValueError, match="work"):
         prefill_work_list(np.array([64, 64]), 16, out[:7])
     # Chunks of 1..short_q tokens: one entry each on the short list; empty chunks none.
     short = np.zeros((4, 2), np.int64)
     assert prefill_work_list(np.array([1, 33, 0, 4, 5]), 16, out, short, 4) == 3 + 1 + 2
-    assert out.tolist() == [[1, 0], [1, 1], [1, 2], [4, 0], [-1, -1], [-1, -1], [-1, -1]]
-    assert short.tolist() == [[0, 0], [3, 0], [-1, -1], [-1, -1]]
+    assert out.tolist() == [[1, 2], [1, 1], [1, 0], [4, 0], [-1, -1], [-1, -1], [-1, -1]]
+    assert short.tolist() == [[3, 0], [0, 0], [-1, -1], [-1, -1]]
+    # A cached prefix counts: a chunk after 100 tokens reads more keys than a whole prompt.
+    ctx = np.array([1, 33, 0, 40, 5 + 100])
+    assert prefill_work_list(np.array([1, 33, 0, 4, 5]), 16, out, short, 4, context_lens=ctx) == 6
+    assert out.tolist() == [[4, 0], [1, 2], [1, 1], [1, 0], [-1, -1], [-1, -1], [-1, -1]]
+    assert short.tolist() == [[3, 0], [0, 0], [-1, -1], [-1, -1]]
     with pytest.raises(ValueError, match="short_work"):
         prefill_work_list(np.array([1, 1, 1, 1, 1]), 16, out, short, 4)
+    # Long chunks (context >= long_context, not short) in blocks of long_q on their own list.
+    long = np.zeros((4, 2), np.int64)
+    q_lens, ctx = np.array([40, 3, 20, 50]), np.array([40, 300, 120, 100])
+    n = prefill_work_list(
+        q_lens, 16, out, short, 4, context_lens=ctx, long_out=long, long_q=32, long_context=100
+    )
+    assert n == 3 + 1 + (1 + 2)
+    assert out.tolist()[:3] == [[0, 2], [0, 1], [0, 0]] and short.tolist()[0] == [1, 0]
+    assert long.tolist() == [[2, 0], [3, 1], [3, 0], [-1, -1]]
+    with pytest.raises(ValueError, match="long_work"):
+        prefill_work_list(q_lens, 16, out, short, 4, context_lens=ctx, long_out=long[:2],
+                          long_q=32, long_context=100)  # fmt: skip

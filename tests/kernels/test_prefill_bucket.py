@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import prefill_attention
 from replica.attention import TorchAttention
 from replica.prefill_inputs import PrefillInputs, prefill_token_buckets
 from replica.sampling_params import SamplingParams
@@ -50,8 +51,9 @@ def test_fill_layout():
     # fresh prompt done; chunk that stops short; prefix hit that completes its prompt.
     seqs, lens = _seqs([(0, 5, 5), (0, 16, 40), (16, 3, 19)])
     inputs = PrefillInputs(
-        64, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, MAX_SEQS, torch.device("cpu"), True
-    )
+        64, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.float16, MAX_SEQS,
+        torch.device("cpu"), True,
+    )  # fmt: skip
     step = inputs.fill(seqs, lens, parity=1)
     assert step.bucket.num_tokens == 32 and step.bucket.num_seqs == MAX_SEQS
     assert [s.request_id for s in step.done] == ["r0", "r2"]
@@ -65,38 +67,70 @@ def test_fill_layout():
     assert v["context_lens"][:3].tolist() == [5, 16, 19]
     assert v["last_rows"][:2].tolist() == [4, 23] and v["done_slots"][:2].tolist() == [1, 7]
     work = v["work"].tolist()
-    # Group 2: chunks of up to 8 tokens go on the short list.
+    # Group 2: chunks of up to 8 tokens go on the short list, the longest context first.
     assert inputs.short_q == 8 and v["short_work"].shape == (MAX_SEQS, 2)
     assert work[:1] == [[1, 0]] and all(w == [-1, -1] for w in work[1:])
     short = v["short_work"].tolist()
-    assert short[:2] == [[0, 0], [2, 0]] and all(w == [-1, -1] for w in short[2:])
+    assert short[:2] == [[2, 0], [0, 0]] and all(w == [-1, -1] for w in short[2:])
+    # head_dim 64 over fp16 has no long tile: no long list, whatever the contexts.
+    assert inputs.long_q == 0 and v["long_work"].shape == (0, 2)
+    assert inputs.metadata(step.bucket, torch.zeros(1, 1)).prefill_long_work is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_bucketed_pass_matches_exact_reference(dtype, device):
+def test_fill_long_list():
+    """head_dim 128: chunks past LONG_CONTEXT keys go on the long list, in 64-token
+    blocks (128 rows over GQA 2); a decode row stays short whatever its context."""
+    seqs, lens = _seqs([(0, 40, 40), (2000, 60, 2100), (2500, 1, 2501), (0, 20, 20)])
+    inputs = PrefillInputs(
+        2048, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, 128, torch.bfloat16, MAX_SEQS,
+        torch.device("cpu"), True,
+    )  # fmt: skip
+    assert inputs.long_q == 64
+    step = inputs.fill(seqs, lens, parity=0)
+    v = inputs.device_views(step.bucket)
+    # 121 tokens: bucket 128, 8 sequences; the long list holds 128 / 64 blocks + a partial
+    # block for each of up to 8 chunks.
+    assert step.bucket.num_long_work == 2 + 8 and v["long_work"].shape == (10, 2)
+    assert v["long_work"].tolist()[:2] == [[1, 0], [-1, -1]]
+    assert v["work"].tolist()[:3] == [[0, 1], [0, 0], [3, 0]]
+    assert v["short_work"].tolist()[:2] == [[2, 0], [-1, -1]]
+    meta = inputs.metadata(step.bucket, torch.zeros(1, 1))
+    assert meta.prefill_long_work is not None and meta.prefill_long_work.shape == (10, 2)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.float16, 64),
+                                            (torch.float16, 128)])  # fmt: skip
+def test_bucketed_pass_matches_exact_reference(dtype, head_dim, device, monkeypatch):
+    """head_dim 128, with LONG_CONTEXT lowered to 20: the chunk of 23 keys runs in the
+    long launch, the rest as before."""
+    monkeypatch.setattr(prefill_attention, "LONG_CONTEXT", 20)
     gen = torch.Generator().manual_seed(11)
     seqs, lens = _seqs([(0, 5, 5), (0, 17, 30), (3, 20, 23), (16, 1, 17)])
     num_tokens = sum(lens)
     null_block = MAX_SEQS * MAX_BLOCKS
     num_blocks = null_block + 1
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
     v_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
     table = random_block_table(MAX_SEQS, MAX_BLOCKS, null_block, gen, device)[:MAX_SEQS]
     block_table = torch.cat([table, table.new_full((1, MAX_BLOCKS), null_block)])
 
-    padded = PrefillInputs(64, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, MAX_SEQS, device, padded=True)
-    exact = PrefillInputs(64, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, MAX_SEQS, device, padded=False)
+    padded, exact = (
+        PrefillInputs(64, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, head_dim, dtype, MAX_SEQS, device, p)
+        for p in (True, False)
+    )
     step = padded.fill(seqs, lens, parity=0)
     exact_step = exact.fill(seqs, lens, parity=0)
     bucket_tokens = step.bucket.num_tokens
     assert bucket_tokens == 64 > num_tokens and exact_step.bucket.num_tokens == num_tokens
+    long_work = padded.device_views(step.bucket)["long_work"][:, 0].tolist()
+    assert [s for s in long_work if s >= 0] == ([2] if head_dim == 128 else [])
 
     def rand(heads: int) -> torch.Tensor:
-        return torch.randn(bucket_tokens, heads, HEAD_DIM, generator=gen).to(dtype).to(device)
+        return torch.randn(bucket_tokens, heads, head_dim, generator=gen).to(dtype).to(device)
 
     q, k, v = rand(NUM_HEADS), rand(NUM_KV_HEADS), rand(NUM_KV_HEADS)
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     meta_ref = exact.metadata(exact_step.bucket, block_table)
     expect = TorchAttention().forward(
@@ -118,12 +152,13 @@ def test_bucketed_pass_matches_exact_reference(dtype, device):
 def test_fill_padding_covers_the_largest_bucket():
     seqs, lens = _seqs([(0, 5, 5), (0, 16, 40)])
     inputs = PrefillInputs(
-        64, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, MAX_SEQS, torch.device("cpu"), True
-    )
+        64, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.float16, MAX_SEQS,
+        torch.device("cpu"), True,
+    )  # fmt: skip
     inputs.fill(seqs, lens, parity=0)
     inputs.fill_padding(parity=0)
     v = inputs.device_views(inputs.bucket(64, 0))
     assert v["ids"].eq(0).all() and v["positions"].eq(0).all()
     assert v["token_slots"].eq(MAX_SEQS).all() and v["seq_slots"].eq(MAX_SEQS).all()
     assert v["cu_seqlens"].eq(0).all() and v["context_lens"].eq(0).all()
-    assert v["work"].eq(-1).all()
+    assert v["work"].eq(-1).all() and v["long_work"].eq(-1).all()
