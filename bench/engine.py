@@ -264,6 +264,10 @@ def main() -> None:
     )
     parser.add_argument("--max-batched-tokens", type=int, default=None, help="prefill chunk")
     parser.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="EngineConfig.max_model_len (default: the model's positions, at most 2048)",
+    )  # fmt: skip
+    parser.add_argument(
         "--mixed-prefill-tokens", type=int, default=None,
         help="prompt tokens a decode step takes as extra rows (EngineConfig's; 0: never)",
     )  # fmt: skip
@@ -294,7 +298,7 @@ def main() -> None:
                 block_size=args.block_size, max_num_seqs=max_num_seqs,
                 enable_cuda_graphs=not args.no_cuda_graphs,
                 enable_triton_linear=not args.no_triton_linear,
-                max_model_len=min(2048, _max_positions(model)),
+                max_model_len=args.max_model_len or min(2048, _max_positions(model)),
                 **({"max_num_batched_tokens": args.max_batched_tokens}
                    if args.max_batched_tokens else {}),
                 **({"mixed_prefill_tokens": args.mixed_prefill_tokens}
