@@ -328,9 +328,8 @@ def prefill_work_list(
     assert short_out is not None or short_q == 0, "short_q needs short_out"
     assert long_out is not None or long_q == 0, "long_q needs long_out"
     ctx = q_lens if context_lens is None else context_lens
-    long_context = LONG_CONTEXT if long_context is None else long_context
     short = (q_lens > 0) & (q_lens <= short_q)
-    long = (q_lens > 0) & ~short & (ctx >= long_context) & (long_q > 0)
+    long = long_chunks(q_lens, ctx, short_q, long_context) & (long_q > 0)
     main = (q_lens > 0) & ~short & ~long
     num = _fill_blocks(q_lens, ctx, main, block_q, out, "work")
     if short_out is not None:
@@ -338,6 +337,15 @@ def prefill_work_list(
     if long_out is not None:
         num += _fill_blocks(q_lens, ctx, long, long_q, long_out, "long_work")
     return num
+
+
+def long_chunks(
+    q_lens: np.ndarray, context_lens: np.ndarray, short_q: int, long_context: int | None = None
+) -> np.ndarray:
+    """The chunks a long list takes: more than short_q tokens, over a context of
+    long_context keys (default LONG_CONTEXT) or more."""
+    long_context = LONG_CONTEXT if long_context is None else long_context
+    return (q_lens > short_q) & (context_lens >= long_context)
 
 
 def _fill_blocks(q_lens, ctx, chosen, block_q, out, name) -> int:

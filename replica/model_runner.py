@@ -172,7 +172,7 @@ class ModelRunner:
             self.model_config.num_kv_heads, self.model_config.head_dim, self.kv_cache_dtype,
             null_row=self.max_num_seqs, device=device, padded=device.type == "cuda",
         )  # fmt: skip
-        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.prefill_graphs: dict[PrefillBucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     # ---- set-up ---------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -356,7 +356,7 @@ class ModelRunner:
         num_done = len(step.done)
         done_slots = self.prefill.device_views(step.bucket)["done_slots"][:num_done]
         if self.use_cuda_graphs:
-            graph, logits = self.prefill_graphs[step.bucket.num_tokens]
+            graph, logits = self.prefill_graphs[step.bucket]
             graph.replay()
         else:
             logits = self._prefill_forward(step.bucket)
@@ -420,7 +420,7 @@ class ModelRunner:
         raise AssertionError(f"{num_rows} rows exceed the largest captured size {sizes[-1]}")
 
     def _capture_graphs(self) -> None:
-        """Decode and mixed graphs per row count, prefill graphs per token bucket.
+        """Decode and mixed graphs per row count, prefill graphs per PrefillBucket.
 
         Two pools, because a step may replay a prefill graph and then a decode graph
         and sample from both outputs: graphs that share a pool share output memory.
@@ -428,14 +428,12 @@ class ModelRunner:
         """
         self.step_inputs.upload(self.parity, True)
         self.prefill.fill_padding(self.parity)  # padding rows write only the null block
-        buckets = [self.prefill.bucket(t, 0) for t in self.prefill.token_buckets]
         mixed_forward = functools.partial(self._decode_forward, append_first=True)
         with torch.inference_mode():
             self.graphs, pool = self._capture(self.graph_sizes, self._decode_forward)
             if self.mixed_graph_sizes:
                 self.mixed_graphs, _ = self._capture(self.mixed_graph_sizes, mixed_forward, pool)
-            prefill_graphs, _ = self._capture(buckets, self._prefill_forward)
-        self.prefill_graphs = {b.num_tokens: entry for b, entry in prefill_graphs.items()}
+            self.prefill_graphs, _ = self._capture(self.prefill.buckets(), self._prefill_forward)
 
     def _capture(self, shapes: list, forward, pool=None) -> tuple[dict, object]:
         graphs = {}

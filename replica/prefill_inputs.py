@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from kernels.prefill_attention import (
+    long_chunks,
     prefill_block_q,
     prefill_short_q,
     prefill_tiles,
@@ -40,7 +41,7 @@ class PrefillBucket:
     num_tokens: int
     num_seqs: int  # sequence rows and logit rows
     num_work: int  # attention work-list capacity (the short chunks' list: num_seqs)
-    num_long_work: int  # the long chunks' list (0 where the model has no long tile)
+    num_long_work: int  # the long chunks' list; 0: none (no long chunk, or no long tile)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class PrefillInputs:
         self.token_buckets = prefill_token_buckets(max_num_tokens) if padded else []
         self.device = device
         max_work = prefill_work_capacity(max_num_tokens, max_num_seqs, self.block_q)
-        max_long = self._long_capacity(max_num_tokens, max_num_seqs)
+        max_long = self.bucket(max_num_tokens, max_num_seqs, long=True).num_long_work
         offsets: dict[str, tuple[int, int]] = {}
         size = 0
         for name, n in (
@@ -108,20 +109,28 @@ class PrefillInputs:
         self.inputs = torch.zeros(size, dtype=torch.int64, device=device)
         self._device_views: dict[PrefillBucket, dict[str, torch.Tensor]] = {}
 
-    def bucket(self, num_tokens: int, num_seqs: int) -> PrefillBucket:
-        """The padded shape for a step: the next captured token size on CUDA, exact on CPU."""
+    def bucket(self, num_tokens: int, num_seqs: int, long: bool = False) -> PrefillBucket:
+        """The padded shape for a step: the next captured token size on CUDA, exact on CPU.
+
+        long: the step has long chunks (kernels.prefill_attention.long_chunks), so the
+        bucket has a long list, where the model has a long tile. A step without them
+        gets none: that list's empty programs, on the long tile's registers and shared
+        memory, took the qwen3 burst's 8K-token steps ~0.14 ms each.
+        """
         if self.padded:
             num_tokens = next(t for t in self.token_buckets if t >= num_tokens)
             num_seqs = min(num_tokens, self.max_num_seqs)
         work = prefill_work_capacity(num_tokens, num_seqs, self.block_q)
-        return PrefillBucket(num_tokens, num_seqs, work, self._long_capacity(num_tokens, num_seqs))
+        num_long = 0
+        if long and self.long_q:  # a long chunk has more than short_q tokens
+            most = min(num_seqs, num_tokens // (self.short_q + 1))
+            num_long = prefill_work_capacity(num_tokens, most, self.long_q)
+        return PrefillBucket(num_tokens, num_seqs, work, num_long)
 
-    def _long_capacity(self, num_tokens: int, num_seqs: int) -> int:
-        """Long-list entries for any packing; a long chunk has more than short_q tokens."""
-        if not self.long_q:
-            return 0
-        return prefill_work_capacity(num_tokens, min(num_seqs, num_tokens // (self.short_q + 1)),
-                                     self.long_q)  # fmt: skip
+    def buckets(self) -> list[PrefillBucket]:
+        """Every captured shape: each token bucket, with and without a long list."""
+        variants = (False, True) if self.long_q else (False,)
+        return [self.bucket(t, 0, long) for t in self.token_buckets for long in variants]
 
     def fill(
         self,
@@ -142,7 +151,8 @@ class PrefillInputs:
         num_tokens = int(cu[-1])
         ends = starts + q_lens
         is_done = ends == np.fromiter((len(s) for s in seqs), np.int64, len(seqs))
-        bucket = bucket or self.bucket(num_tokens, len(seqs))
+        long = self.long_q > 0 and bool(long_chunks(q_lens, ends, self.short_q).any())
+        bucket = bucket or self.bucket(num_tokens, len(seqs), long)
         v = self._views(self.staging[parity].numpy(), bucket)
         ids: list[int] = []  # every chunk's ids, then one conversion
         for seq, start, n in zip(seqs, starts.tolist(), lens, strict=True):
@@ -170,7 +180,8 @@ class PrefillInputs:
         v["done_slots"][num_done:] = self.null_row
         prefill_work_list(
             q_lens, self.block_q, v["work"], v["short_work"], self.short_q, context_lens=ends,
-            long_out=v["long_work"] if self.long_q else None, long_q=self.long_q,
+            long_out=v["long_work"] if bucket.num_long_work else None,
+            long_q=self.long_q if bucket.num_long_work else 0,
         )  # fmt: skip
         src = self.staging[parity]
         self.inputs.copy_(src, non_blocking=src.is_pinned())
@@ -178,7 +189,7 @@ class PrefillInputs:
 
     def fill_padding(self, parity: int) -> None:
         """Every row of the largest bucket as padding (for capturing graphs)."""
-        self.fill([], [], parity, self.bucket(self.max_num_tokens, 0))
+        self.fill([], [], parity, self.bucket(self.max_num_tokens, 0, long=True))
 
     def device_views(self, bucket: PrefillBucket) -> dict[str, torch.Tensor]:
         """Views of the device buffer for a bucket; made once per bucket (the buffer is fixed)."""
@@ -201,7 +212,7 @@ class PrefillInputs:
             token_slots=v["token_slots"],
             prefill_work=v["work"],
             prefill_short_work=v["short_work"],
-            prefill_long_work=v["long_work"] if self.long_q else None,
+            prefill_long_work=v["long_work"] if bucket.num_long_work else None,
         )
 
     def _views(self, buf, bucket: PrefillBucket) -> dict:  # numpy or torch, same slicing

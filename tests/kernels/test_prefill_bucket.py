@@ -96,6 +96,13 @@ def test_fill_long_list():
     assert v["short_work"].tolist()[:2] == [[2, 0], [-1, -1]]
     meta = inputs.metadata(step.bucket, torch.zeros(1, 1))
     assert meta.prefill_long_work is not None and meta.prefill_long_work.shape == (10, 2)
+    # A step without long chunks gets a bucket (a CUDA graph) without the list: no empty
+    # long programs. Both are captured for every token bucket.
+    plain = inputs.fill(seqs[:1] + seqs[2:], [40, 1, 20], parity=1).bucket
+    assert plain.num_tokens == 64 and plain.num_long_work == 0
+    assert inputs.metadata(plain, torch.zeros(1, 1)).prefill_long_work is None
+    assert plain in inputs.buckets() and step.bucket in inputs.buckets()
+    assert len(inputs.buckets()) == 2 * len(inputs.token_buckets)
 
 
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.float16, 64),
@@ -150,15 +157,15 @@ def test_bucketed_pass_matches_exact_reference(dtype, head_dim, device, monkeypa
 
 
 def test_fill_padding_covers_the_largest_bucket():
-    seqs, lens = _seqs([(0, 5, 5), (0, 16, 40)])
+    seqs, lens = _seqs([(0, 5, 5), (2040, 16, 2100)])  # the second chunk is a long one
     inputs = PrefillInputs(
-        64, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.float16, MAX_SEQS,
+        64, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, 128, torch.float16, MAX_SEQS,
         torch.device("cpu"), True,
     )  # fmt: skip
-    inputs.fill(seqs, lens, parity=0)
+    assert inputs.fill(seqs, lens, parity=0).bucket.num_long_work
     inputs.fill_padding(parity=0)
-    v = inputs.device_views(inputs.bucket(64, 0))
+    v = inputs.device_views(inputs.bucket(64, 0, long=True))
     assert v["ids"].eq(0).all() and v["positions"].eq(0).all()
     assert v["token_slots"].eq(MAX_SEQS).all() and v["seq_slots"].eq(MAX_SEQS).all()
     assert v["cu_seqlens"].eq(0).all() and v["context_lens"].eq(0).all()
-    assert v["work"].eq(-1).all() and v["long_work"].eq(-1).all()
+    assert v["work"].eq(-1).all() and v["long_work"].numel() and v["long_work"].eq(-1).all()

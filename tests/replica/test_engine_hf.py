@@ -354,3 +354,33 @@ def test_pdl_on_and_off_give_identical_tokens(checkpoint, dtype, monkeypatch):
         results.append([o.token_ids for o in engine.generate(prompts, params)])
     assert kernels.pdl.use_pdl(torch.device("cuda")) is False  # the last engine ran without
     assert results[0] == results[1]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_long_chunks_in_their_own_launch_match_hf(checkpoint, monkeypatch):
+    """Chunks over long contexts run on the long list, in wider programs of their own. The
+    tiny checkpoints (head_dim 16) get a long tile and LONG_CONTEXT 32 here, so their
+    prompts reach it: greedy tokens equal HF's in float32, with CUDA graphs and without,
+    whole prompts and chunked ones (later chunks over cached prefixes)."""
+    from kernels import prefill_attention as pa
+
+    path, hf_model = checkpoint
+    monkeypatch.setattr(pa, "LONG_CONTEXT", 32)
+    tiles = pa.prefill_tiles(16, torch.float32)
+    long_tile = pa.PrefillTile(128, 32, 4, 2)
+    monkeypatch.setitem(pa._TILES, (16, False), pa.PrefillTiles(tiles.main, long_tile, tiles.short))
+    prompts = random_prompts(23, [3, 40, 70, 33, 17, 45, 31, 64])
+    for overrides in ({}, {"enable_cuda_graphs": False}, {"max_num_batched_tokens": 24}):
+        engine = make_engine(path, 16, device="cuda", **overrides)
+        assert engine.runner.prefill.long_q in (64, 128)  # 128 rows: GQA 2 (llama, qwen3) or 1
+        fill, long_steps = engine.runner.prefill.fill, []
+
+        def counting_fill(*args, fill=fill, long_steps=long_steps, **kwargs):
+            step = fill(*args, **kwargs)
+            long_steps.append(step.bucket.num_long_work > 0)
+            return step
+
+        engine.runner.prefill.fill = counting_fill
+        assert_matches_hf(engine, hf_model, prompts)
+        assert any(long_steps), overrides
