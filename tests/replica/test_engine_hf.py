@@ -371,7 +371,8 @@ def test_gpu_long_chunks_in_their_own_launch_match_hf(checkpoint, monkeypatch):
     long_tile = pa.PrefillTile(128, 32, 4, 2)
     monkeypatch.setitem(pa._TILES, (16, False), pa.PrefillTiles(tiles.main, long_tile, tiles.short))
     prompts = random_prompts(23, [3, 40, 70, 33, 17, 45, 31, 64])
-    for overrides in ({}, {"enable_cuda_graphs": False}, {"max_num_batched_tokens": 24}):
+    chunked = {"max_num_batched_tokens": 24, "mixed_prefill_tokens": 0}  # no decode-step rows
+    for overrides in ({}, {"enable_cuda_graphs": False}, chunked):
         engine = make_engine(path, 16, device="cuda", **overrides)
         assert engine.runner.prefill.long_q in (64, 128)  # 128 rows: GQA 2 (llama, qwen3) or 1
         fill, long_steps = engine.runner.prefill.fill, []
