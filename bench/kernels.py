@@ -578,7 +578,8 @@ def bench_prefill(
     """One prefill case, graph-timed, checked against the torch reference first.
     launch: paged_prefill_attention's overrides of the main tile (they run every chunk
     but the short ones: no long list); short_q=0 runs no short entries; long=False no
-    long entries (long chunks in the main launch)."""
+    long entries (long chunks in the main launch). As in the engine, a case without
+    long chunks launches no long list."""
     from kernels.prefill_attention import (
         paged_prefill_attention,
         prefill_block_q,
@@ -591,8 +592,8 @@ def bench_prefill(
     block_q = launch.get("block_q") or prefill_block_q(*heads, tiles.main.rows)
     if short_q is None:
         short_q = prefill_short_q(*heads)
-    long_q = 0
-    if long and not launch and tiles.long is not None:
+    long_q = 0  # the long list as the engine has it: only where the case has long chunks
+    if long and not launch and _has_long_chunks(shape, case):
         long_q = prefill_block_q(*heads, tiles.long.rows)
     caches, q, table, slots, cu, ctx, work, short_work, long_work, flops = _prefill_inputs(
         shape, case, block_q, short_q, long_q

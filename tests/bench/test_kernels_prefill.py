@@ -98,9 +98,19 @@ def test_run_prefill_times_long_prompts_without_the_long_list_too(monkeypatch):
     real = bk.bench_prefill
     monkeypatch.setattr(bk, "bench_prefill", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
     monkeypatch.setattr(bk, "PREFILL_CASES", [("2x20", 2, 20, 0, 0), ("2x8", 2, 8, 0, 0)])
+    long_entries = []  # each launch's long list, as the engine would give it
+    real_attention = pa.paged_prefill_attention
+
+    def recording_attention(*args, long_work=None, **kwargs):
+        long_entries.append(int((long_work[:, 0] >= 0).sum()) if long_work.numel() else None)
+        return real_attention(*args, long_work=long_work, **kwargs)
+
+    monkeypatch.setattr(pa, "paged_prefill_attention", recording_attention)
     wide = bk.Shape("tiny128", num_heads=4, num_kv_heads=2, head_dim=128, dtype=torch.float16)
     narrow = bk.Shape("tiny64", num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16)
     rows = bk.run_prefill([wide, narrow], tune=False)
     assert launches == [{}, {"long": False}, {}, {}, {}]
     assert rows[0]["no_long_us"] == 10.0
     assert all("no_long_us" not in r for r in rows[1:])
+    # Two 20-token prompts in 64-token long blocks; no list where no chunk is long.
+    assert [n for n in long_entries if n is not None] == [2, 2]
