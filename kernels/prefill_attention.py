@@ -46,7 +46,7 @@ _LOG2E = 1.4426950408889634
 _SHORT_ROWS = 16  # tl.dot's least
 # A chunk whose context (cached prefix + chunk) reaches this many keys goes on the long
 # list, where the model has a long tile (BENCHMARKS.md: the 128-row tiles gain 2-6% on
-# 2048-token prompts and 12-16% at 8192, and lose 4-11% on 1024-token ones).
+# 2048-token prompts and 12-14% at 8192, and lose 3-7% on 1024-token ones).
 LONG_CONTEXT = 2048
 
 
