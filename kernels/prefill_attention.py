@@ -26,8 +26,8 @@ twice as often, which pays over long contexts and costs over short ones.
 
 Each list comes longest program first, and a work-list launch's grid runs its
 entries in that order with the kv head fastest, so that a causal launch's last
-wave holds its shortest programs (the grid form's heads went one after another,
-each head's longest programs last).
+wave holds its shortest programs (with the kv head slowest, as the grid form
+still has it, the last heads' longest programs ran last, into a ragged tail).
 """
 
 from __future__ import annotations
