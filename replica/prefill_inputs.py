@@ -10,9 +10,9 @@ Layout of the int64 buffer (fixed offsets, sized for the largest bucket):
 input ids, positions and table rows per token; table row, context length,
 start position, cu_seqlens, logit row and sampled slot per sequence; the
 attention work lists (chunks, short chunks and long chunks:
-kernels.prefill_attention). Host
-staging alternates between two copies (the model runner's parity), so a step's
-inputs are never overwritten while its copy may still be pending.
+kernels.prefill_attention). Host staging alternates between two copies (the
+model runner's parity), so a step's inputs are never overwritten while its copy
+may still be pending.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class PrefillInputs:
         long: the step has long chunks (kernels.prefill_attention.long_chunks), so the
         bucket has a long list, where the model has a long tile. A step without them
         gets none: that list's empty programs, on the long tile's registers and shared
-        memory, took the qwen3 burst's 8K-token steps ~0.14 ms each.
+        memory, took ~0.3 ms of each of the qwen3 burst's 8K-token steps (BENCHMARKS.md).
         """
         if self.padded:
             num_tokens = next(t for t in self.token_buckets if t >= num_tokens)
