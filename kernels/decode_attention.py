@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant import check_cache_dtype, f16_math, is_fp8, to_cache
+from kernels.kv_quant import check_cache_dtype, f16_math, f16_queries, is_fp8, to_cache
 from kernels.pdl import pdl_launch, pdl_prologue
 
 _LOG2E = 1.4426950408889634
@@ -204,9 +204,7 @@ def _decode_kernel(
     g_mask = g < GROUP
     q_ptrs = q_ptr + row * stride_q_row + head[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
-    if F16_MATH:  # kernels.kv_quant.f16_math: the scale goes into q before its rounding
-        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
-        qk_scale = 1.0
+    q, qk_scale = f16_queries(q, qk_scale, F16_MATH)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)

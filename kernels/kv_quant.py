@@ -53,6 +53,16 @@ def to_cache(x, cache_ptr, KV_FP8: tl.constexpr):
         return x.to(cache_ptr.dtype.element_ty)
 
 
+@triton.jit
+def f16_queries(q, qk_scale, F16_MATH: tl.constexpr):
+    """(q, qk_scale) as an attention kernel multiplies them: under F16_MATH (f16_math) the
+    scale goes into q in fp32 before q's one rounding to fp16, and the scores need none."""
+    if F16_MATH:
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
+    return q, qk_scale
+
+
 def is_fp8(cache: torch.Tensor) -> bool:
     """Whether a cache tensor holds e4m3 elements (the launchers' KV_FP8 constexpr)."""
     return cache.dtype == FP8_KV_DTYPE

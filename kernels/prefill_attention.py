@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_attention import dot_precision
-from kernels.kv_quant import FP8_KV_DTYPE, check_cache_dtype, f16_math
+from kernels.kv_quant import FP8_KV_DTYPE, check_cache_dtype, f16_math, f16_queries
 
 _LOG2E = 1.4426950408889634
 _SHORT_ROWS = 16  # tl.dot's least
@@ -172,9 +172,7 @@ def _prefill_kernel(
     q_row = (row_start + q_idx).to(tl.int64)
     q_ptrs = q_ptr + q_row[:, None] * stride_q_row + (head * stride_q_head)[:, None] + d[None, :]
     q = tl.load(q_ptrs, mask=row_mask[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
-    if F16_MATH:  # kernels.kv_quant.f16_math: the scale goes into q before its rounding
-        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
-        qk_scale = 1.0
+    q, qk_scale = f16_queries(q, qk_scale, F16_MATH)
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
