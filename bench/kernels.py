@@ -658,13 +658,17 @@ def _prefill_tune_rows(shape: Shape, case: tuple):
 
 
 def _has_long_chunks(shape: Shape, case: tuple) -> bool:
-    """Whether the case's prompts go on the long list (the shape has a long tile and they
-    reach LONG_CONTEXT); decode rows never do."""
-    from kernels import prefill_attention as pa
+    """Whether the case's prompts go on the long list: the shape has a long tile and the
+    engine's rule (prefill_attention.long_chunks) takes them; decode rows never qualify."""
+    import numpy as np
 
-    _, _, q_len, _, _ = case
-    has_tile = pa.prefill_tiles(shape.head_dim, shape.cache_dtype).long is not None
-    return has_tile and q_len >= pa.LONG_CONTEXT
+    from kernels.prefill_attention import long_chunks, prefill_short_q, prefill_tiles
+
+    _, prompts, q_len, _, _ = case
+    if not prompts or prefill_tiles(shape.head_dim, shape.cache_dtype).long is None:
+        return False
+    prompt = np.array([q_len])  # a whole prompt: its context is its length
+    return bool(long_chunks(prompt, prompt, prefill_short_q(shape.num_heads, shape.num_kv_heads)))
 
 
 def run_prefill(shapes: list[Shape], tune: bool) -> list[dict]:
