@@ -1,11 +1,13 @@
 """Offline engine benchmark: throughput, time per output token, ITL, host time per step.
 
 On a GPU the same run measures the peers: Hugging Face transformers `generate`
-(static cache, greedy) on the very same checkpoint, and the HBM roofline
-(weight + KV bytes each decode step must read, over the measured copy bandwidth).
+(static cache, greedy or sampling as the engine's requests do) on the very same
+checkpoint, and the HBM roofline (weight + KV bytes each decode step must read, over
+the measured copy bandwidth). Requests decode greedily unless --temperature is given.
 
     python -m bench.engine                                  # CPU: host-side time per step
     python -m bench.engine --model gpt2 --dtype float16 --batch 1 256 --hf --itl-batch 64
+    python -m bench.engine --model gpt2 --dtype float16 --batch 256 --temperature 0.8 --top-p 0.95
 """
 
 from __future__ import annotations
@@ -75,13 +77,46 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(num)]
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], max_new: int) -> EngineRun:
+@dataclass(frozen=True)
+class Sampling:
+    """How the benchmark's requests sample (greedy by default); seeded: request i has seed i."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seeded: bool = False
+
+    def params(self, i: int, max_new: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_new, temperature=self.temperature, top_k=self.top_k,
+            top_p=self.top_p, seed=i if self.seeded else None, ignore_eos=True,
+        )  # fmt: skip
+
+    def hf_kwargs(self) -> dict:
+        """transformers generate's arguments for the same sampling."""
+        if self.temperature == 0:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k,
+                "top_p": self.top_p}  # fmt: skip
+
+    def __str__(self) -> str:
+        if self.temperature == 0:
+            return "greedy"
+        seeded = " seeded" if self.seeded else ""
+        return f"T={self.temperature} top_k={self.top_k} top_p={self.top_p}{seeded}"
+
+
+GREEDY = Sampling()
+
+
+def run_engine(
+    engine: LLMEngine, prompts: list[list[int]], max_new: int, sampling: Sampling = GREEDY
+) -> EngineRun:
     """Run prompts to completion; record each pure-decode step's wall and host-side time."""
-    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     run = EngineRun(len(prompts))
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"bench-{i}", prompt, params)
+        engine.add_request(f"bench-{i}", prompt, sampling.params(i, max_new))
     last = time.perf_counter()
     run.add_s = last - start
     while engine.has_unfinished():
@@ -188,13 +223,20 @@ def hf_checkpoint(model: str, dtype: torch.dtype, directory: str) -> torch.nn.Mo
     return hf
 
 
-def run_hf(hf: torch.nn.Module, prompts: list[list[int]], max_new: int, device) -> float:
-    """transformers generate, greedy, static cache, forced to max_new tokens: tokens/s."""
+def run_hf(
+    hf: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new: int,
+    device,
+    sampling: Sampling = GREEDY,
+) -> float:
+    """transformers generate (greedy, or sampling's), static cache, forced to max_new
+    tokens: tokens/s."""
     hf = hf.to(device).eval()
     ids = torch.tensor(prompts, device=device)
     kwargs = dict(
-        attention_mask=torch.ones_like(ids), do_sample=False, cache_implementation="static",
-        pad_token_id=0, min_new_tokens=max_new,
+        attention_mask=torch.ones_like(ids), cache_implementation="static",
+        pad_token_id=0, min_new_tokens=max_new, **sampling.hf_kwargs(),
     )  # fmt: skip
     with torch.inference_mode():
         # Warm up at the timed length: the static cache's shape (prompt + max_new) is what
@@ -271,8 +313,22 @@ def main() -> None:
         "--mixed-prefill-tokens", type=int, default=None,
         help="prompt tokens a decode step takes as extra rows (EngineConfig's; 0: never)",
     )  # fmt: skip
+    parser.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="sample at this temperature (0: greedy); HF's peer samples the same way",
+    )  # fmt: skip
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature; 0: off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
+    parser.add_argument(
+        "--seeded", action="store_true", help="with --temperature: each request its own seed"
+    )
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seeded)
+    try:
+        sampling.params(0, 1)  # bad values fail here, before a model loads
+    except ValueError as exc:
+        raise SystemExit(f"--temperature / --top-k / --top-p: {exc}") from None
 
     on_gpu = torch.cuda.is_available()
     kernels.pdl.ENABLE_PDL = not args.no_pdl
@@ -310,11 +366,11 @@ def main() -> None:
         if args.no_gc:
             gc.disable()
         bandwidth = copy_bandwidth_gbps(engine.device) if on_gpu else None
-        run_engine(engine, random_prompts(min(4, max_num_seqs), prompt_len, vocab, 99), 8)
+        run_engine(engine, random_prompts(min(4, max_num_seqs), prompt_len, vocab, 99), 8, sampling)
         rows, profiles = [], {}
         for num_seqs in args.batch:
             prompts = random_prompts(num_seqs, prompt_len, vocab, num_seqs)
-            run = run_engine(engine, prompts, max_new)
+            run = run_engine(engine, prompts, max_new, sampling)
             row = {
                 "batch": num_seqs,
                 "tok/s": run.tokens_per_s,
@@ -333,7 +389,7 @@ def main() -> None:
                 )
                 row |= {"roofline tok/s": roof, "% roofline": 100 * run.decode_tokens_per_s / roof}
             if hf is not None:
-                row["HF tok/s"] = run_hf(hf, prompts, max_new, engine.device)
+                row["HF tok/s"] = run_hf(hf, prompts, max_new, engine.device, sampling)
                 row["x HF"] = run.tokens_per_s / row["HF tok/s"]
             rows.append(row)
         itl = None
@@ -356,6 +412,7 @@ def main() -> None:
           f" fused_append={getattr(engine.runner.backend, 'fuse_decode_append', False)}"
           f" decode_in_prefill={engine.runner.decode_in_prefill}"
           f" mixed_prefill_tokens={engine.config.mixed_prefill_tokens}"
+          f" sampling={sampling}"
           f" engine_start={start_s:.2f} s"
           + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else ""))  # fmt: skip
     print(markdown_table(rows, [c for c in columns if any(c in r for r in rows)]))
@@ -365,7 +422,7 @@ def main() -> None:
     if itl:
         print(format_itl(args.itl_batch, itl["cohort"], itl["steady"]))
     write_json(args.out, {"model": args.model or model, "prompt_len": prompt_len,
-                          "max_new": max_new, "rows": rows,
+                          "max_new": max_new, "rows": rows, "sampling": str(sampling),
                           "kv_cache_dtype": str(engine.runner.kv_cache.dtype),
                           "step_profiles": profiles,
                           "itl": itl, "engine_start_s": start_s,
