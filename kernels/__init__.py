@@ -25,6 +25,7 @@ _ENTRY_POINTS = {
     "paged_decode_attention": "kernels.decode_attention",
     "paged_prefill_attention": "kernels.prefill_attention",
     "resolve_placeholders": "kernels.argmax",
+    "sample_tokens": "kernels.sampling",
 }
 
 __all__ = [*_ENTRY_POINTS, "reference"]

@@ -198,3 +198,81 @@ def resolve_placeholders_ref(
 ) -> torch.Tensor:
     """ids with each negative entry replaced by token_buf[token_rows[row]]."""
     return torch.where(ids >= 0, ids, token_buf[token_rows])
+
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+
+
+def _mul32(a: torch.Tensor, b: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32 bits of a * b for a, b in [0, 2**32), in int64 without overflow."""
+    x = (a & 0xFFFF) * b  # < 2**48
+    y = (a >> 16) * b
+    return (y + (x >> 16)) >> 16, (((y & 0xFFFF) << 16) + x) & _MASK32
+
+
+def philox_uint32_ref(key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """Triton's tl.randint(key, counter): Philox4x32-10's first word, as int64 in
+    [0, 2**32). key: int64 (broadcast against counter), counter: int64 >= 0."""
+    key = key.to(torch.int64)
+    c0, c1 = counter & _MASK32, counter >> 32
+    c2 = c3 = torch.zeros_like(counter)
+    k0, k1 = key & _MASK32, (key >> 32) & _MASK32
+    for _ in range(10):
+        hi_b, lo_b = _mul32(c2, _PHILOX_ROUND_B)
+        hi_a, lo_a = _mul32(c0, _PHILOX_ROUND_A)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY_A) & _MASK32, (k1 + _PHILOX_KEY_B) & _MASK32
+    return c0
+
+
+def sample_tokens_ref(
+    logits: torch.Tensor,  # [R, C]
+    temperatures: torch.Tensor,  # [N] float32
+    limits: torch.Tensor,  # [N] int64
+    top_ps: torch.Tensor,  # [N] float32
+    keys: torch.Tensor,  # [N] int64
+    bases: torch.Tensor,  # [N] int64
+    out: torch.Tensor,  # [N] int64
+    rows: torch.Tensor | None = None,  # [R]
+    ids: torch.Tensor | None = None,  # [R, C]
+    max_rounds: int = 64,
+) -> torch.Tensor:
+    """kernels.sampling.sample_tokens in torch: greedy rows take the first argmax; the
+    others sample among their first `limits` candidates, temperature then top-p, by
+    rounds of a Gumbel race over the tokens above a pivot, each accepted when the
+    tokens scoring above it hold less than top_p of the mass."""
+    num_rows, num_cols = logits.shape
+    rows = torch.arange(num_rows, device=logits.device) if rows is None else rows.long()
+    x = logits if ids is not None else logits[rows]
+    temp, top_p = temperatures[rows].float(), top_ps[rows].float()
+    limit = limits[rows].clamp(max=num_cols)
+    greedy = temp == 0
+    inv_t = torch.where(greedy, torch.ones_like(temp), 1.0 / temp)
+    cols = torch.arange(num_cols, device=logits.device)
+    valid = cols[None, :] < limit[:, None]
+    s = torch.where(valid, x.float() * inv_t[:, None], float("-inf"))
+    m = s.max(dim=1).values
+    token = s.argmax(dim=1)  # the first maximum
+    z = torch.exp(s - m[:, None]).sum(dim=1)
+    pivot = torch.full_like(m, float("-inf"))
+    done = greedy.clone()
+    counter = bases[rows][:, None] + cols[None, :]
+    for rnd in range(max_rounds):
+        if bool(done.all()):
+            break
+        bits = philox_uint32_ref(keys[rows][:, None], counter + rnd * num_cols)
+        u = ((bits >> 9).float() + 0.5) * (1.0 / 8388608.0)
+        race = torch.where(s > pivot[:, None], s - torch.log(-torch.log(u)), float("-inf"))
+        t = race.argmax(dim=1)
+        s_t = s.gather(1, t[:, None])[:, 0]
+        above = torch.where(s > s_t[:, None], torch.exp(s - m[:, None]), 0.0).sum(dim=1)
+        accept = ~done & ((top_p >= 1) | (above < top_p * z))
+        token = torch.where(accept, t, token)
+        pivot = torch.where(done | accept, pivot, s_t)
+        done |= accept
+    if ids is not None:
+        token = ids.gather(1, token[:, None])[:, 0]
+    out[rows] = token.to(out.dtype)
+    return out

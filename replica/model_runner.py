@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import random
 
 import numpy as np
 import torch
@@ -46,7 +47,7 @@ from replica.decode_inputs import (
 )
 from replica.models import ModelConfig, load_model
 from replica.prefill_inputs import PrefillBucket, PrefillInputs
-from replica.sampler import SamplingBatch, sample
+from replica.sampler import SamplingBatch, sample, sample_fused
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch
 from replica.sequence import Sequence
@@ -159,6 +160,10 @@ class ModelRunner:
         self.token_events = [torch.cuda.Event() for _ in range(2)] if pin else []
         self.parity = 0
         self.token_buf = torch.zeros(rows, dtype=torch.int64, device=device)  # last token per slot
+        # Sampling (replica.sampler): kernels.sampling on CUDA, with Philox keys (a request's
+        # seed, or one drawn here per step); torch ops and torch Generators on the CPU.
+        self.fused_sampling = device.type == "cuda"
+        self.step_keys = random.Random(config.seed)
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.request_generators: dict[str, torch.Generator] = {}
         self.kv_cache: torch.Tensor | None = None
@@ -300,6 +305,9 @@ class ModelRunner:
                     greedy[i] = logits[i].argmax(dim=-1)
                     self.token_buf.index_copy_(0, slots[i], greedy[i])
             tokens = cat(greedy)
+        elif self.fused_sampling:
+            tokens = sample_fused(cat(logits), sampling)
+            self.token_buf.index_copy_(0, cat(slots), tokens)
         else:
             tokens = sample(cat(logits), sampling, self.generator)
             self.token_buf.index_copy_(0, cat(slots), tokens)
@@ -330,11 +338,24 @@ class ModelRunner:
         logits_parts, slot_parts, greedy_parts = (
             list(x) for x in zip(*(p for p in parts if len(p[1])), strict=True)
         )
-        params = SamplingParams(temperature=0.5, top_k=5, top_p=0.9)
-        sampled = SamplingBatch.build([params] * rows, [None] * rows, self.vocab_size, self.device)
+        # Rows with a top_k, rows over the whole vocabulary, a greedy row: each sampling launch.
+        kinds = (
+            SamplingParams(temperature=0.5, top_k=5, top_p=0.9),
+            SamplingParams(temperature=0.5, top_p=0.9),
+            SamplingParams(temperature=0.0),
+        )
+        # A batch without a top_k row: kernels.sampling's launch over every row.
+        batches = [SamplingBatch.greedy()]
+        for kinds_used in (kinds, kinds[1:]):
+            params = [kinds_used[i % len(kinds_used)] for i in range(rows)]
+            batches.append(
+                SamplingBatch.build(
+                    params, [None] * rows, self.vocab_size, self.device, positions=[0] * rows
+                )
+            )
         host = self.token_staging[self.parity, :rows]
         state = self.generator.get_state()  # the warm-up draws no numbers a request would see
-        for sampling in (SamplingBatch.greedy(), sampled):
+        for sampling in batches:
             self._sample(logits_parts, slot_parts, greedy_parts, sampling, host).wait()
         self.generator.set_state(state)
         self.step_inputs.upload(
@@ -456,6 +477,11 @@ class ModelRunner:
         if all(map(_GREEDY, seqs)):  # a C-level pass: 256 rows a step on the hot path
             return SamplingBatch.greedy()
         params = [s.params for s in seqs]
+        if self.fused_sampling:  # a seeded row's key is its seed, its counter its position
+            return SamplingBatch.build(
+                params, [None] * len(seqs), self.vocab_size, self.device,
+                positions=[len(s) for s in seqs], step_key=self.step_keys.getrandbits(63),
+            )  # fmt: skip
         generators = [self._request_generator(s) for s in seqs]
         return SamplingBatch.build(params, generators, self.vocab_size, self.device)
 

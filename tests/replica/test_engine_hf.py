@@ -258,6 +258,64 @@ def test_decode_rows_in_the_prefill_forward_give_the_same_tokens(checkpoint, tem
         assert results[0] == [hf_greedy(hf_model, p, 12) for p in prompts]
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="drives the CUDA sampler on a CPU engine (the interpreter)"
+)
+def test_fused_sampling_draws_by_seed_and_position_whatever_the_batch(checkpoint):
+    """The CUDA sampler (kernels.sampling, here under the interpreter): a seeded request's
+    tokens come from its seed and its positions alone, so they are the same arriving with
+    the others or one at a time; greedy requests beside sampled ones stay HF's greedy."""
+    path, hf_model = checkpoint
+    prompts = random_prompts(17, [3, 20, 8, 33, 1, 14])
+    kinds = [
+        {"temperature": 0.9, "top_k": 12},  # the top-k launch
+        {"temperature": 1.1, "top_p": 0.8},  # the whole-vocabulary launch
+        {"temperature": 0.0},
+    ]
+    params = [
+        SamplingParams(max_tokens=10, seed=100 + i, ignore_eos=True, **kinds[i % 3])
+        for i in range(len(prompts))
+    ]
+    results = []
+    for every in (1, 3):
+        engine = make_engine(path, 16)
+        engine.runner.fused_sampling = True
+        results.append(run_staggered(engine, prompts, params, every=every))
+    alone = make_engine(path, 16)
+    alone.runner.fused_sampling = True
+    results.append([o.token_ids for o in alone.generate(prompts, params)])
+    assert results[0] == results[1] == results[2]
+    for i in range(2, len(prompts), 3):
+        assert results[0][i] == hf_greedy(hf_model, prompts[i], 10)
+    assert len({tuple(t) for t in results[0]}) == len(prompts)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_requests_seed_moves_only_its_own_tokens(checkpoint, fused):
+    """Same requests, same steps, one seed changed: that request's tokens change and no
+    other's, with either sampler (the steps' shapes do not change, so neither do the other
+    rows' logits, on the GPU too)."""
+    path, _ = checkpoint
+    prompts = random_prompts(18, [5, 12, 9, 30])
+
+    def run(first_seed: int) -> list[list[int]]:
+        top_ks = [20, 0, 20, 0]  # the top-k launch and the whole-vocabulary one
+        seeds = [first_seed, 1, 2, 3]
+        params = [
+            SamplingParams(max_tokens=12, top_p=0.9, top_k=k, seed=s, ignore_eos=True)
+            for k, s in zip(top_ks, seeds, strict=True)
+        ]
+        # The CUDA sampler: natively on a GPU, else on a CPU engine under the interpreter.
+        device = "cuda" if fused and torch.cuda.is_available() else "cpu"
+        engine = make_engine(path, 16, device=device)
+        engine.runner.fused_sampling = fused
+        return [o.token_ids for o in engine.generate(prompts, params)]
+
+    base, moved = run(1000), run(2000)
+    assert base == run(1000)
+    assert moved[0] != base[0] and moved[1:] == base[1:]
+
+
 def test_streaming_interface_and_abort_free_blocks(checkpoint):
     path, hf_model = checkpoint
     engine = make_engine(path, 16)

@@ -1,0 +1,172 @@
+"""kernels.sampling against its torch reference, and the reference's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import kernels.sampling as sampling
+from kernels.reference import philox_uint32_ref, sample_tokens_ref
+
+
+@pytest.fixture(autouse=True)
+def small_block(monkeypatch):
+    """64-logit lane passes, so that every row spans several chunks and a ragged end."""
+    monkeypatch.setattr(sampling, "BLOCK", 64)
+
+
+@triton.jit
+def _randint_kernel(key_ptr, out_ptr, base, N: tl.constexpr):
+    i = tl.arange(0, N)
+    bits = tl.randint(tl.load(key_ptr), base + i.to(tl.int64))
+    tl.store(out_ptr + i, bits.to(tl.int64) & 0xFFFFFFFF)
+
+
+@pytest.mark.parametrize("key, base", [(0, 0), (123456789012345, (5 << 32) + 77), (2**62 + 3, 9)])
+def test_philox_reference_is_tritons_randint(key, base, device):
+    keys = torch.tensor([key], dtype=torch.int64, device=device)
+    out = torch.zeros(64, dtype=torch.int64, device=device)
+    _randint_kernel[(1,)](keys, out, base, N=64)
+    want = philox_uint32_ref(keys.cpu(), base + torch.arange(64))
+    assert torch.equal(out.cpu(), want)
+
+
+def _params(n: int, gen: torch.Generator, greedy_every: int = 4):
+    temps = torch.rand(n, generator=gen) * 1.5 + 0.3
+    temps[::greedy_every] = 0.0
+    top_ps = torch.where(torch.rand(n, generator=gen) < 0.3, 1.0, torch.rand(n, generator=gen))
+    keys = torch.randint(0, 2**62, (n,), generator=gen)
+    bases = torch.randint(0, 2**20, (n,), generator=gen) << 32
+    return temps, top_ps.clamp(min=0.01), keys, bases
+
+
+def _both(logits, temps, limits, top_ps, keys, bases, device, **rows_ids):
+    """(kernel, reference) tokens for the same inputs; rows the launch leaves stay -1."""
+    n = temps.shape[0]
+    on = lambda t: t.to(device)  # noqa: E731
+    out = torch.full((n,), -1, dtype=torch.int64, device=device)
+    args = [on(t) for t in (temps, limits, top_ps, keys, bases)]
+    extra = {k: on(v) for k, v in rows_ids.items()}
+    sampling.sample_tokens(on(logits), *args, out, **extra)
+    ref = torch.full((n,), -1, dtype=torch.int64)
+    sample_tokens_ref(logits, temps, limits, top_ps, keys, bases, ref, **rows_ids)
+    return out.cpu(), ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(3))
+def test_kernel_matches_reference_over_whole_rows(dtype, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    n, vocab = 12, 203  # four 64-logit chunks, the last ragged
+    logits = (torch.randn(n, vocab, generator=gen) * 3).to(dtype)
+    logits[0, 7] = logits[0, 150] = logits[0].max() + 1  # a greedy row with a tie
+    temps, top_ps, keys, bases = _params(n, gen)
+    limits = torch.full((n,), vocab, dtype=torch.int64)
+    got, want = _both(logits, temps, limits, top_ps, keys, bases, device)
+    assert torch.equal(got, want)
+    assert got[0] == 7  # the first of the tied maxima
+    greedy = temps == 0
+    assert torch.equal(got[greedy], logits.float().argmax(dim=1)[greedy])
+
+
+def test_kernel_matches_reference_on_candidates_and_row_subsets(device):
+    """Top-k rows: their torch.topk candidates and ids, limits at each row's k; the other
+    rows over the whole vocabulary, both launches writing their own rows of out."""
+    gen = torch.Generator().manual_seed(5)
+    n, vocab = 10, 150
+    logits = torch.randn(n, vocab, generator=gen) * 2
+    temps, top_ps, keys, bases = _params(n, gen, greedy_every=5)
+    top_k_rows = torch.tensor([1, 3, 4, 8])
+    other_rows = torch.tensor([0, 2, 5, 6, 7, 9])
+    limits = torch.full((n,), vocab, dtype=torch.int64)
+    limits[top_k_rows] = torch.tensor([3, 40, 1, 17])
+    values, ids = logits[top_k_rows].topk(40, dim=1)
+    got_k, want_k = _both(
+        values, temps, limits, top_ps, keys, bases, device, rows=top_k_rows, ids=ids
+    )
+    got_o, want_o = _both(logits, temps, limits, top_ps, keys, bases, device, rows=other_rows)
+    assert torch.equal(got_k, want_k) and torch.equal(got_o, want_o)
+    assert (got_k[other_rows] == -1).all() and (got_o[top_k_rows] == -1).all()
+    for row, k in zip(top_k_rows.tolist(), (3, 40, 1, 17), strict=True):
+        assert got_k[row] in logits[row].topk(k).indices.tolist()
+    assert got_k[4] == logits[4].argmax()  # top_k = 1
+
+
+def test_a_row_draws_by_its_key_and_base_not_its_place(device):
+    """Seeded requests: the same key and base give the same token in any row of any batch."""
+    gen = torch.Generator().manual_seed(9)
+    vocab = 100
+    row = torch.randn(1, vocab, generator=gen)
+    others = torch.randn(5, vocab, generator=gen)
+    tokens = []
+    for place in (0, 3, 5):
+        logits = torch.cat([others[:place], row, others[place:]])
+        temps = torch.full((6,), 0.9)
+        limits = torch.full((6,), vocab, dtype=torch.int64)
+        top_ps = torch.full((6,), 0.8)
+        keys = torch.randint(0, 2**62, (6,), generator=gen)
+        bases = torch.randint(0, 2**20, (6,), generator=gen) << 32
+        keys[place], bases[place] = 424242, 17 << 32
+        got, want = _both(logits, temps, limits, top_ps, keys, bases, device)
+        assert torch.equal(got, want)
+        tokens.append(int(got[place]))
+    assert len(set(tokens)) == 1
+
+
+def test_a_tiny_top_p_keeps_only_the_most_likely_token(device):
+    """A near-flat row with top_p under the top token's share: rounds of rejection until the
+    race reaches the top token (the pivot rises past every rejected one)."""
+    gen = torch.Generator().manual_seed(2)
+    n, vocab = 6, 180
+    logits = torch.randn(n, vocab, generator=gen) * 0.01
+    temps = torch.ones(n)
+    limits = torch.full((n,), vocab, dtype=torch.int64)
+    top_ps = torch.full((n,), 1e-4)
+    keys = torch.arange(n) + 11
+    bases = torch.zeros(n, dtype=torch.int64)
+    got, want = _both(logits, temps, limits, top_ps, keys, bases, device)
+    assert torch.equal(got, want)
+    assert torch.equal(got, logits.argmax(dim=1))
+
+
+def _frequencies(logits: torch.Tensor, rows: int, **kw) -> torch.Tensor:
+    n_vocab = logits.shape[1]
+    temps = torch.full((rows,), kw.get("temperature", 1.0))
+    limit = kw.get("limit", n_vocab)
+    limits = torch.full((rows,), limit, dtype=torch.int64)
+    top_ps = torch.full((rows,), kw.get("top_p", 1.0))
+    keys = torch.full((rows,), 77, dtype=torch.int64)
+    bases = torch.arange(rows) << 32  # independent draws: one counter range each
+    values, ids = logits.topk(limit, dim=1) if limit < n_vocab else (logits, None)
+    out = torch.empty(rows, dtype=torch.int64)
+    x = values.expand(rows, -1)
+    sample_tokens_ref(x, temps, limits, top_ps, keys, bases, out,
+                      ids=None if ids is None else ids.expand(rows, -1))  # fmt: skip
+    return torch.bincount(out, minlength=n_vocab).double() / rows
+
+
+@pytest.mark.parametrize(
+    "kw, support",
+    [
+        ({"temperature": 0.7}, None),
+        ({"temperature": 1.0, "top_p": 0.65}, [0, 1]),  # kept while the mass before < 0.65
+        ({"temperature": 1.0, "top_p": 0.75}, [0, 1, 2]),  # 0.5 + 0.2 < 0.75: the third too
+        ({"temperature": 1.0, "limit": 3}, [0, 1, 2]),
+        ({"temperature": 1.0, "limit": 3, "top_p": 0.6}, [0, 1]),  # 0.5 / 0.85 < 0.6
+    ],
+)
+def test_reference_samples_the_renormalised_filtered_softmax(kw, support):
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    logits = probs.log()[None, :]
+    rows = 30_000
+    freq = _frequencies(logits, rows, **kw)
+    want = torch.softmax(logits[0].double() / kw["temperature"], dim=0)
+    if support is not None:
+        keep = torch.zeros(5, dtype=torch.bool)
+        keep[support] = True
+        want = torch.where(keep, want, 0.0)
+        want /= want.sum()
+    tol = 5 * (want * (1 - want) / rows).sqrt() + 1e-12  # 5 sigma
+    assert ((freq - want).abs() <= tol).all(), (freq.tolist(), want.tolist())

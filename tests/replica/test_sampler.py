@@ -1,0 +1,132 @@
+"""The sampler: greedy, temperature, top-k, top-p and per-request seeds, on the CPU."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from replica.sampler import SamplingBatch, sample
+from replica.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def _batch(params: list[SamplingParams], vocab: int, seeds: dict[int, int] | None = None):
+    gens = [None] * len(params)
+    for row, seed in (seeds or {}).items():
+        gens[row] = torch.Generator().manual_seed(seed)
+    return SamplingBatch.build(params, gens, vocab, CPU)
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, rows: int, seed: int = 0) -> torch.Tensor:
+    """rows independent draws from one row of logits (unseeded rows, one default generator)."""
+    batch = _batch([params] * rows, logits.shape[-1])
+    return sample(logits.expand(rows, -1).clone(), batch, torch.Generator().manual_seed(seed))
+
+
+def test_build_packs_each_rows_values_and_clamps_top_k_to_the_vocabulary():
+    params = [
+        SamplingParams(temperature=0.5, top_k=3, top_p=0.9),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.5, top_k=10**12),  # past the vocabulary: no filter
+    ]
+    batch = _batch(params, vocab=7)
+    assert batch.temperatures.tolist() == [0.5, 0.0, 1.5]
+    assert batch.top_ks.dtype == torch.int64 and batch.top_ks.tolist() == [3, 7, 7]
+    assert batch.top_ps.tolist() == pytest.approx([0.9, 1.0, 1.0])
+    assert (batch.all_greedy, batch.any_top_k, batch.any_top_p) == (False, True, True)
+    assert _batch([SamplingParams(temperature=0.0)] * 2, vocab=7).all_greedy
+
+
+def test_greedy_rows_take_the_first_argmax_beside_sampled_rows():
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 0.0, 0.0, 5.0], [0.0, 0.0, 0.0, 9.0]])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
+    params.append(SamplingParams(temperature=1.0, top_k=1))  # top_k=1 is the argmax too
+    for seed in range(5):
+        tokens = sample(logits, _batch(params, 4), torch.Generator().manual_seed(seed))
+        assert tokens.tolist() == [1, 0, 3]
+
+
+def test_top_k_keeps_the_k_most_likely_tokens():
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.5, 0.0, 1.8]])
+    tokens = _draw(logits, SamplingParams(temperature=2.0, top_k=3), rows=4000)
+    assert set(tokens.tolist()) == {1, 3, 5}
+
+
+@pytest.mark.parametrize(
+    ("top_p", "kept"),
+    [(0.5, {0}), (0.51, {0, 1}), (0.8, {0, 1}), (0.81, {0, 1, 2}), (1.0, {0, 1, 2, 3})],
+)
+def test_top_p_keeps_the_smallest_set_that_reaches_p(top_p, kept):
+    """Probabilities 0.5, 0.3, 0.15, 0.05: a token is kept while the mass before it is
+    under top_p, so the token that crosses top_p is kept."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    tokens = _draw(logits, SamplingParams(temperature=1.0, top_p=top_p), rows=4000)
+    assert set(tokens.tolist()) == kept
+
+
+def test_top_k_applies_before_top_p():
+    logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
+    # top_k 2 renormalises to 4/7, 3/7: top_p 0.6 then needs both
+    tokens = _draw(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.6), rows=4000)
+    assert set(tokens.tolist()) == {0, 1}
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_frequencies_follow_softmax_of_logits_over_temperature(temperature):
+    logits = torch.tensor([[1.0, 0.0, -0.5, 0.7, -2.0]])
+    rows = 40_000
+    tokens = _draw(logits, SamplingParams(temperature=temperature), rows, seed=3)
+    freq = torch.bincount(tokens, minlength=5).double() / rows
+    want = torch.softmax(logits[0].double() / temperature, dim=0)
+    # 5 sigma of a binomial proportion at 40K draws
+    tol = 5 * (want * (1 - want) / rows).sqrt()
+    assert ((freq - want).abs() <= tol).all(), (freq.tolist(), want.tolist())
+
+
+def test_seeded_rows_do_not_depend_on_their_neighbours():
+    vocab = 50
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, vocab, generator=gen)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (11, 22, 33)]
+
+    def draws(order: list[int], neighbours: int, steps: int = 8) -> dict[int, list[int]]:
+        """Seeded rows of logits[order], with unseeded rows before them, over steps."""
+        gens = {i: torch.Generator().manual_seed(params[i].seed) for i in order}
+        got: dict[int, list[int]] = {i: [] for i in order}
+        default = torch.Generator().manual_seed(neighbours)
+        for _ in range(steps):
+            rows = [SamplingParams(temperature=1.0)] * neighbours + [params[i] for i in order]
+            row_gens = [None] * neighbours + [gens[i] for i in order]
+            batch = SamplingBatch.build(rows, row_gens, vocab, CPU)
+            step_logits = torch.cat([logits[3 : 3 + neighbours], logits[order]])
+            tokens = sample(step_logits, batch, default)[neighbours:].tolist()
+            for i, t in zip(order, tokens, strict=True):
+                got[i].append(t)
+        return got
+
+    alone = draws([0, 1, 2], neighbours=0)
+    assert draws([2, 0, 1], neighbours=3) == alone
+    assert draws([1], neighbours=2)[1] == alone[1]
+    assert len({tuple(v) for v in alone.values()}) == 3  # each seed its own stream
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_build_does_not_wait_for_work_queued_before_it():
+    """The runner builds a step's sampling batch after queueing its forward: a blocking
+    copy of the rows' parameters held the host until the device had finished that
+    forward, so the host could not prepare the next step meanwhile."""
+    device = torch.device("cuda")
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9)] * 256
+    SamplingBatch.build(params, [None] * 256, 1000, device)  # pinned memory's first use
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # clock cycles: ~1 s of device time
+    start = time.perf_counter()
+    batch = SamplingBatch.build(params, [None] * 256, 1000, device)
+    held_s = time.perf_counter() - start
+    assert held_s < 0.25, f"the build waited {held_s:.3f} s for the queued work"
+    assert batch.top_ks.tolist() == [20] * 256  # the values, once the copy has run
+    assert batch.temperatures.tolist() == pytest.approx([0.8] * 256)
