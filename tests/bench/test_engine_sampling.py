@@ -1,0 +1,31 @@
+"""bench.engine's sampling options: the engine's requests and HF's peer sample alike."""
+
+from __future__ import annotations
+
+from bench.engine import GREEDY, Sampling, random_prompts, run_engine
+from replica import EngineConfig, LLMEngine
+
+
+def test_greedy_by_default_for_both():
+    params = GREEDY.params(0, 8)
+    assert params.greedy and params.max_tokens == 8 and params.ignore_eos
+    assert GREEDY.hf_kwargs() == {"do_sample": False}
+    assert str(GREEDY) == "greedy"
+
+
+def test_sampling_reaches_each_request_and_the_peer():
+    sampling = Sampling(temperature=0.8, top_k=50, top_p=0.9, seeded=True)
+    first, other = sampling.params(0, 16), sampling.params(3, 16)
+    assert (first.temperature, first.top_k, first.top_p, first.max_tokens) == (0.8, 50, 0.9, 16)
+    assert (first.seed, other.seed) == (0, 3)
+    assert Sampling(temperature=0.8).params(3, 16).seed is None
+    assert sampling.hf_kwargs() == {"do_sample": True, "temperature": 0.8, "top_k": 50,
+                                    "top_p": 0.9}  # fmt: skip
+    assert str(sampling) == "T=0.8 top_k=50 top_p=0.9 seeded"
+
+
+def test_a_sampled_run_emits_every_token():
+    engine = LLMEngine(EngineConfig(model="gpt2-tiny", device="cpu", max_num_seqs=4))
+    prompts = random_prompts(4, 6, engine.model_config.vocab_size, 1)
+    run = run_engine(engine, prompts, 5, Sampling(temperature=1.0, top_p=0.9, seeded=True))
+    assert run.output_tokens == 4 * 5 and run.decode_tokens == 4 * 4
