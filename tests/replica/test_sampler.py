@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from replica.sampler import SamplingBatch, sample
+from replica.sampler import SamplingBatch, sample, sample_fused
 from replica.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -130,3 +130,49 @@ def test_build_does_not_wait_for_work_queued_before_it():
     assert held_s < 0.25, f"the build waited {held_s:.3f} s for the queued work"
     assert batch.top_ks.tolist() == [20] * 256  # the values, once the copy has run
     assert batch.temperatures.tolist() == pytest.approx([0.8] * 256)
+
+
+def _fused(logits: torch.Tensor, params: list[SamplingParams], positions=None, step_key=5):
+    """sample_fused's tokens: natively on a GPU, else under the interpreter."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    positions = positions or [10] * len(params)
+    batch = SamplingBatch.build(
+        params, [None] * len(params), logits.shape[1], device, positions=positions,
+        step_key=step_key,
+    )  # fmt: skip
+    return sample_fused(logits.to(device), batch).cpu()
+
+
+@pytest.mark.parametrize("kinds", ["mixed", "all top-k", "no top-k"])
+def test_fused_sampler_routes_rows_to_their_launch(kinds):
+    """kernels.sampling: greedy rows take the first argmax, top-k rows stay within their k,
+    whichever launches the batch needs."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = 90
+    logits = torch.randn(6, vocab, generator=gen) * 2
+    top_k = {"mixed": [4, 0, 0, 9, 0, 1], "all top-k": [4, 2, 7, 9, 3, 1], "no top-k": [0] * 6}
+    temps = [1.0, 0.0, 0.7, 1.2, 1.0, 0.9] if kinds != "all top-k" else [1.0] * 6
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=0.9, seed=i)
+        for i, (t, k) in enumerate(zip(temps, top_k[kinds], strict=True))
+    ]
+    for position in range(8):
+        tokens = _fused(logits, params, positions=[position] * 6).tolist()
+        for row, (p, token) in enumerate(zip(params, tokens, strict=True)):
+            if p.greedy:
+                assert token == logits[row].argmax()
+            elif p.top_k > 0:
+                assert token in logits[row].topk(p.top_k).indices.tolist()
+
+
+def test_fused_sampler_seeded_rows_ignore_neighbours_and_step_keys():
+    gen = torch.Generator().manual_seed(2)
+    vocab = 70
+    logits = torch.randn(4, vocab, generator=gen)
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    free = SamplingParams(temperature=1.0)
+    alone = _fused(logits[:1], [seeded], positions=[17], step_key=1)
+    crowd = _fused(logits[[3, 1, 0]], [free, free, seeded], positions=[3, 4, 17], step_key=2)
+    assert alone.tolist()[0] == crowd.tolist()[2]
+    draws = {int(_fused(logits[:1], [seeded], positions=[p]).item()) for p in range(20)}
+    assert len(draws) > 1  # the position moves the counter
