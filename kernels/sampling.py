@@ -53,10 +53,7 @@ def _uniform(key, counter):
     return ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
 
-# Shapes and strides vary with the step (a top-k launch's width is the batch's largest
-# top_k): left unspecialised, one compiled kernel per (ids, rows) form serves them all,
-# and the model runner's warm-up compiles each form before the first request.
-@triton.jit(do_not_specialize=["stride_logits", "stride_ids", "num_cols"])
+@triton.jit
 def _sample_kernel(
     logits_ptr, stride_logits, ids_ptr, stride_ids, rows_ptr, out_ptr,
     temps_ptr, limits_ptr, top_ps_ptr, keys_ptr, bases_ptr, num_cols,
@@ -156,7 +153,9 @@ def sample_tokens(
 
     Without ids, logits has every row (N) and rows picks some; with ids, logits and ids
     hold the candidates of rows[j] in their row j (all rows when rows is None). Never
-    reads device data on the host.
+    reads device data on the host. Triton compiles a kernel per launch form (ids, rows)
+    and per class of the widths and strides (divisible by 16 or not): callers keep those
+    classes fixed (candidates_width), so that nothing compiles mid-serving.
     """
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits: [R, C], columns contiguous"
     num_programs = rows.shape[0] if rows is not None else logits.shape[0]
@@ -173,3 +172,10 @@ def sample_tokens(
         MAX_ROUNDS=MAX_ROUNDS, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
+
+
+def candidates_width(max_top_k: int, vocab_size: int) -> int:
+    """torch.topk's width for a batch whose largest top_k is max_top_k: a multiple of 16
+    (the rows' limits mask the extra candidates), so that every top-k launch has widths
+    and strides of one class whatever the batch's top_k, and one compiled kernel."""
+    return min(-(-max_top_k // 16) * 16, vocab_size)

@@ -154,6 +154,7 @@ def sample_fused(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  #
     params = (batch.temperatures, batch.limits, batch.top_ps, batch.keys, batch.bases, tokens)
     if batch.top_k_rows is None:
         return kernels.sample_tokens(logits, *params)
-    values, ids = logits.index_select(0, batch.top_k_rows).topk(batch.max_top_k, dim=-1)
+    width = kernels.candidates_width(batch.max_top_k, logits.shape[1])
+    values, ids = logits.index_select(0, batch.top_k_rows).topk(width, dim=-1)
     kernels.sample_tokens(values, *params, rows=batch.top_k_rows, ids=ids)
     return kernels.sample_tokens(logits, *params, rows=batch.other_rows)

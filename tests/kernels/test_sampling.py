@@ -170,3 +170,9 @@ def test_reference_samples_the_renormalised_filtered_softmax(kw, support):
         want /= want.sum()
     tol = 5 * (want * (1 - want) / rows).sqrt() + 1e-12  # 5 sigma
     assert ((freq - want).abs() <= tol).all(), (freq.tolist(), want.tolist())
+
+
+def test_candidates_width_keeps_one_class_of_widths():
+    """Multiples of 16 (Triton specialises on divisibility by 16), at most the vocabulary."""
+    widths = [sampling.candidates_width(k, 384) for k in (1, 5, 16, 17, 50, 383, 400)]
+    assert widths == [16, 16, 16, 32, 64, 384, 384]
