@@ -17,8 +17,10 @@ Each round races a superset of the top-p set with the right proportions, so an
 accepted token is distributed exactly as top-p sampling's (the top-p set is taken
 with ties whole: a token is in it when the tokens strictly above it hold less than
 top_p). The most likely token is always in the set, so rounds end; MAX_ROUNDS bounds
-them and the most likely token stands in past it (a rejection each round of 64, which
-no sane distribution and top_p come near). top_p == 1 accepts the first race.
+them and the most likely token stands in past it. The worst case is a flat row with a
+top_p that keeps one token: each round's winner is uniform over the tokens above the
+pivot, so the rounds number about ln(vocabulary) (12 for 152K tokens), and 64 of them
+are a Poisson tail beyond 1e-20. top_p == 1 accepts the first race.
 
 Top-k comes in as candidates: the row's top_k largest logits (torch.topk, largest
 first) and their vocabulary ids, with `limits` the row's k; the normaliser and the
