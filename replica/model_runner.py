@@ -338,13 +338,14 @@ class ModelRunner:
         logits_parts, slot_parts, greedy_parts = (
             list(x) for x in zip(*(p for p in parts if len(p[1])), strict=True)
         )
-        # Rows with a top_k, rows over the whole vocabulary, a greedy row: each sampling launch.
+        # Every sampling launch: rows with a top_k (over their candidates) beside rows over
+        # the whole vocabulary and a greedy row, then a batch without a top_k row (one
+        # launch over every row).
         kinds = (
             SamplingParams(temperature=0.5, top_k=5, top_p=0.9),
             SamplingParams(temperature=0.5, top_p=0.9),
             SamplingParams(temperature=0.0),
         )
-        # A batch without a top_k row: kernels.sampling's launch over every row.
         batches = [SamplingBatch.greedy()]
         for kinds_used in (kinds, kinds[1:]):
             params = [kinds_used[i % len(kinds_used)] for i in range(rows)]
