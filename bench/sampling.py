@@ -1,0 +1,109 @@
+"""Sampling a decode step's logits: kernels.sampling against the torch sampler, on a GPU.
+
+    python -m bench.sampling [--rows 1 64 256] [--shapes gpt2,qwen3-0.6b] [--out sampling.json]
+
+For each vocabulary (gpt2's 50,257 in fp16 and qwen3-0.6b's 151,936 in bf16, as their
+LM heads give them), each batch of rows and each kind of sampling (temperature alone,
+top-p, top-k, seeded top-p), it times `replica.sampler.sample_fused` (the CUDA path:
+kernels.sampling, with torch.topk for top-k rows) against `replica.sampler.sample` (the
+torch path, a sort for top-k / top-p: the peer), both with triton's do_bench (host launch
+included, as the engine pays it), and kernels.sample_tokens alone, CUDA-graph-timed over
+rotating copies of the logits. Random logits with a spread like a trained model's
+(normal, scale 3) and like a random-weight one's (scale 0.3): the rejection rounds
+depend on how peaked a row is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from bench import kernels as bk
+from bench.common import machine_description, markdown_table, write_json
+from replica.sampler import SamplingBatch, sample, sample_fused
+from replica.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Vocab:
+    name: str
+    size: int
+    dtype: torch.dtype
+
+
+VOCABS = [Vocab("gpt2", 50257, torch.float16), Vocab("qwen3-0.6b", 151936, torch.bfloat16)]
+KINDS = {
+    "T=0.8": dict(temperature=0.8),
+    "T=0.8 top_p=0.95": dict(temperature=0.8, top_p=0.95),
+    "T=0.8 top_k=50": dict(temperature=0.8, top_k=50),
+    "T=0.8 top_p=0.95 seeded": dict(temperature=0.8, top_p=0.95, seed=0),
+}
+SPREADS = (3.0, 0.3)
+
+
+def bench_case(vocab: Vocab, rows: int, kind: str, spread: float) -> dict:
+    device = torch.device(bk.DEVICE)
+    fields = KINDS[kind]
+    params = [
+        SamplingParams(**(fields | ({"seed": i} if "seed" in fields else {}))) for i in range(rows)
+    ]
+    gen = torch.Generator(device=device).manual_seed(rows)
+    copies = bk.num_copies(rows * vocab.size * vocab.dtype.itemsize)
+    logits = [
+        (torch.randn(rows, vocab.size, generator=gen, device=device) * spread).to(vocab.dtype)
+        for _ in range(copies)
+    ]
+    positions = list(range(rows))
+    fused = SamplingBatch.build(params, [None] * rows, vocab.size, device, positions, 1)
+    generators = [
+        torch.Generator(device=device).manual_seed(p.seed) if p.seed is not None else None
+        for p in params
+    ]
+    torch_batch = SamplingBatch.build(params, generators, vocab.size, device)
+    default = torch.Generator(device=device).manual_seed(0)
+    fused_fns = [lambda x=x: sample_fused(x, fused) for x in logits]
+    torch_fns = [lambda x=x: sample(x, torch_batch, default) for x in logits]
+    row = {"vocab": vocab.name, "rows": rows, "sampling": kind, "spread": spread}
+    row["fused_us"] = bk.do_bench_us(fused_fns)
+    row["torch_us"] = bk.do_bench_us(torch_fns)
+    row["x torch"] = row["torch_us"] / row["fused_us"]
+    if fused.top_k_rows is None:  # the kernel alone: one launch over every row
+        out = torch.empty(rows, dtype=torch.int64, device=device)
+        args = (fused.temperatures, fused.limits, fused.top_ps, fused.keys, fused.bases, out)
+        row["kernel_us"] = bk.graph_time_us(
+            [lambda x=x: kernels.sample_tokens(x, *args) for x in logits]
+        )
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--shapes", default=",".join(v.name for v in VOCABS))
+    parser.add_argument("--out", default=None, help="write JSON results here")
+    args = parser.parse_args(argv)
+    names = args.shapes.split(",")
+    vocabs = [v for v in VOCABS if v.name in names]
+    if len(vocabs) != len(names):
+        raise SystemExit(f"--shapes: unknown name in {names}; known {[v.name for v in VOCABS]}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/sampling.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    bk.print_now(machine_description())
+    rows = []
+    for vocab, num_rows, kind, spread in itertools.product(vocabs, args.rows, KINDS, SPREADS):
+        rows.append(bench_case(vocab, num_rows, kind, spread))
+        r = rows[-1]
+        bk.print_now(f"{vocab.name} {num_rows} x [{kind}] spread {spread}: fused "
+                     f"{r['fused_us']:.1f} us, torch {r['torch_us']:.1f} us")  # fmt: skip
+    columns = ["vocab", "rows", "sampling", "spread", "fused_us", "kernel_us", "torch_us",
+               "x torch"]  # fmt: skip
+    bk.print_now(markdown_table(rows, columns))
+    write_json(args.out, {"benchmark": "sampling", "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
