@@ -73,7 +73,7 @@ def bench_case(vocab: Vocab, rows: int, kind: str, spread: float) -> dict:
     row["x torch"] = row["torch_us"] / row["fused_us"]
     if fused.top_k_rows is None:  # the kernel alone: one launch over every row
         out = torch.empty(rows, dtype=torch.int64, device=device)
-        args = (fused.temperatures, fused.limits, fused.top_ps, fused.keys, fused.bases, out)
+        args = (fused.temperatures, fused.top_ks, fused.top_ps, fused.keys, fused.bases, out)
         row["kernel_us"] = bk.graph_time_us(
             [lambda x=x: kernels.sample_tokens(x, *args) for x in logits]
         )

@@ -29,8 +29,8 @@ class SamplingBatch:
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
-    # sample_fused's inputs (build with positions); None for the torch path
-    limits: torch.Tensor | None = None  # [N] int64: top_k, or the vocabulary
+    # sample_fused's inputs (build with positions; top_ks are its rows' limits); None for
+    # the torch path
     keys: torch.Tensor | None = None  # [N] int64: Philox keys
     bases: torch.Tensor | None = None  # [N] int64: Philox counter bases
     top_k_rows: torch.Tensor | None = None  # rows sampling among their top_k (None: none)
@@ -84,12 +84,12 @@ class SamplingBatch:
                       not p.greedy]  # fmt: skip
         chosen = set(top_k_rows)
         other_rows = [i for i in range(n) if i not in chosen]
-        ints = _packed([top_ks, keys, bases, top_k_rows, other_rows], torch.int64, pin)
+        ints = _packed([keys, bases, top_k_rows, other_rows], torch.int64, pin)
         ints = ints.to(device, non_blocking=True)
-        batch.limits, batch.keys, batch.bases = ints[0, :n], ints[1, :n], ints[2, :n]
+        batch.keys, batch.bases = ints[0, :n], ints[1, :n]
         if top_k_rows:
-            batch.top_k_rows = ints[3, : len(top_k_rows)]
-            batch.other_rows = ints[4, : len(other_rows)]
+            batch.top_k_rows = ints[2, : len(top_k_rows)]
+            batch.other_rows = ints[3, : len(other_rows)]
             batch.max_top_k = max(top_ks[i] for i in top_k_rows)
         return batch
 
@@ -154,7 +154,7 @@ def sample_fused(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  #
     if batch.all_greedy:
         return logits.argmax(dim=-1)
     tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    params = (batch.temperatures, batch.limits, batch.top_ps, batch.keys, batch.bases, tokens)
+    params = (batch.temperatures, batch.top_ks, batch.top_ps, batch.keys, batch.bases, tokens)
     if batch.top_k_rows is None:
         return kernels.sample_tokens(logits, *params)
     width = kernels.candidates_width(batch.max_top_k, logits.shape[1])
