@@ -305,11 +305,12 @@ class ModelRunner:
                     greedy[i] = logits[i].argmax(dim=-1)
                     self.token_buf.index_copy_(0, slots[i], greedy[i])
             tokens = cat(greedy)
-        elif self.fused_sampling:
-            tokens = sample_fused(cat(logits), sampling)
-            self.token_buf.index_copy_(0, cat(slots), tokens)
         else:
-            tokens = sample(cat(logits), sampling, self.generator)
+            rows = cat(logits)
+            if self.fused_sampling:
+                tokens = sample_fused(rows, sampling)
+            else:
+                tokens = sample(rows, sampling, self.generator)
             self.token_buf.index_copy_(0, cat(slots), tokens)
         if self.device.type == "cpu":
             host.copy_(tokens)
