@@ -17,7 +17,6 @@ _ENTRY_POINTS = {
     "fused_add_rms_norm": "kernels.rms_norm",
     "silu_and_mul": "kernels.activation",
     "append_kv": "kernels.kv_append",
-    "candidates_width": "kernels.sampling",
     "append_kv_prefill": "kernels.kv_append",
     "append_kv_slots": "kernels.kv_append",
     "choose_num_splits": "kernels.decode_attention",
@@ -26,6 +25,7 @@ _ENTRY_POINTS = {
     "paged_decode_attention": "kernels.decode_attention",
     "paged_prefill_attention": "kernels.prefill_attention",
     "resolve_placeholders": "kernels.argmax",
+    "candidates_width": "kernels.sampling",
     "sample_tokens": "kernels.sampling",
 }
 

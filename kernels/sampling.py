@@ -56,6 +56,12 @@ def _uniform(key, counter):
 
 
 @triton.jit
+def _scores(x_ptr, i, limit, inv_t):
+    """Candidates i's logits over the temperature, in float32; -inf past the row's limit."""
+    return tl.load(x_ptr + i, mask=i < limit, other=float("-inf")).to(tl.float32) * inv_t
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr, stride_logits, ids_ptr, stride_ids, rows_ptr, out_ptr,
     temps_ptr, limits_ptr, top_ps_ptr, keys_ptr, bases_ptr, num_cols,
@@ -87,7 +93,7 @@ def _sample_kernel(
     lane_sum = tl.zeros([BLOCK], tl.float32)
     for start in range(0, limit, BLOCK):
         i = start + lanes
-        s = tl.load(x_ptr + i, mask=i < limit, other=float("-inf")).to(tl.float32) * inv_t
+        s = _scores(x_ptr, i, limit, inv_t)
         better = s > lane_max
         new_max = tl.where(better, s, lane_max)
         # exp(-inf - -inf) is NaN: a lane that has seen only -inf keeps a zero sum
@@ -110,7 +116,7 @@ def _sample_kernel(
         win_idx = tl.zeros([BLOCK], tl.int32)
         for start in range(0, limit, BLOCK):
             i = start + lanes
-            s = tl.load(x_ptr + i, mask=i < limit, other=float("-inf")).to(tl.float32) * inv_t
+            s = _scores(x_ptr, i, limit, inv_t)
             u = _uniform(key, base + rnd * num_cols + i.to(tl.int64))
             race = tl.where(s > pivot, s - tl.log(-tl.log(u)), float("-inf"))
             better = race > win_key
@@ -123,9 +129,7 @@ def _sample_kernel(
         if top_p < 1.0:
             above = tl.zeros([BLOCK], tl.float32)
             for start in range(0, limit, BLOCK):
-                i = start + lanes
-                s = tl.load(x_ptr + i, mask=i < limit, other=float("-inf")).to(tl.float32)
-                s = s * inv_t
+                s = _scores(x_ptr, start + lanes, limit, inv_t)
                 above += tl.where(s > s_t, tl.exp(s - m), 0.0)
             accept = tl.sum(above, axis=0) < top_p * z
         token = tl.where(accept, t, token)
