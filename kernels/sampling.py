@@ -1,9 +1,9 @@
-"""Triton sampling: temperature, top-k, top-p and greedy rows in one launch, no sort.
+"""Triton sampling: temperature, top-k, top-p and greedy rows without a sort.
 
 A sort of every row (what top-p over a softmax needs, done plainly) took gpt2's
 256-row sampled decode step from 0.99 to ~2.9 ms on an H200, and qwen3's (a 152K
-vocabulary) from 2.9 to ~8 ms (BENCHMARKS.md). Here one program per row streams its
-logits a few times instead:
+vocabulary) from 2.9 to ~8 ms (BENCHMARKS.md). Here the logits are streamed a few
+times instead:
 
 1. the row's maximum, its first index (a greedy row's token, done) and the softmax
    normaliser Z over the row's candidates, in one pass (online, per lane);
@@ -12,6 +12,16 @@ logits a few times instead:
    them; a second pass sums the mass of the tokens scoring above t. t is in the top-p
    set iff that mass is under top_p * Z: accept t. Else every token scoring at most t's
    score is outside the set too, and the next round races only the tokens above it.
+
+Each row is split into chunks (`chunking`: about TARGET_PROGRAMS programs a launch, so
+that one row's 50-150K logits spread over the SMs as a batch's do). Each pass is a
+launch over (chunk, row) programs that write partials (a chunk's max, first argmax and
+Z; its race winner; its mass above the winner) to a workspace; the next launch's
+programs combine a row's partials again (a few hundred floats) rather than wait for a
+reduction. The first launch runs pass 1 and round 0's race in one stream. The first
+SPLIT_ROUNDS rounds run this way; a row still undecided after them (rare: round 0
+fails with the probability of drawing outside the top-p set, ~1 - top_p) takes its
+further rounds in the finishing launch, one program streaming the whole row.
 
 Each round races a superset of the top-p set with the right proportions, so an
 accepted token is distributed exactly as top-p sampling's (the top-p set is taken
@@ -44,8 +54,13 @@ import triton.language as tl
 from kernels.reference import sample_tokens_ref  # noqa: F401  (the torch reference)
 
 MAX_ROUNDS = 64
+SPLIT_ROUNDS = 2  # rounds run split over a row's chunks; the rest (rare) by one program a row
 BLOCK = 1024  # logits per lane pass
+TARGET_PROGRAMS = 1024  # a launch's programs, about: rows x chunks
+MAX_CHUNKS = 256  # a row's chunks at most (a combine reads them as one vector)
 NUM_WARPS = 4
+FINISH_WARPS = 16  # the finishing program may stream a whole row in further rounds
+_NONE = tl.constexpr(1 << 30)  # "no index", above any vocabulary
 
 
 @triton.jit
@@ -62,13 +77,38 @@ def _scores(x_ptr, i, limit, inv_t):
 
 
 @triton.jit
-def _sample_kernel(
-    logits_ptr, stride_logits, ids_ptr, stride_ids, rows_ptr, out_ptr,
-    temps_ptr, limits_ptr, top_ps_ptr, keys_ptr, bases_ptr, num_cols,
-    HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    MAX_ROUNDS: tl.constexpr,
-):  # fmt: skip
-    prog = tl.program_id(0)
+def _gumbel_race(x_ptr, lo, hi, limit, inv_t, pivot, key, counter0, BLOCK: tl.constexpr):
+    """The race over candidates [lo, hi) scoring above pivot: (best key, its first index)."""
+    lanes = tl.arange(0, BLOCK)
+    win_key = tl.full([BLOCK], float("-inf"), tl.float32)
+    win_idx = tl.full([BLOCK], _NONE, tl.int32)
+    for start in range(lo, hi, BLOCK):
+        i = start + lanes
+        s = _scores(x_ptr, i, tl.minimum(limit, hi), inv_t)
+        u = _uniform(key, counter0 + i.to(tl.int64))
+        race = tl.where(s > pivot, s - tl.log(-tl.log(u)), float("-inf"))
+        better = race > win_key
+        win_key = tl.where(better, race, win_key)
+        win_idx = tl.where(better, i, win_idx)
+    top = tl.max(win_key, axis=0)
+    return top, tl.min(tl.where(win_key == top, win_idx, _NONE), axis=0)
+
+
+@triton.jit
+def _mass_above(x_ptr, lo, hi, limit, inv_t, s_t, m, BLOCK: tl.constexpr):
+    """Softmax mass (relative to exp(m)) of candidates [lo, hi) scoring above s_t."""
+    lanes = tl.arange(0, BLOCK)
+    above = tl.zeros([BLOCK], tl.float32)
+    for start in range(lo, hi, BLOCK):
+        s = _scores(x_ptr, start + lanes, tl.minimum(limit, hi), inv_t)
+        above += tl.where(s > s_t, tl.exp(s - m), 0.0)
+    return tl.sum(above, axis=0)
+
+
+@triton.jit
+def _row(prog, rows_ptr, logits_ptr, stride_logits, temps_ptr, limits_ptr, top_ps_ptr,
+         num_cols, HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr):  # fmt: skip
+    """Program prog's row: (row, its logits or candidates, limit, top_p, greedy, 1 / T)."""
     if HAS_ROWS:
         row = tl.load(rows_ptr + prog)
     else:
@@ -80,63 +120,194 @@ def _sample_kernel(
         x_ptr = logits_ptr + row * stride_logits
     temp = tl.load(temps_ptr + row)
     limit = tl.minimum(tl.load(limits_ptr + row), num_cols).to(tl.int32)
-    top_p = tl.load(top_ps_ptr + row)
-    key = tl.load(keys_ptr + row)
-    base = tl.load(bases_ptr + row)
     greedy = temp == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temp)
-    lanes = tl.arange(0, BLOCK)
+    return row, x_ptr, limit, tl.load(top_ps_ptr + row), greedy, inv_t
 
-    # Pass 1: each lane's running max (first index) and its softmax sum relative to it.
-    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
-    lane_idx = tl.zeros([BLOCK], tl.int32)
-    lane_sum = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, limit, BLOCK):
-        i = start + lanes
-        s = _scores(x_ptr, i, limit, inv_t)
-        better = s > lane_max
-        new_max = tl.where(better, s, lane_max)
-        # exp(-inf - -inf) is NaN: a lane that has seen only -inf keeps a zero sum
-        rescale = tl.where(lane_max == float("-inf"), 0.0, tl.exp(lane_max - new_max))
-        add = tl.where(s == float("-inf"), 0.0, tl.exp(s - new_max))
-        lane_sum = lane_sum * rescale + add
-        lane_idx = tl.where(better, i, lane_idx)
-        lane_max = new_max
-    m = tl.max(lane_max, axis=0)
-    best = tl.min(tl.where(lane_max == m, lane_idx, num_cols), axis=0)  # the first max
-    z = tl.sum(tl.where(lane_max == float("-inf"), 0.0, lane_sum * tl.exp(lane_max - m)), axis=0)
 
+@triton.jit
+def _combine_stats(ws_row, num_chunks, FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+    """The row's (max, first argmax, Z relative to exp(max)) from its chunks' partials."""
+    at = ws_row + tl.arange(0, MAX_CHUNKS) * FIELDS
+    mask = tl.arange(0, MAX_CHUNKS) < num_chunks
+    mx = tl.load(at, mask=mask, other=float("-inf"))
+    arg = tl.load(at + 1, mask=mask, other=_NONE)
+    m = tl.max(mx, axis=0)
+    best = tl.min(tl.where(mx == m, arg, _NONE), axis=0).to(tl.int32)
+    part = tl.load(at + 2, mask=mask, other=0.0)
+    z = tl.sum(tl.where(mx == float("-inf"), 0.0, part * tl.exp(mx - m)), axis=0)
+    return m, best, z
+
+
+@triton.jit
+def _combine_race(ws_row, rnd, num_chunks, FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+    """Round rnd's winner over the row's chunks: the first index of the best key (none
+    where num_chunks is 0)."""
+    at = ws_row + tl.arange(0, MAX_CHUNKS) * FIELDS + 3 + 3 * rnd
+    mask = tl.arange(0, MAX_CHUNKS) < num_chunks
+    key = tl.load(at, mask=mask, other=float("-inf"))
+    idx = tl.load(at + 1, mask=mask, other=_NONE)
+    top = tl.max(key, axis=0)
+    return tl.min(tl.where(key == top, idx, _NONE), axis=0).to(tl.int32)
+
+
+@triton.jit
+def _decided(ws_row, x_ptr, rounds, num_chunks, limit, inv_t, top_p, z, best,
+             FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr):  # fmt: skip
+    """After split rounds [0, rounds) of a sampled row: (done, token, pivot). A round's
+    partials are read only while the row was still undecided (later ones were not written)."""
+    done = tl.full([], 0, tl.int32)
     token = best
-    pivot = m - float("inf")
-    done = greedy.to(tl.int32)
-    rnd = 0
-    while (rnd < MAX_ROUNDS) & (done == 0):
-        # Race the tokens above the pivot: argmax of score + Gumbel noise.
-        win_key = tl.full([BLOCK], float("-inf"), tl.float32)
-        win_idx = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, limit, BLOCK):
-            i = start + lanes
-            s = _scores(x_ptr, i, limit, inv_t)
-            u = _uniform(key, base + rnd * num_cols + i.to(tl.int64))
-            race = tl.where(s > pivot, s - tl.log(-tl.log(u)), float("-inf"))
-            better = race > win_key
-            win_key = tl.where(better, race, win_key)
-            win_idx = tl.where(better, i, win_idx)
-        top = tl.max(win_key, axis=0)
-        t = tl.min(tl.where(win_key == top, win_idx, num_cols), axis=0)
-        s_t = tl.load(x_ptr + t).to(tl.float32) * inv_t
-        accept = top_p >= 1.0
-        if top_p < 1.0:
-            above = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, limit, BLOCK):
-                s = _scores(x_ptr, start + lanes, limit, inv_t)
-                above += tl.where(s > s_t, tl.exp(s - m), 0.0)
-            accept = tl.sum(above, axis=0) < top_p * z
+    pivot = tl.full([], float("-inf"), tl.float32)
+    chunks = tl.arange(0, MAX_CHUNKS)
+    for rnd in range(0, rounds):
+        live = done == 0  # (a decided row's later rounds were not written)
+        t = _combine_race(ws_row, rnd, tl.where(live, num_chunks, 0), FIELDS, MAX_CHUNKS)
+        s_t = tl.load(x_ptr + t, mask=live & (t < limit), other=0.0).to(tl.float32) * inv_t
+        at = ws_row + chunks * FIELDS + 5 + 3 * rnd
+        summed = tl.where(live & (top_p < 1.0), num_chunks, 0)  # (the mass was written)
+        mass = tl.sum(tl.load(at, mask=chunks < summed, other=0.0), axis=0)
+        accept = live & ((top_p >= 1.0) | (mass < top_p * z))
         token = tl.where(accept, t, token)
-        pivot = tl.where(accept, pivot, s_t)
-        done = accept.to(tl.int32)
-        rnd += 1
+        pivot = tl.where(live & ~accept, s_t, pivot)
+        done = done | accept.to(tl.int32)
+    return done, token, pivot
 
+
+@triton.jit(do_not_specialize=["num_cols", "chunk", "num_chunks", "rnd"])
+def _race_kernel(
+    logits_ptr, stride_logits, rows_ptr, ws_ptr, temps_ptr, limits_ptr, top_ps_ptr,
+    keys_ptr, bases_ptr, num_cols, chunk, num_chunks, rnd,
+    FIRST: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """Program (c, prog): chunk c of its row. Round rnd's race over the chunk (unless the
+    row is decided) and, FIRST, the chunk's max, first argmax and Z besides."""
+    c = tl.program_id(0)
+    prog = tl.program_id(1)
+    row, x_ptr, limit, top_p, greedy, inv_t = _row(
+        prog, rows_ptr, logits_ptr, stride_logits, temps_ptr, limits_ptr, top_ps_ptr,
+        num_cols, HAS_IDS, HAS_ROWS,
+    )  # fmt: skip
+    ws_row = ws_ptr + prog.to(tl.int64) * num_chunks * FIELDS
+    at = ws_row + c * FIELDS
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, limit)
+    counter0 = tl.load(bases_ptr + row) + rnd.to(tl.int64) * num_cols
+    key = tl.load(keys_ptr + row)
+    if FIRST:
+        # One stream: each lane's running max (first index), its softmax sum relative to
+        # it, and round 0's race (pivot -inf: every candidate) but on greedy rows.
+        lanes = tl.arange(0, BLOCK)
+        lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+        lane_idx = tl.full([BLOCK], _NONE, tl.int32)
+        lane_sum = tl.zeros([BLOCK], tl.float32)
+        win_key = tl.full([BLOCK], float("-inf"), tl.float32)
+        win_idx = tl.full([BLOCK], _NONE, tl.int32)
+        for start in range(lo, hi, BLOCK):
+            i = start + lanes
+            s = _scores(x_ptr, i, hi, inv_t)
+            better = s > lane_max
+            new_max = tl.where(better, s, lane_max)
+            # exp(-inf - -inf) is NaN: a lane that has seen only -inf keeps a zero sum
+            rescale = tl.where(lane_max == float("-inf"), 0.0, tl.exp(lane_max - new_max))
+            add = tl.where(s == float("-inf"), 0.0, tl.exp(s - new_max))
+            lane_sum = lane_sum * rescale + add
+            lane_idx = tl.where(better, i, lane_idx)
+            lane_max = new_max
+            if not greedy:
+                u = _uniform(key, counter0 + i.to(tl.int64))
+                race = tl.where(s > float("-inf"), s - tl.log(-tl.log(u)), float("-inf"))
+                won = race > win_key
+                win_key = tl.where(won, race, win_key)
+                win_idx = tl.where(won, i, win_idx)
+        m = tl.max(lane_max, axis=0)
+        tl.store(at, m)
+        tl.store(at + 1, tl.min(tl.where(lane_max == m, lane_idx, _NONE), axis=0).to(tl.float32))
+        rel = tl.where(lane_max == float("-inf"), 0.0, lane_sum * tl.exp(lane_max - m))
+        tl.store(at + 2, tl.sum(rel, axis=0))
+        top = tl.max(win_key, axis=0)
+        tl.store(at + 3, top)
+        tl.store(at + 4, tl.min(tl.where(win_key == top, win_idx, _NONE), axis=0).to(tl.float32))
+    else:
+        if greedy:
+            return
+        m, best, z = _combine_stats(ws_row, num_chunks, FIELDS, MAX_CHUNKS)
+        done, token, pivot = _decided(
+            ws_row, x_ptr, rnd, num_chunks, limit, inv_t, top_p, z, best, FIELDS, MAX_CHUNKS
+        )
+        if done != 0:
+            return
+        top, t = _gumbel_race(x_ptr, lo, hi, limit, inv_t, pivot, key, counter0, BLOCK)
+        tl.store(at + 3 + 3 * rnd, top)
+        tl.store(at + 4 + 3 * rnd, t.to(tl.float32))
+
+
+@triton.jit(do_not_specialize=["num_cols", "chunk", "num_chunks", "rnd"])
+def _mass_kernel(
+    logits_ptr, stride_logits, rows_ptr, ws_ptr, temps_ptr, limits_ptr, top_ps_ptr,
+    num_cols, chunk, num_chunks, rnd,
+    HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """Program (c, prog): the mass of chunk c's candidates scoring above round rnd's
+    winner, for rows with a top_p still undecided."""
+    c = tl.program_id(0)
+    prog = tl.program_id(1)
+    row, x_ptr, limit, top_p, greedy, inv_t = _row(
+        prog, rows_ptr, logits_ptr, stride_logits, temps_ptr, limits_ptr, top_ps_ptr,
+        num_cols, HAS_IDS, HAS_ROWS,
+    )  # fmt: skip
+    if greedy | (top_p >= 1.0):
+        return
+    ws_row = ws_ptr + prog.to(tl.int64) * num_chunks * FIELDS
+    m, best, z = _combine_stats(ws_row, num_chunks, FIELDS, MAX_CHUNKS)
+    done, token, pivot = _decided(
+        ws_row, x_ptr, rnd, num_chunks, limit, inv_t, top_p, z, best, FIELDS, MAX_CHUNKS
+    )
+    if done != 0:
+        return
+    t = _combine_race(ws_row, rnd, num_chunks, FIELDS, MAX_CHUNKS)
+    s_t = tl.load(x_ptr + t).to(tl.float32) * inv_t
+    lo = c * chunk
+    mass = _mass_above(x_ptr, lo, tl.minimum(lo + chunk, limit), limit, inv_t, s_t, m, BLOCK)
+    tl.store(ws_row + c * FIELDS + 5 + 3 * rnd, mass)
+
+
+@triton.jit(do_not_specialize=["num_cols", "num_chunks", "split_rounds"])
+def _finish_kernel(
+    logits_ptr, stride_logits, ids_ptr, stride_ids, rows_ptr, ws_ptr, out_ptr,
+    temps_ptr, limits_ptr, top_ps_ptr, keys_ptr, bases_ptr, num_cols, num_chunks,
+    split_rounds, HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr, MAX_ROUNDS: tl.constexpr,
+):  # fmt: skip
+    """Program prog: its row's token. The split rounds' verdict, else further rounds over
+    the whole row by this program alone (rare: see the module docstring)."""
+    prog = tl.program_id(0)
+    row, x_ptr, limit, top_p, greedy, inv_t = _row(
+        prog, rows_ptr, logits_ptr, stride_logits, temps_ptr, limits_ptr, top_ps_ptr,
+        num_cols, HAS_IDS, HAS_ROWS,
+    )  # fmt: skip
+    ws_row = ws_ptr + prog.to(tl.int64) * num_chunks * FIELDS
+    m, best, z = _combine_stats(ws_row, num_chunks, FIELDS, MAX_CHUNKS)
+    token = best
+    if not greedy:
+        done, token, pivot = _decided(
+            ws_row, x_ptr, split_rounds, num_chunks, limit, inv_t, top_p, z, best, FIELDS,
+            MAX_CHUNKS,
+        )  # fmt: skip
+        key = tl.load(keys_ptr + row)
+        base = tl.load(bases_ptr + row)
+        rnd = split_rounds
+        while (rnd < MAX_ROUNDS) & (done == 0):
+            counter0 = base + rnd * num_cols
+            top, t = _gumbel_race(x_ptr, 0, limit, limit, inv_t, pivot, key, counter0, BLOCK)
+            s_t = tl.load(x_ptr + t).to(tl.float32) * inv_t
+            accept = _mass_above(x_ptr, 0, limit, limit, inv_t, s_t, m, BLOCK) < top_p * z
+            token = tl.where(accept, t, token)
+            pivot = tl.where(accept, pivot, s_t)
+            done = accept.to(tl.int32)
+            rnd += 1
     if HAS_IDS:
         token_id = tl.load(ids_ptr + prog.to(tl.int64) * stride_ids + token)
     else:
@@ -154,30 +325,60 @@ def sample_tokens(
     out: torch.Tensor,  # [N] int64: each row's token id
     rows: torch.Tensor | None = None,  # [R] int64: the rows this launch samples
     ids: torch.Tensor | None = None,  # [R, C] int64: candidate i's vocabulary id
+    any_top_p: bool = True,  # False: no row has a top_p under 1 (two launches, not five)
 ) -> torch.Tensor:
     """One token per row into out (rows: only those), as the module docstring describes.
 
     Without ids, logits has every row (N) and rows picks some; with ids, logits and ids
     hold the candidates of rows[j] in their row j (all rows when rows is None). Never
     reads device data on the host. Triton compiles a kernel per launch form (ids, rows)
-    and per class of the widths and strides (divisible by 16 or not): callers keep those
-    classes fixed (candidates_width), so that nothing compiles mid-serving.
+    and per class of the logits' strides (divisible by 16 or not); the widths and the
+    chunking are not specialised on, so nothing compiles mid-serving.
     """
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits: [R, C], columns contiguous"
+    assert logits.shape[1] < _NONE.value, "logits: more columns than the kernels index"
     num_programs = rows.shape[0] if rows is not None else logits.shape[0]
     if ids is not None:
         assert ids.shape == logits.shape and ids.stride(1) == 1, "ids: as logits"
         assert logits.shape[0] == num_programs, "candidates: one row per sampled row"
     if num_programs == 0:
         return out
-    _sample_kernel[(num_programs,)](
+    num_cols = logits.shape[1]
+    chunk, num_chunks = chunking(num_programs, num_cols)
+    fields = 3 + 3 * SPLIT_ROUNDS  # per (row, chunk): max, argmax, Z; per round: key, index, mass
+    ws = torch.empty(num_programs * num_chunks * fields, dtype=torch.float32, device=out.device)
+    rows_arg = rows if rows is not None else out
+    params = (temperatures, limits, top_ps)
+    forms = dict(HAS_IDS=ids is not None, HAS_ROWS=rows is not None, BLOCK=BLOCK,
+                 FIELDS=fields, MAX_CHUNKS=MAX_CHUNKS)  # fmt: skip
+    split = (num_chunks, num_programs)
+    split_rounds = SPLIT_ROUNDS if any_top_p else 1  # without a top_p, round 0 decides
+    for rnd in range(split_rounds):
+        _race_kernel[split](
+            logits, logits.stride(0), rows_arg, ws, *params, keys, bases, num_cols, chunk,
+            num_chunks, rnd, FIRST=rnd == 0, **forms, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        _mass_kernel[split](
+            logits, logits.stride(0), rows_arg, ws, *params, num_cols, chunk, num_chunks,
+            rnd, **forms, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    _finish_kernel[(num_programs,)](
         logits, logits.stride(0), ids if ids is not None else logits,
-        ids.stride(0) if ids is not None else 0, rows if rows is not None else out, out,
-        temperatures, limits, top_ps, keys, bases, logits.shape[1],
-        HAS_IDS=ids is not None, HAS_ROWS=rows is not None, BLOCK=BLOCK,
-        MAX_ROUNDS=MAX_ROUNDS, num_warps=NUM_WARPS,
+        ids.stride(0) if ids is not None else 0, rows_arg, ws, out, *params, keys, bases,
+        num_cols, num_chunks, split_rounds, **forms, MAX_ROUNDS=MAX_ROUNDS,
+        num_warps=FINISH_WARPS,
     )  # fmt: skip
     return out
+
+
+def chunking(num_rows: int, num_cols: int) -> tuple[int, int]:
+    """(chunk, num_chunks): each row split into chunks of whole BLOCKs, enough of them for
+    about TARGET_PROGRAMS programs a launch (one row alone still spreads over the SMs),
+    at most MAX_CHUNKS."""
+    blocks = triton.cdiv(num_cols, BLOCK)
+    per_row = max(1, min(blocks, MAX_CHUNKS, triton.cdiv(TARGET_PROGRAMS, num_rows)))
+    chunk = triton.cdiv(blocks, per_row) * BLOCK
+    return chunk, triton.cdiv(num_cols, chunk)
 
 
 def candidates_width(max_top_k: int, vocab_size: int) -> int:

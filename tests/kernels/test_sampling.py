@@ -71,6 +71,52 @@ def test_kernel_matches_reference_over_whole_rows(dtype, seed, device):
     assert torch.equal(got[greedy], logits.float().argmax(dim=1)[greedy])
 
 
+@pytest.mark.parametrize("split_rounds", [1, 2, 3])
+@pytest.mark.parametrize("target_programs", [1, 40, 4096])
+def test_kernel_matches_reference_over_chunkings(split_rounds, target_programs, monkeypatch,
+                                                 device):  # fmt: skip
+    """A row in one chunk or spread over several (ragged last), and rows decided in a
+    split round or left to the finishing program: every way gives the reference's tokens."""
+    monkeypatch.setattr(sampling, "SPLIT_ROUNDS", split_rounds)
+    monkeypatch.setattr(sampling, "TARGET_PROGRAMS", target_programs)
+    gen = torch.Generator().manual_seed(split_rounds * 100 + target_programs)
+    n, vocab = 10, 333
+    logits = torch.randn(n, vocab, generator=gen) * 2
+    temps, top_ps, keys, bases = _params(n, gen, greedy_every=5)
+    top_ps[1::3] = 0.05  # rows likely to need several rounds
+    limits = torch.full((n,), vocab, dtype=torch.int64)
+    got, want = _both(logits, temps, limits, top_ps, keys, bases, device)
+    assert torch.equal(got, want)
+
+
+def test_any_top_p_false_runs_round_zero_split_and_the_rest_in_the_finish(device):
+    """any_top_p=False (the caller knows no row has a top_p): two launches. A row with a
+    top_p anyway still gets the reference's token, its later rounds in the finishing launch."""
+    gen = torch.Generator().manual_seed(12)
+    n, vocab = 6, 260
+    logits = torch.randn(n, vocab, generator=gen) * 2
+    temps, _, keys, bases = _params(n, gen, greedy_every=4)
+    top_ps = torch.ones(n)
+    top_ps[3] = 0.05
+    limits = torch.full((n,), vocab, dtype=torch.int64)
+    on = lambda t: t.to(device)  # noqa: E731
+    out = torch.full((n,), -1, dtype=torch.int64, device=device)
+    args = [on(t) for t in (temps, limits, top_ps, keys, bases)]
+    sampling.sample_tokens(on(logits), *args, out, any_top_p=False)
+    want = torch.full((n,), -1, dtype=torch.int64)
+    sample_tokens_ref(logits, temps, limits, top_ps, keys, bases, want)
+    assert torch.equal(out.cpu(), want)
+
+
+def test_chunking_spreads_rows_over_whole_blocks(monkeypatch):
+    monkeypatch.setattr(sampling, "TARGET_PROGRAMS", 1024)
+    monkeypatch.setattr(sampling, "MAX_CHUNKS", 16)
+    assert sampling.chunking(1, 64 * 40 + 1) == (64 * 3, 14)  # 41 blocks in at most 16 chunks
+    assert sampling.chunking(256, 64 * 40) == (64 * 10, 4)  # 1024 programs / 256 rows
+    assert sampling.chunking(2048, 64 * 40) == (64 * 40, 1)
+    assert sampling.chunking(4, 20) == (64, 1)
+
+
 def test_kernel_matches_reference_on_candidates_and_row_subsets(device):
     """Top-k rows: their torch.topk candidates and ids, limits at each row's k; the other
     rows over the whole vocabulary, both launches writing their own rows of out."""
