@@ -47,7 +47,7 @@ from replica.decode_inputs import (
 )
 from replica.models import ModelConfig, load_model
 from replica.prefill_inputs import PrefillBucket, PrefillInputs
-from replica.sampler import SamplingBatch, sample, sample_fused
+from replica.sampler import GraphSamplingInputs, SamplingBatch, sample, sample_fused
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch
 from replica.sequence import Sequence
@@ -166,6 +166,15 @@ class ModelRunner:
         self.step_keys = random.Random(config.seed)
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.request_generators: dict[str, torch.Generator] = {}
+        # A decode or mixed forward's sampling (no top_k rows) replays a graph per graph size.
+        self.graph_sampling = (
+            GraphSamplingInputs(
+                max(self.mixed_graph_sizes + self.graph_sizes), self.vocab_size, device
+            )  # fmt: skip
+            if self.fused_sampling and self.use_cuda_graphs and self.graph_sizes
+            else None
+        )
+        self.sampling_graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
         self.kv_cache: torch.Tensor | None = None
         # decode: (graph, (logits, greedy tokens)) per batch size; mixed steps have their own
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -283,6 +292,14 @@ class ModelRunner:
         host = self.token_staging[self.parity, : len(sampled_seqs)]
         if not sampled_seqs:
             return StepHandle(host, None)
+        if len(logits) == 1 and num_rows and self._graph_samples(sampled_seqs):
+            # Only the decode (or mixed) forward samples: its graph's sampling graph.
+            positions = [len(s) for s in sampled_seqs]
+            step_key = self.step_keys.getrandbits(63)
+            params = [s.params for s in sampled_seqs]
+            self.graph_sampling.upload(params, positions, step_key, padded, first)
+            self.sampling_graphs[mixed, padded].replay()  # into token_buf too
+            return self._tokens_to_host(self.graph_sampling.tokens[first:num_rows], host)
         sampling = self._sampling_batch(sampled_seqs)
         return self._sample(logits, slots, greedy, sampling, host)
 
@@ -312,6 +329,9 @@ class ModelRunner:
             else:
                 tokens = sample(rows, sampling, self.generator)
             self.token_buf.index_copy_(0, cat(slots), tokens)
+        return self._tokens_to_host(tokens, host)
+
+    def _tokens_to_host(self, tokens: torch.Tensor, host: torch.Tensor) -> StepHandle:
         if self.device.type == "cpu":
             host.copy_(tokens)
             return StepHandle(host, None)
@@ -457,6 +477,28 @@ class ModelRunner:
             if self.mixed_graph_sizes:
                 self.mixed_graphs, _ = self._capture(self.mixed_graph_sizes, mixed_forward, pool)
             self.prefill_graphs, _ = self._capture(self.prefill.buckets(), self._prefill_forward)
+            if self.graph_sampling:
+                self._capture_sampling()
+
+    def _capture_sampling(self) -> None:
+        """A graph per decode and mixed graph: kernels.sampling over its logits into
+        graph_sampling.tokens and token_buf (rows that sample nothing into the null row, as
+        the forward's argmax). Their own pool: one replays after a forward's graph."""
+        pool = None
+        for mixed, graphs in ((False, self.graphs), (True, self.mixed_graphs)):
+            for size, (_, (logits, _)) in graphs.items():
+                sample = functools.partial(self._sample_rows, logits, size)
+                sample()  # compile, and the workspace's first allocation
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    sample()
+                pool = graph.pool()
+                self.sampling_graphs[mixed, size] = graph
+
+    def _sample_rows(self, logits: torch.Tensor, rows: int) -> None:
+        tokens = self.graph_sampling.sample(logits)
+        self.token_buf.index_copy_(0, self.decode_inputs[OUT_SLOTS, :rows], tokens)
 
     def _capture(self, shapes: list, forward, pool=None) -> tuple[dict, object]:
         graphs = {}
@@ -474,6 +516,11 @@ class ModelRunner:
             graph.replay()
         torch.cuda.synchronize(self.device)
         return graphs, pool
+
+    def _graph_samples(self, seqs: list[Sequence]) -> bool:
+        if self.graph_sampling is None or all(map(_GREEDY, seqs)):
+            return False  # (a greedy step's tokens are its forward graph's argmax)
+        return self.graph_sampling.can_sample([s.params for s in seqs])
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         if all(map(_GREEDY, seqs)):  # a C-level pass: 256 rows a step on the hot path

@@ -76,10 +76,7 @@ class SamplingBatch:
         )
         if positions is None:
             return batch
-        # A seeded request's draws depend on its seed and its token's position alone.
-        keys = [step_key if p.seed is None else p.seed for p in params]
-        bases = [(row if p.seed is None else pos) << 32 for row, (p, pos) in
-                 enumerate(zip(params, positions, strict=True))]  # fmt: skip
+        keys, bases = _philox(params, positions, step_key)
         top_k_rows = [i for i, (p, k) in enumerate(zip(params, top_ks)) if k < vocab_size and
                       not p.greedy]  # fmt: skip
         chosen = set(top_k_rows)
@@ -94,12 +91,27 @@ class SamplingBatch:
         return batch
 
 
-def _packed(rows: list[list], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+def _philox(
+    params: list[SamplingParams], positions: list[int], step_key: int
+) -> tuple[list[int], list[int]]:
+    """Each row's Philox key and counter base: a seeded request's draws depend on its seed
+    and its token's position alone; the others share the step's key, a range per row."""
+    keys = [step_key if p.seed is None else p.seed for p in params]
+    bases = [(row if p.seed is None else pos) << 32 for row, (p, pos) in
+             enumerate(zip(params, positions, strict=True))]  # fmt: skip
+    return keys, bases
+
+
+def _packed(
+    rows: list[list], dtype: torch.dtype, pin: bool, width: int | None = None
+) -> torch.Tensor:
     """rows as one [len(rows), width] tensor for one copy, each row zero-padded to a width
-    of whole 16 bytes: every row a kernel reads starts 16-byte aligned, as Triton's
-    compiled kernels assume (an unaligned one would compile a second kernel mid-serving)."""
+    of whole 16 bytes (at least width): every row a kernel reads starts 16-byte aligned, as
+    Triton's compiled kernels assume (an unaligned one would compile a second kernel
+    mid-serving)."""
     per_16_bytes = 16 // dtype.itemsize
-    width = -(-max(map(len, rows)) // per_16_bytes) * per_16_bytes
+    width = max(width or 0, *map(len, rows))
+    width = -(-width // per_16_bytes) * per_16_bytes
     packed = torch.zeros((len(rows), width), dtype=dtype, pin_memory=pin)
     host = packed.numpy()  # filled through numpy: ~5x faster than torch.tensor(lists)
     for i, row in enumerate(rows):
@@ -155,9 +167,67 @@ def sample_fused(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  #
         return logits.argmax(dim=-1)
     tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     params = (batch.temperatures, batch.top_ks, batch.top_ps, batch.keys, batch.bases, tokens)
+    top_p = {"any_top_p": batch.any_top_p}
     if batch.top_k_rows is None:
-        return kernels.sample_tokens(logits, *params)
+        return kernels.sample_tokens(logits, *params, **top_p)
     width = kernels.candidates_width(batch.max_top_k, logits.shape[1])
     values, ids = logits.index_select(0, batch.top_k_rows).topk(width, dim=-1)
-    kernels.sample_tokens(values, *params, rows=batch.top_k_rows, ids=ids)
-    return kernels.sample_tokens(logits, *params, rows=batch.other_rows)
+    kernels.sample_tokens(values, *params, rows=batch.top_k_rows, ids=ids, **top_p)
+    return kernels.sample_tokens(logits, *params, rows=batch.other_rows, **top_p)
+
+
+class GraphSamplingInputs:
+    """Persistent device inputs of kernels.sampling over all of a decode forward's rows,
+    for a CUDA graph of that launch per decode graph size (ModelRunner captures them): a
+    sampled decode step then costs the host one copy and one replay, where the launch's
+    five kernels cost it ~0.2 ms (H200 host, BENCHMARKS.md).
+
+    Each row has its temperature, top_p, limit (the vocabulary: batches with a top_k row
+    take sample_fused), Philox key and base, at offsets of whole 16 rows per field so that
+    every graph's views start aligned. Rows that sample nothing (padding, a mixed step's
+    prompt chunks short of their end) are greedy."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+        width = _width(max_rows)
+        self.floats = torch.zeros(2 * width, dtype=torch.float32, device=device)
+        self.ints = torch.zeros(3 * width, dtype=torch.int64, device=device)
+        self.ints[:width] = vocab_size  # every row's limit; until an upload, greedy rows
+        self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.vocab_size = vocab_size
+        self.pin = device.type == "cuda"
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows]
+        """The launch a graph captures, over the inputs of the last upload of as many rows."""
+        rows = logits.shape[0]
+        width = _width(rows)
+        f = self.floats[: 2 * width].view(2, width)[:, :rows]
+        i = self.ints[: 3 * width].view(3, width)[:, :rows]
+        return kernels.sample_tokens(logits, f[0], i[0], f[1], i[1], i[2], self.tokens[:rows])
+
+    def upload(
+        self,
+        params: list[SamplingParams],
+        positions: list[int],
+        step_key: int,
+        rows: int,  # the forward's rows (its graph's size)
+        first: int,  # params are rows [first, first + len(params))
+    ) -> None:
+        """One copy from pinned memory, not waited for (as SamplingBatch.build's)."""
+        width = _width(rows)
+        keys, bases = _philox(params, positions, step_key)
+        skip = [0] * first
+        floats = [skip + [p.temperature for p in params], skip + [p.top_p for p in params]]
+        ints = [[self.vocab_size] * width, skip + keys, skip + bases]
+        host_f = _packed(floats, torch.float32, self.pin, width)
+        host_i = _packed(ints, torch.int64, self.pin, width)
+        self.floats[: 2 * width].copy_(host_f.view(-1), non_blocking=True)
+        self.ints[: 3 * width].copy_(host_i.view(-1), non_blocking=True)
+
+    def can_sample(self, params: list[SamplingParams]) -> bool:
+        """Whether a graph samples these rows: none has a top_k (its candidates come from
+        torch.topk, whose width and rows vary by step)."""
+        return not any(0 < p.top_k < self.vocab_size for p in params)
+
+
+def _width(rows: int) -> int:
+    return -(-rows // 16) * 16

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from replica import EngineConfig, LLMEngine, SamplingParams
+from replica.sampler import GraphSamplingInputs
 
 MAX_NEW = 20
 
@@ -391,6 +392,40 @@ def test_cuda_graphs_on_and_off_give_identical_tokens(checkpoint, dtype):
         results.append([o.token_ids for o in engine.generate(prompts, params)])
         assert_no_leak(engine)
         results.append(run_staggered(engine, prompts, params))  # mixed steps
+    assert results[:2] == results[2:]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sampling_graphs_give_the_eager_launches_tokens(checkpoint, dtype, monkeypatch):
+    """Seeded sampled requests: with CUDA graphs a decode (or mixed) step samples in a graph
+    replayed after its forward's; without, through sample_fused's launches. Same shapes,
+    same tokens, whether the requests arrive together or join running ones."""
+    path, _ = checkpoint
+    prompts = random_prompts(7, [3, 9, 17, 33, 40, 12, 5, 16])
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.9, top_p=0.8 if i % 2 else 1.0,
+                       seed=50 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    firsts = []
+    upload = GraphSamplingInputs.upload
+    monkeypatch.setattr(
+        GraphSamplingInputs, "upload", lambda self, *a: firsts.append(a[4]) or upload(self, *a)
+    )
+    results = []
+    for graphs in (True, False):
+        engine = make_engine(
+            path, 16, device="cuda", dtype=dtype, enable_cuda_graphs=graphs, max_num_seqs=24
+        )
+        results.append([o.token_ids for o in engine.generate(prompts, params)])
+        results.append(run_staggered(engine, prompts, params))  # mixed steps
+        assert_no_leak(engine)
+        if graphs:  # the graphs sampled decode steps and mixed ones (rows after chunks)
+            assert firsts.count(0) > 10 and any(f > 0 for f in firsts)
+            graphed = len(firsts)
+    assert len(firsts) == graphed  # without graphs, sample_fused's launches
     assert results[:2] == results[2:]
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from replica.sampler import SamplingBatch, sample, sample_fused
+from replica.sampler import GraphSamplingInputs, SamplingBatch, sample, sample_fused
 from replica.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -176,3 +176,32 @@ def test_fused_sampler_seeded_rows_ignore_neighbours_and_step_keys():
     assert alone.tolist()[0] == crowd.tolist()[2]
     draws = {int(_fused(logits[:1], [seeded], positions=[p]).item()) for p in range(20)}
     assert len(draws) > 1  # the position moves the counter
+
+
+def test_graph_inputs_sample_as_sample_fused_and_leave_other_rows_greedy():
+    """GraphSamplingInputs (what a decode step's sampling graph reads): the sampled rows
+    [first, first + n) of a padded forward draw sample_fused's tokens for the same
+    params, positions and step key; the rows before and after them take the argmax."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(3)
+    vocab, rows, first = 75, 8, 2
+    logits = torch.randn(rows, vocab, generator=gen) * 2
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.7, seed=40),
+        SamplingParams(temperature=1.3),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.6, top_p=0.5),
+    ]
+    positions = [9, 4, 30, 12]
+    inputs = GraphSamplingInputs(16, vocab, device)
+    assert inputs.can_sample(params)
+    assert not inputs.can_sample(params + [SamplingParams(temperature=1.0, top_k=5)])
+    inputs.upload(params, positions, 77, rows, first)
+    tokens = inputs.sample(logits.to(device)).cpu()
+    sampled = slice(first, first + len(params))
+    want = _fused(logits[sampled], params, positions=positions, step_key=77)
+    assert tokens[sampled].tolist() == want.tolist()
+    others = [r for r in range(rows) if not first <= r < first + len(params)]
+    assert tokens[others].tolist() == logits[others].argmax(dim=1).tolist()
+    inputs.upload(params[:1], positions[:1], 77, 1, 0)  # a smaller graph's rows
+    assert inputs.sample(logits[first : first + 1].to(device)).cpu().tolist() == want[:1].tolist()
