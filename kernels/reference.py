@@ -215,6 +215,11 @@ def _mul32(a: torch.Tensor, b: int | torch.Tensor) -> tuple[torch.Tensor, torch.
 def philox_uint32_ref(key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     """Triton's tl.randint(key, counter): Philox4x32-10's first word, as int64 in
     [0, 2**32). key: int64 (broadcast against counter), counter: int64 >= 0."""
+    return philox_words_ref(key, counter)[0]
+
+
+def philox_words_ref(key: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Triton's tl.randint4x(key, counter): Philox4x32-10's four words, as philox_uint32_ref."""
     key = key.to(torch.int64)
     c0, c1 = counter & _MASK32, counter >> 32
     c2 = c3 = torch.zeros_like(counter)
@@ -224,7 +229,7 @@ def philox_uint32_ref(key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
         hi_a, lo_a = _mul32(c0, _PHILOX_ROUND_A)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _PHILOX_KEY_A) & _MASK32, (k1 + _PHILOX_KEY_B) & _MASK32
-    return c0
+    return c0, c1, c2, c3
 
 
 def sample_tokens_ref(
@@ -258,11 +263,13 @@ def sample_tokens_ref(
     z = torch.exp(s - m[:, None]).sum(dim=1)
     pivot = torch.full_like(m, float("-inf"))
     done = greedy.clone()
-    counter = bases[rows][:, None] + cols[None, :]
+    counter = bases[rows][:, None] + cols[None, :] // 4  # candidate i: word i % 4
+    word = (cols % 4)[None, :].expand(len(rows), -1)
     for rnd in range(max_rounds):
         if bool(done.all()):
             break
-        bits = philox_uint32_ref(keys[rows][:, None], counter + rnd * num_cols)
+        words = philox_words_ref(keys[rows][:, None], counter + rnd * num_cols)
+        bits = torch.stack(words, dim=-1).gather(-1, word[..., None])[..., 0]
         u = ((bits >> 9).float() + 0.5) * (1.0 / 8388608.0)
         race = torch.where(s > pivot[:, None], s - torch.log(-torch.log(u)), float("-inf"))
         t = race.argmax(dim=1)

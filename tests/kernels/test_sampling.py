@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 import kernels.sampling as sampling
-from kernels.reference import philox_uint32_ref, sample_tokens_ref
+from kernels.reference import philox_uint32_ref, philox_words_ref, sample_tokens_ref
 
 
 @pytest.fixture(autouse=True)
@@ -22,15 +22,19 @@ def _randint_kernel(key_ptr, out_ptr, base, N: tl.constexpr):
     i = tl.arange(0, N)
     bits = tl.randint(tl.load(key_ptr), base + i.to(tl.int64))
     tl.store(out_ptr + i, bits.to(tl.int64) & 0xFFFFFFFF)
+    words = tl.randint4x(tl.load(key_ptr), base + i.to(tl.int64))
+    for w in tl.static_range(4):
+        tl.store(out_ptr + (w + 1) * N + i, words[w].to(tl.int64) & 0xFFFFFFFF)
 
 
 @pytest.mark.parametrize("key, base", [(0, 0), (123456789012345, (5 << 32) + 77), (2**62 + 3, 9)])
 def test_philox_reference_is_tritons_randint(key, base, device):
     keys = torch.tensor([key], dtype=torch.int64, device=device)
-    out = torch.zeros(64, dtype=torch.int64, device=device)
+    out = torch.zeros(5, 64, dtype=torch.int64, device=device)
     _randint_kernel[(1,)](keys, out, base, N=64)
-    want = philox_uint32_ref(keys.cpu(), base + torch.arange(64))
-    assert torch.equal(out.cpu(), want)
+    counters = base + torch.arange(64)
+    assert torch.equal(out[0].cpu(), philox_uint32_ref(keys.cpu(), counters))
+    assert torch.equal(out[1:].cpu(), torch.stack(philox_words_ref(keys.cpu(), counters)))
 
 
 def _params(n: int, gen: torch.Generator, greedy_every: int = 4):
