@@ -252,7 +252,7 @@ def sample_tokens_ref(
     rows = torch.arange(num_rows, device=logits.device) if rows is None else rows.long()
     x = logits if ids is not None else logits[rows]
     temp, top_p = temperatures[rows].float(), top_ps[rows].float()
-    limit = limits[rows].clamp(max=num_cols)
+    limit = limits[rows].clamp(1, num_cols)
     greedy = temp == 0
     inv_t = torch.where(greedy, torch.ones_like(temp), 1.0 / temp)
     cols = torch.arange(num_cols, device=logits.device)

@@ -123,7 +123,8 @@ def _row(prog, rows_ptr, logits_ptr, stride_logits, temps_ptr, limits_ptr, top_p
     else:
         x_ptr = logits_ptr + row * stride_logits
     temp = tl.load(temps_ptr + row)
-    limit = tl.minimum(tl.load(limits_ptr + row), num_cols).to(tl.int32)
+    # At least one candidate: a row with none (a graph's unused row) takes the first.
+    limit = tl.maximum(tl.minimum(tl.load(limits_ptr + row), num_cols), 1).to(tl.int32)
     greedy = temp == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temp)
     return row, x_ptr, limit, tl.load(top_ps_ptr + row), greedy, inv_t

@@ -28,6 +28,7 @@ its copies may still be pending.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import random
 
@@ -174,7 +175,7 @@ class ModelRunner:
             if self.fused_sampling and self.use_cuda_graphs and self.graph_sizes
             else None
         )
-        self.sampling_graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
+        self.sampling_graphs: dict[tuple[bool, int, bool], torch.cuda.CUDAGraph] = {}
         self.kv_cache: torch.Tensor | None = None
         # decode: (graph, (logits, greedy tokens)) per batch size; mixed steps have their own
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -292,13 +293,14 @@ class ModelRunner:
         host = self.token_staging[self.parity, : len(sampled_seqs)]
         if not sampled_seqs:
             return StepHandle(host, None)
-        if len(logits) == 1 and num_rows and self._graph_samples(sampled_seqs):
+        top_k = self._sampling_graph(sampled_seqs) if len(logits) == 1 and num_rows else None
+        if top_k is not None:
             # Only the decode (or mixed) forward samples: its graph's sampling graph.
             positions = [len(s) for s in sampled_seqs]
             step_key = self.step_keys.getrandbits(63)
             params = [s.params for s in sampled_seqs]
             self.graph_sampling.upload(params, positions, step_key, padded, first)
-            self.sampling_graphs[mixed, padded].replay()  # into token_buf too
+            self.sampling_graphs[mixed, padded, top_k].replay()  # into token_buf too
             return self._tokens_to_host(self.graph_sampling.tokens[first:num_rows], host)
         sampling = self._sampling_batch(sampled_seqs)
         return self._sample(logits, slots, greedy, sampling, host)
@@ -481,23 +483,24 @@ class ModelRunner:
                 self._capture_sampling()
 
     def _capture_sampling(self) -> None:
-        """A graph per decode and mixed graph: kernels.sampling over its logits into
-        graph_sampling.tokens and token_buf (rows that sample nothing into the null row, as
-        the forward's argmax). Their own pool: one replays after a forward's graph."""
+        """Two graphs per decode and mixed graph, without and with top-k candidates:
+        kernels.sampling over its logits into graph_sampling.tokens and token_buf (rows
+        that sample nothing into the null row, as the forward's argmax). Their own pool:
+        one replays after a forward's graph."""
         pool = None
         for mixed, graphs in ((False, self.graphs), (True, self.mixed_graphs)):
-            for size, (_, (logits, _)) in graphs.items():
-                sample = functools.partial(self._sample_rows, logits, size)
+            for (size, (_, (logits, _))), top_k in itertools.product(graphs.items(), (0, 1)):
+                sample = functools.partial(self._sample_rows, logits, size, bool(top_k))
                 sample()  # compile, and the workspace's first allocation
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     sample()
                 pool = graph.pool()
-                self.sampling_graphs[mixed, size] = graph
+                self.sampling_graphs[mixed, size, bool(top_k)] = graph
 
-    def _sample_rows(self, logits: torch.Tensor, rows: int) -> None:
-        tokens = self.graph_sampling.sample(logits)
+    def _sample_rows(self, logits: torch.Tensor, rows: int, top_k: bool) -> None:
+        tokens = self.graph_sampling.sample(logits, top_k)
         self.token_buf.index_copy_(0, self.decode_inputs[OUT_SLOTS, :rows], tokens)
 
     def _capture(self, shapes: list, forward, pool=None) -> tuple[dict, object]:
@@ -517,10 +520,12 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return graphs, pool
 
-    def _graph_samples(self, seqs: list[Sequence]) -> bool:
+    def _sampling_graph(self, seqs: list[Sequence]) -> bool | None:
+        """GraphSamplingInputs.graph for a decode forward's rows; None also when nothing
+        is sampled (a greedy step's tokens are its forward graph's argmax) or no graphs."""
         if self.graph_sampling is None or all(map(_GREEDY, seqs)):
-            return False  # (a greedy step's tokens are its forward graph's argmax)
-        return self.graph_sampling.can_sample([s.params for s in seqs])
+            return None
+        return self.graph_sampling.graph([s.params for s in seqs])
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         if all(map(_GREEDY, seqs)):  # a C-level pass: 256 rows a step on the hot path

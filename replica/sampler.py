@@ -17,6 +17,8 @@ import torch
 import kernels
 from replica.sampling_params import SamplingParams
 
+GRAPH_TOP_K = 64  # top-k candidates a sampling graph takes (common top_k: 20 to 50)
+
 
 @dataclass
 class SamplingBatch:
@@ -56,7 +58,10 @@ class SamplingBatch:
         key, [0, 2**63)): also sample_fused's inputs."""
         if all(p.greedy for p in params):
             return cls.greedy()
-        top_ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+        # A greedy row's token is the argmax over the whole vocabulary, whatever its top_k.
+        top_ks = [
+            vocab_size if p.top_k <= 0 or p.greedy else min(p.top_k, vocab_size) for p in params
+        ]
         # Copies from pinned memory, not waited for: the step's forward is already queued
         # ahead of them, and a blocking copy would hold the host until the device finished
         # that forward, so the host could not prepare the next step meanwhile. float32 holds
@@ -170,7 +175,7 @@ def sample_fused(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  #
     top_p = {"any_top_p": batch.any_top_p}
     if batch.top_k_rows is None:
         return kernels.sample_tokens(logits, *params, **top_p)
-    width = kernels.candidates_width(batch.max_top_k, logits.shape[1])
+    width = top_k_width(logits.shape[1], batch.max_top_k)
     values, ids = logits.index_select(0, batch.top_k_rows).topk(width, dim=-1)
     kernels.sample_tokens(values, *params, rows=batch.top_k_rows, ids=ids, **top_p)
     return kernels.sample_tokens(logits, *params, rows=batch.other_rows, **top_p)
@@ -178,31 +183,43 @@ def sample_fused(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  #
 
 class GraphSamplingInputs:
     """Persistent device inputs of kernels.sampling over all of a decode forward's rows,
-    for a CUDA graph of that launch per decode graph size (ModelRunner captures them): a
-    sampled decode step then costs the host one copy and one replay, where the launch's
-    five kernels cost it ~0.2 ms (H200 host, BENCHMARKS.md).
+    for CUDA graphs of those launches per decode graph size (ModelRunner captures them): a
+    sampled decode step then costs the host one copy and one replay, where the launches
+    cost it ~0.2 ms (H200 host, BENCHMARKS.md).
 
-    Each row has its temperature, top_p, limit (the vocabulary: batches with a top_k row
-    take sample_fused), Philox key and base, at offsets of whole 16 rows per field so that
-    every graph's views start aligned. Rows that sample nothing (padding, a mixed step's
-    prompt chunks short of their end) are greedy."""
+    Per row, at offsets of whole 16 rows per field (so that every graph's views start
+    aligned): the temperature over the whole vocabulary (0 on a top_k row), the
+    temperature over the top-k candidates (0 on the others), top_p; the top_k, Philox key
+    and base. A graph for a batch with top_k rows adds torch.topk's GRAPH_TOP_K candidates
+    of every row and a launch over them, and takes each row's token from its own launch;
+    a batch with a top_k above GRAPH_TOP_K takes sample_fused. Rows that sample nothing
+    (padding, a mixed step's prompt chunks short of their end) are greedy."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
         width = _width(max_rows)
-        self.floats = torch.zeros(2 * width, dtype=torch.float32, device=device)
+        self.floats = torch.zeros(3 * width, dtype=torch.float32, device=device)
         self.ints = torch.zeros(3 * width, dtype=torch.int64, device=device)
-        self.ints[:width] = vocab_size  # every row's limit; until an upload, greedy rows
+        self.limits = torch.full((max_rows,), vocab_size, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.top_k_tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.vocab_size = vocab_size
+        self.candidates = top_k_width(vocab_size)
         self.pin = device.type == "cuda"
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows]
-        """The launch a graph captures, over the inputs of the last upload of as many rows."""
+    def sample(self, logits: torch.Tensor, top_k: bool) -> torch.Tensor:  # [rows, vocab]
+        """What a graph captures: tokens [rows] for the last upload of as many rows."""
         rows = logits.shape[0]
         width = _width(rows)
-        f = self.floats[: 2 * width].view(2, width)[:, :rows]
-        i = self.ints[: 3 * width].view(3, width)[:, :rows]
-        return kernels.sample_tokens(logits, f[0], i[0], f[1], i[1], i[2], self.tokens[:rows])
+        temps, temps_k, top_ps = self.floats[: 3 * width].view(3, width)[:, :rows]
+        top_ks, keys, bases = self.ints[: 3 * width].view(3, width)[:, :rows]
+        tokens = self.tokens[:rows]
+        kernels.sample_tokens(logits, temps, self.limits[:rows], top_ps, keys, bases, tokens)
+        if top_k:
+            values, ids = logits.topk(self.candidates, dim=-1)
+            picked = self.top_k_tokens[:rows]
+            kernels.sample_tokens(values, temps_k, top_ks, top_ps, keys, bases, picked, ids=ids)
+            torch.where(temps_k > 0, picked, tokens, out=tokens)
+        return tokens
 
     def upload(
         self,
@@ -215,18 +232,32 @@ class GraphSamplingInputs:
         """One copy from pinned memory, not waited for (as SamplingBatch.build's)."""
         width = _width(rows)
         keys, bases = _philox(params, positions, step_key)
+        ks = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
         skip = [0] * first
-        floats = [skip + [p.temperature for p in params], skip + [p.top_p for p in params]]
-        ints = [[self.vocab_size] * width, skip + keys, skip + bases]
+        floats = [
+            skip + [0.0 if k else p.temperature for p, k in zip(params, ks, strict=True)],
+            skip + [p.temperature if k else 0.0 for p, k in zip(params, ks, strict=True)],
+            skip + [p.top_p for p in params],
+        ]
+        ints = [skip + ks, skip + keys, skip + bases]
         host_f = _packed(floats, torch.float32, self.pin, width)
         host_i = _packed(ints, torch.int64, self.pin, width)
-        self.floats[: 2 * width].copy_(host_f.view(-1), non_blocking=True)
+        self.floats[: 3 * width].copy_(host_f.view(-1), non_blocking=True)
         self.ints[: 3 * width].copy_(host_i.view(-1), non_blocking=True)
 
-    def can_sample(self, params: list[SamplingParams]) -> bool:
-        """Whether a graph samples these rows: none has a top_k (its candidates come from
-        torch.topk, whose width and rows vary by step)."""
-        return not any(0 < p.top_k < self.vocab_size for p in params)
+    def graph(self, params: list[SamplingParams]) -> bool | None:
+        """Which graph samples these rows: True with top-k candidates, False without, None
+        when none can (a top_k above the candidates)."""
+        ks = [p.top_k for p in params if 0 < p.top_k < self.vocab_size]
+        if any(k > self.candidates for k in ks):
+            return None
+        return bool(ks)
+
+
+def top_k_width(vocab_size: int, max_top_k: int = 0) -> int:
+    """torch.topk's width for top-k candidates: at least GRAPH_TOP_K, so that a batch
+    takes the same width (and Philox counters) in a graph or in sample_fused."""
+    return kernels.candidates_width(max(max_top_k, GRAPH_TOP_K), vocab_size)
 
 
 def _width(rows: int) -> int:

@@ -399,21 +399,26 @@ def test_cuda_graphs_on_and_off_give_identical_tokens(checkpoint, dtype):
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sampling_graphs_give_the_eager_launches_tokens(checkpoint, dtype, monkeypatch):
-    """Seeded sampled requests: with CUDA graphs a decode (or mixed) step samples in a graph
-    replayed after its forward's; without, through sample_fused's launches. Same shapes,
-    same tokens, whether the requests arrive together or join running ones."""
+    """Seeded sampled requests, top-k ones among them: with CUDA graphs a decode (or mixed)
+    step samples in a graph replayed after its forward's; without, through sample_fused's
+    launches. Same shapes, same tokens, whether the requests arrive together or join
+    running ones."""
     path, _ = checkpoint
     prompts = random_prompts(7, [3, 9, 17, 33, 40, 12, 5, 16])
     params = [
         SamplingParams(max_tokens=30, temperature=0.9, top_p=0.8 if i % 2 else 1.0,
-                       seed=50 + i, ignore_eos=True)
+                       top_k=20 if i % 3 == 0 else 0, seed=50 + i, ignore_eos=True)
         for i in range(len(prompts))
     ]  # fmt: skip
-    firsts = []
-    upload = GraphSamplingInputs.upload
+    firsts, graphs_taken = [], []
+    upload, graph = GraphSamplingInputs.upload, GraphSamplingInputs.graph
     monkeypatch.setattr(
         GraphSamplingInputs, "upload", lambda self, *a: firsts.append(a[4]) or upload(self, *a)
     )
+    monkeypatch.setattr(
+        GraphSamplingInputs, "graph", lambda self, p: graphs_taken.append(graph(self, p)) or
+        graphs_taken[-1],
+    )  # fmt: skip
     results = []
     for graphs in (True, False):
         engine = make_engine(
@@ -424,6 +429,7 @@ def test_sampling_graphs_give_the_eager_launches_tokens(checkpoint, dtype, monke
         assert_no_leak(engine)
         if graphs:  # the graphs sampled decode steps and mixed ones (rows after chunks)
             assert firsts.count(0) > 10 and any(f > 0 for f in firsts)
+            assert True in graphs_taken and False in graphs_taken  # with top-k, without
             graphed = len(firsts)
     assert len(firsts) == graphed  # without graphs, sample_fused's launches
     assert results[:2] == results[2:]

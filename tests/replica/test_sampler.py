@@ -150,7 +150,8 @@ def test_fused_sampler_routes_rows_to_their_launch(kinds):
     gen = torch.Generator().manual_seed(1)
     vocab = 90
     logits = torch.randn(6, vocab, generator=gen) * 2
-    top_k = {"mixed": [4, 0, 0, 9, 0, 1], "all top-k": [4, 2, 7, 9, 3, 1], "no top-k": [0] * 6}
+    # (row 1 of "mixed" is greedy with a top_k: still the whole vocabulary's argmax)
+    top_k = {"mixed": [4, 5, 0, 9, 0, 1], "all top-k": [4, 2, 7, 9, 3, 1], "no top-k": [0] * 6}
     temps = [1.0, 0.0, 0.7, 1.2, 1.0, 0.9] if kinds != "all top-k" else [1.0] * 6
     params = [
         SamplingParams(temperature=t, top_k=k, top_p=0.9, seed=i)
@@ -178,30 +179,33 @@ def test_fused_sampler_seeded_rows_ignore_neighbours_and_step_keys():
     assert len(draws) > 1  # the position moves the counter
 
 
-def test_graph_inputs_sample_as_sample_fused_and_leave_other_rows_greedy():
+@pytest.mark.parametrize("top_k", [False, True])
+def test_graph_inputs_sample_as_sample_fused_and_leave_other_rows_greedy(top_k):
     """GraphSamplingInputs (what a decode step's sampling graph reads): the sampled rows
     [first, first + n) of a padded forward draw sample_fused's tokens for the same
-    params, positions and step key; the rows before and after them take the argmax."""
+    params, positions and step key, top-k rows among them; the rows before and after
+    them take the argmax."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator().manual_seed(3)
     vocab, rows, first = 75, 8, 2
     logits = torch.randn(rows, vocab, generator=gen) * 2
     params = [
-        SamplingParams(temperature=0.9, top_p=0.7, seed=40),
+        SamplingParams(temperature=0.9, top_p=0.7, seed=40, top_k=5 if top_k else 0),
         SamplingParams(temperature=1.3),
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=0.6, top_p=0.5),
+        SamplingParams(temperature=0.0, top_k=3 if top_k else 0),
+        SamplingParams(temperature=0.6, top_p=0.5, top_k=40 if top_k else 0),
     ]
     positions = [9, 4, 30, 12]
     inputs = GraphSamplingInputs(16, vocab, device)
-    assert inputs.can_sample(params)
-    assert not inputs.can_sample(params + [SamplingParams(temperature=1.0, top_k=5)])
+    assert inputs.graph(params) is top_k
+    assert inputs.graph(params + [SamplingParams(temperature=1.0, top_k=70)]) is None
     inputs.upload(params, positions, 77, rows, first)
-    tokens = inputs.sample(logits.to(device)).cpu()
+    tokens = inputs.sample(logits.to(device), top_k).cpu()
     sampled = slice(first, first + len(params))
     want = _fused(logits[sampled], params, positions=positions, step_key=77)
     assert tokens[sampled].tolist() == want.tolist()
     others = [r for r in range(rows) if not first <= r < first + len(params)]
     assert tokens[others].tolist() == logits[others].argmax(dim=1).tolist()
     inputs.upload(params[:1], positions[:1], 77, 1, 0)  # a smaller graph's rows
-    assert inputs.sample(logits[first : first + 1].to(device)).cpu().tolist() == want[:1].tolist()
+    one_row = logits[first : first + 1].to(device)
+    assert inputs.sample(one_row, top_k).cpu().tolist() == want[:1].tolist()
