@@ -56,7 +56,7 @@ from kernels.reference import sample_tokens_ref  # noqa: F401  (the torch refere
 MAX_ROUNDS = 64
 SPLIT_ROUNDS = 2  # rounds run split over a row's chunks; the rest (rare) by one program a row
 BLOCK = 1024  # logits per lane pass
-TARGET_PROGRAMS = 1024  # a launch's programs, about: rows x chunks
+TARGET_PROGRAMS = 2048  # a launch's programs, about: rows x chunks (swept: BENCHMARKS.md)
 MAX_CHUNKS = 256  # a row's chunks at most (a combine reads them as one vector)
 NUM_WARPS = 4
 FINISH_WARPS = 16  # the finishing program may stream a whole row in further rounds
