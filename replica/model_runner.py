@@ -17,6 +17,10 @@ The other way round, a step with longer prompt chunks runs its decode sequences 
 one-token chunks of the prefill forward (DECODE_IN_PREFILL), so that step too makes
 one pass over the weights, not a prefill forward and then a decode forward.
 
+A decode step's sampled rows (temperature, top-p, top-k) sample in a second graph,
+captured per graph size over the forward graph's logits and replayed after it; its
+parameters sit in persistent buffers too (replica.sampler.GraphSamplingInputs).
+
 Steps overlap with the host: launch() enqueues a step and returns at once with
 a StepHandle. Sampled tokens stay on the device too (token_buf, one entry per
 table row), so the next step's decode reads a token the host has not seen yet
@@ -167,11 +171,12 @@ class ModelRunner:
         self.step_keys = random.Random(config.seed)
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.request_generators: dict[str, torch.Generator] = {}
-        # A decode or mixed forward's sampling (no top_k rows) replays a graph per graph size.
+        # A decode or mixed forward's sampled rows (top_k at most GRAPH_TOP_K): a graph per
+        # graph size, replayed after the forward's.
         self.graph_sampling = (
             GraphSamplingInputs(
                 max(self.mixed_graph_sizes + self.graph_sizes), self.vocab_size, device
-            )  # fmt: skip
+            )
             if self.fused_sampling and self.use_cuda_graphs and self.graph_sizes
             else None
         )
@@ -489,15 +494,15 @@ class ModelRunner:
         one replays after a forward's graph."""
         pool = None
         for mixed, graphs in ((False, self.graphs), (True, self.mixed_graphs)):
-            for (size, (_, (logits, _))), top_k in itertools.product(graphs.items(), (0, 1)):
-                sample = functools.partial(self._sample_rows, logits, size, bool(top_k))
+            for (size, (_, (logits, _))), top_k in itertools.product(graphs.items(), (False, True)):
+                sample = functools.partial(self._sample_rows, logits, size, top_k)
                 sample()  # compile, and the workspace's first allocation
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     sample()
                 pool = graph.pool()
-                self.sampling_graphs[mixed, size, bool(top_k)] = graph
+                self.sampling_graphs[mixed, size, top_k] = graph
 
     def _sample_rows(self, logits: torch.Tensor, rows: int, top_k: bool) -> None:
         tokens = self.graph_sampling.sample(logits, top_k)
