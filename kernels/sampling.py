@@ -341,7 +341,8 @@ def sample_tokens(
     chunking are not specialised on, so nothing compiles mid-serving.
     """
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits: [R, C], columns contiguous"
-    assert logits.shape[1] < _NONE.value, "logits: more columns than the kernels index"
+    # The workspace keeps indices as float32: exact below 2**24 columns (vocabularies: < 300K).
+    assert logits.shape[1] < 2**24, "logits: more columns than the workspace indexes exactly"
     num_programs = rows.shape[0] if rows is not None else logits.shape[0]
     if ids is not None:
         assert ids.shape == logits.shape and ids.stride(1) == 1, "ids: as logits"
