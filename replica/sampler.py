@@ -248,7 +248,7 @@ class GraphSamplingInputs:
     def graph(self, params: list[SamplingParams]) -> bool | None:
         """Which graph samples these rows: True with top-k candidates, False without, None
         when none can (a top_k above the candidates)."""
-        ks = [p.top_k for p in params if 0 < p.top_k < self.vocab_size]
+        ks = [p.top_k for p in params if 0 < p.top_k < self.vocab_size and not p.greedy]
         if any(k > self.candidates for k in ks):
             return None
         return bool(ks)

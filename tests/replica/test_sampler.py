@@ -199,6 +199,7 @@ def test_graph_inputs_sample_as_sample_fused_and_leave_other_rows_greedy(top_k):
     inputs = GraphSamplingInputs(16, vocab, device)
     assert inputs.graph(params) is top_k
     assert inputs.graph(params + [SamplingParams(temperature=1.0, top_k=70)]) is None
+    assert inputs.graph(params + [SamplingParams(temperature=0.0, top_k=70)]) is top_k
     inputs.upload(params, positions, 77, rows, first)
     tokens = inputs.sample(logits.to(device), top_k).cpu()
     sampled = slice(first, first + len(params))
