@@ -1,6 +1,12 @@
 """Sampling a decode step's logits: kernels.sampling against the torch sampler, on a GPU.
 
     python -m bench.sampling [--rows 1 64 256] [--shapes gpt2,qwen3-0.6b] [--out sampling.json]
+    python -m bench.sampling --host [--rows 1 64 256]     # any machine
+
+--host times the host's side of a sampled step instead: packing the rows' parameters for
+the device (GraphSamplingInputs.upload, what a decode step's sampling graph reads, and
+SamplingBatch.build, what sample_fused reads), over a mix of seeded and unseeded top-p
+rows, in us per call.
 
 For each vocabulary (gpt2's 50,257 in fp16 and qwen3-0.6b's 151,936 in bf16, as their
 LM heads give them), each batch of rows and each kind of sampling (temperature alone,
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +31,7 @@ import torch
 import kernels
 from bench import kernels as bk
 from bench.common import machine_description, markdown_table, write_json
-from replica.sampler import SamplingBatch, sample, sample_fused
+from replica.sampler import GraphSamplingInputs, SamplingBatch, sample, sample_fused
 from replica.sampling_params import SamplingParams
 
 
@@ -80,12 +87,44 @@ def bench_case(vocab: Vocab, rows: int, kind: str, spread: float) -> dict:
     return row
 
 
+def host_case(rows: int, vocab: int = 50257, reps: int = 200) -> dict:
+    """us per call of the two ways a step's sampling parameters are packed for the device."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=i if i % 2 else None) for i in range(rows)
+    ]
+    positions = list(range(100, 100 + rows))
+    inputs = GraphSamplingInputs(rows, vocab, device)
+    calls = {
+        "upload_us": lambda: inputs.upload(params, positions, 12345, rows, 0),
+        "build_us": lambda: SamplingBatch.build(
+            params, [None] * rows, vocab, device, positions, 12345
+        ),
+    }
+    row = {"rows": rows}
+    for name, call in calls.items():
+        for _ in range(reps // 10):  # warm: the pinned allocator, first-call paths
+            call()
+        start = time.perf_counter()
+        for _ in range(reps):
+            call()
+        row[name] = 1e6 * (time.perf_counter() - start) / reps
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--shapes", default=",".join(v.name for v in VOCABS))
     parser.add_argument("--out", default=None, help="write JSON results here")
+    parser.add_argument("--host", action="store_true", help="the host's packing, not kernels")
     args = parser.parse_args(argv)
+    if args.host:
+        bk.print_now(machine_description())
+        rows = [host_case(n) for n in args.rows]
+        bk.print_now(markdown_table(rows, ["rows", "upload_us", "build_us"]))
+        write_json(args.out, {"benchmark": "sampling_host", "rows": rows})
+        return
     names = args.shapes.split(",")
     vocabs = [v for v in VOCABS if v.name in names]
     if len(vocabs) != len(names):

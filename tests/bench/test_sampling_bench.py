@@ -29,3 +29,8 @@ def test_each_case_times_both_samplers(monkeypatch):
     calls.clear()
     assert "kernel_us" not in bs.bench_case(vocab, 3, "T=0.8 top_k=50", 0.3)
     assert calls == [2, 2]
+
+
+def test_host_mode_times_both_packings():
+    row = bs.host_case(rows=5, vocab=50, reps=20)
+    assert row["rows"] == 5 and row["upload_us"] > 0 and row["build_us"] > 0
