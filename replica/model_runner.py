@@ -304,7 +304,7 @@ class ModelRunner:
             positions = [len(s) for s in sampled_seqs]
             step_key = self.step_keys.getrandbits(63)
             params = [s.params for s in sampled_seqs]
-            self.graph_sampling.upload(params, positions, step_key, padded, first)
+            self.graph_sampling.upload(params, positions, step_key, padded, first, self.parity)
             self.sampling_graphs[mixed, padded, top_k].replay()  # into token_buf too
             return self._tokens_to_host(self.graph_sampling.tokens[first:num_rows], host)
         sampling = self._sampling_batch(sampled_seqs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kernels
@@ -196,22 +197,27 @@ class GraphSamplingInputs:
     (padding, a mixed step's prompt chunks short of their end) are greedy."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
-        width = _width(max_rows)
-        self.floats = torch.zeros(3 * width, dtype=torch.float32, device=device)
-        self.ints = torch.zeros(3 * width, dtype=torch.int64, device=device)
+        # One int64 buffer per side: the three int rows, then the three float32 rows (as
+        # half as many int64s), each row whole 16 entries wide for a graph of max_rows.
+        length = _length(_width(max_rows))
+        self.packed = torch.zeros(length, dtype=torch.int64, device=device)
+        # Host staging, two copies (ModelRunner's parity): a step's copy may still be
+        # pending while the next step fills the other.
+        pin = device.type == "cuda"
+        self.staging = torch.zeros((2, length), dtype=torch.int64, pin_memory=pin)
+        self.staging_np = [copy.numpy() for copy in self.staging]
         self.limits = torch.full((max_rows,), vocab_size, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.top_k_tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.vocab_size = vocab_size
         self.candidates = top_k_width(vocab_size)
-        self.pin = device.type == "cuda"
 
     def sample(self, logits: torch.Tensor, top_k: bool) -> torch.Tensor:  # [rows, vocab]
         """What a graph captures: tokens [rows] for the last upload of as many rows."""
         rows = logits.shape[0]
-        width = _width(rows)
-        temps, temps_k, top_ps = self.floats[: 3 * width].view(3, width)[:, :rows]
-        top_ks, keys, bases = self.ints[: 3 * width].view(3, width)[:, :rows]
+        ints, floats = _views(self.packed, _width(rows))
+        top_ks, keys, bases = ints[:, :rows]
+        temps, temps_k, top_ps = floats[:, :rows]
         tokens = self.tokens[:rows]
         kernels.sample_tokens(logits, temps, self.limits[:rows], top_ps, keys, bases, tokens)
         if top_k:
@@ -228,22 +234,25 @@ class GraphSamplingInputs:
         step_key: int,
         rows: int,  # the forward's rows (its graph's size)
         first: int,  # params are rows [first, first + len(params))
+        parity: int = 0,  # which staging copy (the step's; see __init__)
     ) -> None:
         """One copy from pinned memory, not waited for (as SamplingBatch.build's)."""
         width = _width(rows)
+        length = _length(width)
+        host = self.staging_np[parity][:length]
+        host[:] = 0
+        ints, floats = _views(host, width)
+        span = slice(first, first + len(params))
         keys, bases = _philox(params, positions, step_key)
-        ks = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
-        skip = [0] * first
-        floats = [
-            skip + [0.0 if k else p.temperature for p, k in zip(params, ks, strict=True)],
-            skip + [p.temperature if k else 0.0 for p, k in zip(params, ks, strict=True)],
-            skip + [p.top_p for p in params],
-        ]
-        ints = [skip + ks, skip + keys, skip + bases]
-        host_f = _packed(floats, torch.float32, self.pin, width)
-        host_i = _packed(ints, torch.int64, self.pin, width)
-        self.floats[: 3 * width].copy_(host_f.view(-1), non_blocking=True)
-        self.ints[: 3 * width].copy_(host_i.view(-1), non_blocking=True)
+        ints[0, span] = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
+        ints[1, span] = keys
+        ints[2, span] = bases
+        temps = np.array([p.temperature for p in params], dtype=np.float32)
+        has_k = ints[0, span] > 0
+        floats[0, span] = np.where(has_k, 0.0, temps)
+        floats[1, span] = np.where(has_k, temps, 0.0)
+        floats[2, span] = [p.top_p for p in params]
+        self.packed[:length].copy_(self.staging[parity, :length], non_blocking=True)
 
     def graph(self, params: list[SamplingParams]) -> bool | None:
         """Which graph samples these rows: True with top-k candidates, False without, None
@@ -262,3 +271,16 @@ def top_k_width(vocab_size: int, max_top_k: int = 0) -> int:
 
 def _width(rows: int) -> int:
     return -(-rows // 16) * 16
+
+
+def _length(width: int) -> int:
+    return 3 * width + 3 * width // 2  # int64s: three int rows, three float32 rows
+
+
+def _views(packed, width: int):
+    """(ints [3, width], floats [3, width]) of a packed buffer, torch or numpy, as one
+    graph size lays them out."""
+    ints = packed[: 3 * width].reshape(3, width)
+    floats = packed[3 * width : _length(width)]
+    floats = floats.view(torch.float32 if isinstance(packed, torch.Tensor) else np.float32)
+    return ints, floats.reshape(3, width)
