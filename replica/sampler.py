@@ -277,7 +277,7 @@ def _length(width: int) -> int:
     return 3 * width + 3 * width // 2  # int64s: three int rows, three float32 rows
 
 
-def _views(packed, width: int):
+def _views(packed: torch.Tensor | np.ndarray, width: int) -> tuple:
     """(ints [3, width], floats [3, width]) of a packed buffer, torch or numpy, as one
     graph size lays them out."""
     ints = packed[: 3 * width].reshape(3, width)
