@@ -59,10 +59,8 @@ class SamplingBatch:
         key, [0, 2**63)): also sample_fused's inputs."""
         if all(p.greedy for p in params):
             return cls.greedy()
-        # A greedy row's token is the argmax over the whole vocabulary, whatever its top_k.
-        top_ks = [
-            vocab_size if p.top_k <= 0 or p.greedy else min(p.top_k, vocab_size) for p in params
-        ]
+        ks = [_top_k(p, vocab_size) for p in params]
+        top_ks = [k or vocab_size for k in ks]
         # Copies from pinned memory, not waited for: the step's forward is already queued
         # ahead of them, and a blocking copy would hold the host until the device finished
         # that forward, so the host could not prepare the next step meanwhile. float32 holds
@@ -77,24 +75,28 @@ class SamplingBatch:
             top_ps=values[2, :n],
             generators=generators,
             all_greedy=False,
-            any_top_k=any(k < vocab_size for k in top_ks),
+            any_top_k=any(ks),
             any_top_p=any(p.top_p < 1.0 for p in params),
         )
         if positions is None:
             return batch
         keys, bases = _philox(params, positions, step_key)
-        top_k_rows = [i for i, (p, k) in enumerate(zip(params, top_ks)) if k < vocab_size and
-                      not p.greedy]  # fmt: skip
-        chosen = set(top_k_rows)
-        other_rows = [i for i in range(n) if i not in chosen]
+        top_k_rows = [i for i, k in enumerate(ks) if k]
+        other_rows = [i for i, k in enumerate(ks) if not k]
         ints = _packed([keys, bases, top_k_rows, other_rows], torch.int64, pin)
         ints = ints.to(device, non_blocking=True)
         batch.keys, batch.bases = ints[0, :n], ints[1, :n]
         if top_k_rows:
             batch.top_k_rows = ints[2, : len(top_k_rows)]
             batch.other_rows = ints[3, : len(other_rows)]
-            batch.max_top_k = max(top_ks[i] for i in top_k_rows)
+            batch.max_top_k = max(ks)
         return batch
+
+
+def _top_k(p: SamplingParams, vocab_size: int) -> int:
+    """A row's top-k filter, 0 for none: off, the whole vocabulary, or a greedy row (whose
+    token is the argmax over the whole vocabulary, whatever its top_k)."""
+    return p.top_k if 0 < p.top_k < vocab_size and not p.greedy else 0
 
 
 def _philox(
@@ -244,7 +246,7 @@ class GraphSamplingInputs:
         ints, floats = _views(host, width)
         span = slice(first, first + len(params))
         keys, bases = _philox(params, positions, step_key)
-        ints[0, span] = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
+        ints[0, span] = [_top_k(p, self.vocab_size) for p in params]
         ints[1, span] = keys
         ints[2, span] = bases
         temps = np.array([p.temperature for p in params], dtype=np.float32)
@@ -257,10 +259,10 @@ class GraphSamplingInputs:
     def graph(self, params: list[SamplingParams]) -> bool | None:
         """Which graph samples these rows: True with top-k candidates, False without, None
         when none can (a top_k above the candidates)."""
-        ks = [p.top_k for p in params if 0 < p.top_k < self.vocab_size and not p.greedy]
-        if any(k > self.candidates for k in ks):
+        ks = [_top_k(p, self.vocab_size) for p in params]
+        if max(ks, default=0) > self.candidates:
             return None
-        return bool(ks)
+        return any(ks)
 
 
 def top_k_width(vocab_size: int, max_top_k: int = 0) -> int:
