@@ -81,6 +81,22 @@ def _scores(x_ptr, i, limit, inv_t):
 
 
 @triton.jit
+def _first_max(values, idx):
+    """(the largest of values, the least idx holding it): the first argmax over a
+    program's lanes, or over a row's chunks."""
+    top = tl.max(values, axis=0)
+    return top, tl.min(tl.where(values == top, idx, _NONE), axis=0)
+
+
+@triton.jit
+def _race_lanes(s, u, i, pivot, win_key, win_idx):
+    """Each lane's race so far, after candidates i (scores s, uniforms u) above pivot."""
+    race = tl.where(s > pivot, s - tl.log(-tl.log(u)), float("-inf"))
+    better = race > win_key
+    return tl.where(better, race, win_key), tl.where(better, i, win_idx)
+
+
+@triton.jit
 def _gumbel_race(x_ptr, lo, hi, limit, inv_t, pivot, key, counter0, BLOCK: tl.constexpr):
     """The race over candidates [lo, hi) scoring above pivot: (best key, its first index)."""
     lanes = tl.arange(0, BLOCK)
@@ -90,12 +106,8 @@ def _gumbel_race(x_ptr, lo, hi, limit, inv_t, pivot, key, counter0, BLOCK: tl.co
         i = start + lanes
         s = _scores(x_ptr, i, tl.minimum(limit, hi), inv_t)
         u = _uniforms(key, counter0, start, BLOCK)
-        race = tl.where(s > pivot, s - tl.log(-tl.log(u)), float("-inf"))
-        better = race > win_key
-        win_key = tl.where(better, race, win_key)
-        win_idx = tl.where(better, i, win_idx)
-    top = tl.max(win_key, axis=0)
-    return top, tl.min(tl.where(win_key == top, win_idx, _NONE), axis=0)
+        win_key, win_idx = _race_lanes(s, u, i, pivot, win_key, win_idx)
+    return _first_max(win_key, win_idx)
 
 
 @triton.jit
@@ -136,12 +148,10 @@ def _combine_stats(ws_row, num_chunks, FIELDS: tl.constexpr, MAX_CHUNKS: tl.cons
     at = ws_row + tl.arange(0, MAX_CHUNKS) * FIELDS
     mask = tl.arange(0, MAX_CHUNKS) < num_chunks
     mx = tl.load(at, mask=mask, other=float("-inf"))
-    arg = tl.load(at + 1, mask=mask, other=_NONE)
-    m = tl.max(mx, axis=0)
-    best = tl.min(tl.where(mx == m, arg, _NONE), axis=0).to(tl.int32)
+    m, best = _first_max(mx, tl.load(at + 1, mask=mask, other=_NONE))
     part = tl.load(at + 2, mask=mask, other=0.0)
     z = tl.sum(tl.where(mx == float("-inf"), 0.0, part * tl.exp(mx - m)), axis=0)
-    return m, best, z
+    return m, best.to(tl.int32), z
 
 
 @triton.jit
@@ -151,9 +161,8 @@ def _combine_race(ws_row, rnd, num_chunks, FIELDS: tl.constexpr, MAX_CHUNKS: tl.
     at = ws_row + tl.arange(0, MAX_CHUNKS) * FIELDS + 3 + 3 * rnd
     mask = tl.arange(0, MAX_CHUNKS) < num_chunks
     key = tl.load(at, mask=mask, other=float("-inf"))
-    idx = tl.load(at + 1, mask=mask, other=_NONE)
-    top = tl.max(key, axis=0)
-    return tl.min(tl.where(key == top, idx, _NONE), axis=0).to(tl.int32)
+    top, idx = _first_max(key, tl.load(at + 1, mask=mask, other=_NONE))
+    return idx.to(tl.int32)
 
 
 @triton.jit
@@ -222,18 +231,15 @@ def _race_kernel(
             lane_max = new_max
             if not greedy:
                 u = _uniforms(key, counter0, start, BLOCK)
-                race = tl.where(s > float("-inf"), s - tl.log(-tl.log(u)), float("-inf"))
-                won = race > win_key
-                win_key = tl.where(won, race, win_key)
-                win_idx = tl.where(won, i, win_idx)
-        m = tl.max(lane_max, axis=0)
+                win_key, win_idx = _race_lanes(s, u, i, float("-inf"), win_key, win_idx)
+        m, best = _first_max(lane_max, lane_idx)
         tl.store(at, m)
-        tl.store(at + 1, tl.min(tl.where(lane_max == m, lane_idx, _NONE), axis=0).to(tl.float32))
+        tl.store(at + 1, best.to(tl.float32))
         rel = tl.where(lane_max == float("-inf"), 0.0, lane_sum * tl.exp(lane_max - m))
         tl.store(at + 2, tl.sum(rel, axis=0))
-        top = tl.max(win_key, axis=0)
+        top, t = _first_max(win_key, win_idx)
         tl.store(at + 3, top)
-        tl.store(at + 4, tl.min(tl.where(win_key == top, win_idx, _NONE), axis=0).to(tl.float32))
+        tl.store(at + 4, t.to(tl.float32))
     else:
         if greedy:
             return
