@@ -298,19 +298,16 @@ class ModelRunner:
         host = self.token_staging[self.parity, : len(sampled_seqs)]
         if not sampled_seqs:
             return StepHandle(host, None)
-        if all(map(_GREEDY, sampled_seqs)):  # a C-level pass: 256 rows a step on the hot path
-            return self._sample(logits, slots, greedy, SamplingBatch.greedy(), host)
-        params = [s.params for s in sampled_seqs]
-        graphed = self.graph_sampling is not None and len(logits) == 1 and num_rows
-        top_k = self.graph_sampling.graph(params) if graphed else None
+        top_k = self._sampling_graph(sampled_seqs) if len(logits) == 1 and num_rows else None
         if top_k is not None:
             # Only the decode (or mixed) forward samples: its graph's sampling graph.
             positions = [len(s) for s in sampled_seqs]
             step_key = self.step_keys.getrandbits(63)
+            params = [s.params for s in sampled_seqs]
             self.graph_sampling.upload(params, positions, step_key, padded, first, self.parity)
             self.sampling_graphs[mixed, padded, top_k].replay()  # into token_buf too
             return self._tokens_to_host(self.graph_sampling.tokens[first:num_rows], host)
-        sampling = self._sampling_batch(sampled_seqs, params)
+        sampling = self._sampling_batch(sampled_seqs)
         return self._sample(logits, slots, greedy, sampling, host)
 
     def _sample(
@@ -528,8 +525,17 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return graphs, pool
 
-    def _sampling_batch(self, seqs: list[Sequence], params: list[SamplingParams]) -> SamplingBatch:
-        """The direct launches' (or the torch sampler's) batch for rows that sample."""
+    def _sampling_graph(self, seqs: list[Sequence]) -> bool | None:
+        """GraphSamplingInputs.graph for a decode forward's rows; None also when nothing
+        is sampled (a greedy step's tokens are its forward graph's argmax) or no graphs."""
+        if self.graph_sampling is None or all(map(_GREEDY, seqs)):
+            return None
+        return self.graph_sampling.graph([s.params for s in seqs])
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        if all(map(_GREEDY, seqs)):  # a C-level pass: 256 rows a step on the hot path
+            return SamplingBatch.greedy()
+        params = [s.params for s in seqs]
         if self.fused_sampling:  # a seeded row's key is its seed, its counter its position
             return SamplingBatch.build(
                 params, [None] * len(seqs), self.vocab_size, self.device,
