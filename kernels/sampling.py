@@ -47,9 +47,12 @@ kernels.reference.sample_tokens_ref is the same algorithm in torch, with the sam
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kernels.reference import sample_tokens_ref  # noqa: F401  (the torch reference)
 
@@ -61,6 +64,8 @@ MAX_CHUNKS = 256  # a row's chunks at most (a combine reads them as one vector)
 NUM_WARPS = 4
 FINISH_WARPS = 16  # the finishing program may stream a whole row in further rounds
 _NONE = tl.constexpr(1 << 30)  # "no index", above any vocabulary
+# The interpreter (CPU tests) has no libdevice: there the race's logs are tl.log.
+_FAST_LOG = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
@@ -90,8 +95,23 @@ def _first_max(values, idx):
 
 @triton.jit
 def _race_lanes(s, u, i, pivot, win_key, win_idx):
-    """Each lane's race so far, after candidates i (scores s, uniforms u) above pivot."""
-    race = tl.where(s > pivot, s - tl.log(-tl.log(u)), float("-inf"))
+    """Each lane's race so far, after candidates i (scores s, uniforms u) above pivot.
+
+    The key is s - log(E), E = -log(u) ~ Exp(1), both logs fast ones on the GPU: tl.log
+    is libdevice's exact logf, ~20 instructions, and two of them were ~40% of the race's
+    loop (BENCHMARKS.md). lg2.approx has an absolute error near 2**-22, so E's relative
+    error stays under ~1.2e-6 where E > 0.13, and the key moves by less than its own
+    float32 step (~2e-6 at 16). A winner's E is small (u near 1): for u > 7/8, E is the
+    series of -log(1 - w), w = 1 - u exact, to w**7 (relative error under 1e-7)."""
+    if _FAST_LOG:
+        w = 1.0 - u
+        tail = 1 / 4 + w * (1 / 5 + w * (1 / 6 + w / 7))
+        series = w * (1 + w * (1 / 2 + w * (1 / 3 + w * tail)))
+        e = tl.where(w < 0.125, series, -libdevice.fast_logf(u))
+        log_e = libdevice.fast_logf(e)
+    else:
+        log_e = tl.log(-tl.log(u))
+    race = tl.where(s > pivot, s - log_e, float("-inf"))
     better = race > win_key
     return tl.where(better, race, win_key), tl.where(better, i, win_idx)
 
@@ -123,8 +143,9 @@ def _mass_above(x_ptr, lo, hi, limit, inv_t, s_t, m, BLOCK: tl.constexpr):
 
 @triton.jit
 def _row(prog, rows_ptr, logits_ptr, stride_logits, temps_ptr, limits_ptr, top_ps_ptr,
-         num_cols, HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr):  # fmt: skip
-    """Program prog's row: (row, its logits or candidates, limit, top_p, greedy, 1 / T)."""
+         num_cols, TOP_P: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr):  # fmt: skip
+    """Program prog's row: (row, its logits or candidates, limit, top_p, greedy, 1 / T);
+    top_p 1 unless TOP_P (a launch whose rows all have top_p 1 skips its work)."""
     if HAS_ROWS:
         row = tl.load(rows_ptr + prog)
     else:
@@ -139,7 +160,11 @@ def _row(prog, rows_ptr, logits_ptr, stride_logits, temps_ptr, limits_ptr, top_p
     limit = tl.maximum(tl.minimum(tl.load(limits_ptr + row), num_cols), 1).to(tl.int32)
     greedy = temp == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temp)
-    return row, x_ptr, limit, tl.load(top_ps_ptr + row), greedy, inv_t
+    if TOP_P:
+        top_p = tl.load(top_ps_ptr + row)
+    else:
+        top_p = tl.full([], 1.0, tl.float32)
+    return row, x_ptr, limit, top_p, greedy, inv_t
 
 
 @triton.jit
@@ -192,16 +217,18 @@ def _decided(ws_row, x_ptr, rounds, num_chunks, limit, inv_t, top_p, z, best,
 def _race_kernel(
     logits_ptr, stride_logits, rows_ptr, ws_ptr, temps_ptr, limits_ptr, top_ps_ptr,
     keys_ptr, bases_ptr, num_cols, chunk, num_chunks, rnd,
-    FIRST: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr,
-    BLOCK: tl.constexpr, FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    FIRST: tl.constexpr, TOP_P: tl.constexpr, HAS_IDS: tl.constexpr,
+    HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, FIELDS: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """Program (c, prog): chunk c of its row. Round rnd's race over the chunk (unless the
-    row is decided) and, FIRST, the chunk's max, first argmax and Z besides."""
+    row is decided) and, FIRST, the chunk's max and first argmax besides, and its Z
+    where TOP_P (else 0: Z only weighs a top_p)."""
     c = tl.program_id(0)
     prog = tl.program_id(1)
     row, x_ptr, limit, top_p, greedy, inv_t = _row(
         prog, rows_ptr, logits_ptr, stride_logits, temps_ptr, limits_ptr, top_ps_ptr,
-        num_cols, HAS_IDS, HAS_ROWS,
+        num_cols, TOP_P, HAS_IDS, HAS_ROWS,
     )  # fmt: skip
     ws_row = ws_ptr + prog.to(tl.int64) * num_chunks * FIELDS
     at = ws_row + c * FIELDS
@@ -211,7 +238,8 @@ def _race_kernel(
     key = tl.load(keys_ptr + row)
     if FIRST:
         # One stream: each lane's running max (first index), its softmax sum relative to
-        # it, and round 0's race (pivot -inf: every candidate) but on greedy rows.
+        # it (TOP_P: Z weighs only a top_p), and round 0's race (pivot -inf: every
+        # candidate) but on greedy rows.
         lanes = tl.arange(0, BLOCK)
         lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
         lane_idx = tl.full([BLOCK], _NONE, tl.int32)
@@ -222,13 +250,16 @@ def _race_kernel(
             i = start + lanes
             s = _scores(x_ptr, i, hi, inv_t)
             better = s > lane_max
-            new_max = tl.where(better, s, lane_max)
-            # exp(-inf - -inf) is NaN: a lane that has seen only -inf keeps a zero sum
-            rescale = tl.where(lane_max == float("-inf"), 0.0, tl.exp(lane_max - new_max))
-            add = tl.where(s == float("-inf"), 0.0, tl.exp(s - new_max))
-            lane_sum = lane_sum * rescale + add
+            if TOP_P:
+                # One exp a candidate: a new max rescales the sum by exp(old - new) and
+                # adds 1; any other candidate adds exp(s - max). (-inf - -inf is NaN: a
+                # lane that has seen only -inf keeps a zero sum.)
+                e = tl.exp(tl.where(better, lane_max - s, s - lane_max))
+                lane_sum = tl.where(
+                    better, lane_sum * e + 1.0, lane_sum + tl.where(s == float("-inf"), 0.0, e)
+                )
             lane_idx = tl.where(better, i, lane_idx)
-            lane_max = new_max
+            lane_max = tl.where(better, s, lane_max)
             if not greedy:
                 u = _uniforms(key, counter0, start, BLOCK)
                 win_key, win_idx = _race_lanes(s, u, i, float("-inf"), win_key, win_idx)
@@ -258,8 +289,8 @@ def _race_kernel(
 def _mass_kernel(
     logits_ptr, stride_logits, rows_ptr, ws_ptr, temps_ptr, limits_ptr, top_ps_ptr,
     num_cols, chunk, num_chunks, rnd,
-    HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    TOP_P: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """Program (c, prog): the mass of chunk c's candidates scoring above round rnd's
     winner, for rows with a top_p still undecided."""
@@ -267,7 +298,7 @@ def _mass_kernel(
     prog = tl.program_id(1)
     row, x_ptr, limit, top_p, greedy, inv_t = _row(
         prog, rows_ptr, logits_ptr, stride_logits, temps_ptr, limits_ptr, top_ps_ptr,
-        num_cols, HAS_IDS, HAS_ROWS,
+        num_cols, TOP_P, HAS_IDS, HAS_ROWS,
     )  # fmt: skip
     if greedy | (top_p >= 1.0):
         return
@@ -289,15 +320,16 @@ def _mass_kernel(
 def _finish_kernel(
     logits_ptr, stride_logits, ids_ptr, stride_ids, rows_ptr, ws_ptr, out_ptr,
     temps_ptr, limits_ptr, top_ps_ptr, keys_ptr, bases_ptr, num_cols, num_chunks,
-    split_rounds, HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr, MAX_ROUNDS: tl.constexpr,
+    split_rounds, TOP_P: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    MAX_ROUNDS: tl.constexpr,
 ):  # fmt: skip
     """Program prog: its row's token. The split rounds' verdict, else further rounds over
     the whole row by this program alone (rare: see the module docstring)."""
     prog = tl.program_id(0)
     row, x_ptr, limit, top_p, greedy, inv_t = _row(
         prog, rows_ptr, logits_ptr, stride_logits, temps_ptr, limits_ptr, top_ps_ptr,
-        num_cols, HAS_IDS, HAS_ROWS,
+        num_cols, TOP_P, HAS_IDS, HAS_ROWS,
     )  # fmt: skip
     ws_row = ws_ptr + prog.to(tl.int64) * num_chunks * FIELDS
     m, best, z = _combine_stats(ws_row, num_chunks, FIELDS, MAX_CHUNKS)
@@ -336,7 +368,7 @@ def sample_tokens(
     out: torch.Tensor,  # [N] int64: each row's token id
     rows: torch.Tensor | None = None,  # [R] int64: the rows this launch samples
     ids: torch.Tensor | None = None,  # [R, C] int64: candidate i's vocabulary id
-    any_top_p: bool = True,  # False: no row has a top_p under 1 (two launches, not five)
+    any_top_p: bool = True,  # False: every row's top_p taken as 1 (two launches, not five)
 ) -> torch.Tensor:
     """One token per row into out (rows: only those), as the module docstring describes.
 
@@ -361,8 +393,8 @@ def sample_tokens(
     ws = torch.empty(num_programs * num_chunks * fields, dtype=torch.float32, device=out.device)
     rows_arg = rows if rows is not None else out
     params = (temperatures, limits, top_ps)
-    forms = dict(HAS_IDS=ids is not None, HAS_ROWS=rows is not None, BLOCK=BLOCK,
-                 FIELDS=fields, MAX_CHUNKS=MAX_CHUNKS)  # fmt: skip
+    forms = dict(TOP_P=any_top_p, HAS_IDS=ids is not None, HAS_ROWS=rows is not None,
+                 BLOCK=BLOCK, FIELDS=fields, MAX_CHUNKS=MAX_CHUNKS)  # fmt: skip
     split = (num_chunks, num_programs)
     split_rounds = SPLIT_ROUNDS if any_top_p else 1  # without a top_p, round 0 decides
     for rnd in range(split_rounds):
@@ -370,10 +402,11 @@ def sample_tokens(
             logits, logits.stride(0), rows_arg, ws, *params, keys, bases, num_cols, chunk,
             num_chunks, rnd, FIRST=rnd == 0, **forms, num_warps=NUM_WARPS,
         )  # fmt: skip
-        _mass_kernel[split](
-            logits, logits.stride(0), rows_arg, ws, *params, num_cols, chunk, num_chunks,
-            rnd, **forms, num_warps=NUM_WARPS,
-        )  # fmt: skip
+        if any_top_p:
+            _mass_kernel[split](
+                logits, logits.stride(0), rows_arg, ws, *params, num_cols, chunk, num_chunks,
+                rnd, **forms, num_warps=NUM_WARPS,
+            )  # fmt: skip
     _finish_kernel[(num_programs,)](
         logits, logits.stride(0), ids if ids is not None else logits,
         ids.stride(0) if ids is not None else 0, rows_arg, ws, out, *params, keys, bases,

@@ -52,7 +52,13 @@ from replica.decode_inputs import (
 )
 from replica.models import ModelConfig, load_model
 from replica.prefill_inputs import PrefillBucket, PrefillInputs
-from replica.sampler import GraphSamplingInputs, SamplingBatch, sample, sample_fused
+from replica.sampler import (
+    GRAPH_KINDS,
+    GraphSamplingInputs,
+    SamplingBatch,
+    sample,
+    sample_fused,
+)
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch
 from replica.sequence import Sequence
@@ -180,7 +186,8 @@ class ModelRunner:
             if self.fused_sampling and self.use_cuda_graphs and self.graph_sizes
             else None
         )
-        self.sampling_graphs: dict[tuple[bool, int, bool], torch.cuda.CUDAGraph] = {}
+        # (mixed, size, kind): kind (top_k, top_p) one of replica.sampler.GRAPH_KINDS
+        self.sampling_graphs: dict[tuple[bool, int, tuple], torch.cuda.CUDAGraph] = {}
         self.kv_cache: torch.Tensor | None = None
         # decode: (graph, (logits, greedy tokens)) per batch size; mixed steps have their own
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -298,14 +305,14 @@ class ModelRunner:
         host = self.token_staging[self.parity, : len(sampled_seqs)]
         if not sampled_seqs:
             return StepHandle(host, None)
-        top_k = self._sampling_graph(sampled_seqs) if len(logits) == 1 and num_rows else None
-        if top_k is not None:
+        kind = self._sampling_graph(sampled_seqs) if len(logits) == 1 and num_rows else None
+        if kind is not None:
             # Only the decode (or mixed) forward samples: its graph's sampling graph.
             positions = [len(s) for s in sampled_seqs]
             step_key = self.step_keys.getrandbits(63)
             params = [s.params for s in sampled_seqs]
             self.graph_sampling.upload(params, positions, step_key, padded, first, self.parity)
-            self.sampling_graphs[mixed, padded, top_k].replay()  # into token_buf too
+            self.sampling_graphs[mixed, padded, kind].replay()  # into token_buf too
             return self._tokens_to_host(self.graph_sampling.tokens[first:num_rows], host)
         sampling = self._sampling_batch(sampled_seqs)
         return self._sample(logits, slots, greedy, sampling, host)
@@ -488,24 +495,24 @@ class ModelRunner:
                 self._capture_sampling()
 
     def _capture_sampling(self) -> None:
-        """Two graphs per decode and mixed graph, without and with top-k candidates:
+        """A graph per decode and mixed graph and kind of sampling (GRAPH_KINDS):
         kernels.sampling over its logits into graph_sampling.tokens and token_buf (rows
         that sample nothing into the null row, as the forward's argmax). Their own pool:
         one replays after a forward's graph."""
         pool = None
         for mixed, graphs in ((False, self.graphs), (True, self.mixed_graphs)):
-            for (size, (_, (logits, _))), top_k in itertools.product(graphs.items(), (False, True)):
-                sample = functools.partial(self._sample_rows, logits, size, top_k)
+            for (size, (_, (logits, _))), kind in itertools.product(graphs.items(), GRAPH_KINDS):
+                sample = functools.partial(self._sample_rows, logits, size, kind)
                 sample()  # compile, and the workspace's first allocation
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     sample()
                 pool = graph.pool()
-                self.sampling_graphs[mixed, size, top_k] = graph
+                self.sampling_graphs[mixed, size, kind] = graph
 
-    def _sample_rows(self, logits: torch.Tensor, rows: int, top_k: bool) -> None:
-        tokens = self.graph_sampling.sample(logits, top_k)
+    def _sample_rows(self, logits: torch.Tensor, rows: int, kind: tuple[bool, bool]) -> None:
+        tokens = self.graph_sampling.sample(logits, *kind)
         self.token_buf.index_copy_(0, self.decode_inputs[OUT_SLOTS, :rows], tokens)
 
     def _capture(self, shapes: list, forward, pool=None) -> tuple[dict, object]:
@@ -525,7 +532,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return graphs, pool
 
-    def _sampling_graph(self, seqs: list[Sequence]) -> bool | None:
+    def _sampling_graph(self, seqs: list[Sequence]) -> tuple[bool, bool] | None:
         """GraphSamplingInputs.graph for a decode forward's rows; None also when nothing
         is sampled (a greedy step's tokens are its forward graph's argmax) or no graphs."""
         if self.graph_sampling is None or all(map(_GREEDY, seqs)):

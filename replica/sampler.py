@@ -10,6 +10,7 @@ reproduces a request's tokens on one device type, whatever its batch neighbours.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,9 @@ import kernels
 from replica.sampling_params import SamplingParams
 
 GRAPH_TOP_K = 64  # top-k candidates a sampling graph takes (common top_k: 20 to 50)
+# The sampling graphs of a decode graph size, as (top_k, top_p): temperature alone (two
+# launches, no softmax sum), top-p, and top-k rows beside any others.
+GRAPH_KINDS = ((False, False), (False, True), (True, True))
 
 
 @dataclass
@@ -76,7 +80,7 @@ class SamplingBatch:
             generators=generators,
             all_greedy=False,
             any_top_k=any(ks),
-            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
         )
         if positions is None:
             return batch
@@ -195,8 +199,10 @@ class GraphSamplingInputs:
     temperature over the top-k candidates (0 on the others), top_p; the top_k, Philox key
     and base. A graph for a batch with top_k rows adds torch.topk's GRAPH_TOP_K candidates
     of every row and a launch over them, and takes each row's token from its own launch;
-    a batch with a top_k above GRAPH_TOP_K takes sample_fused. Rows that sample nothing
-    (padding, a mixed step's prompt chunks short of their end) are greedy."""
+    a batch with a top_k above GRAPH_TOP_K takes sample_fused. A batch without top_p or
+    top_k rows takes a graph of kernels.sampling's two launches for temperature alone.
+    Rows that sample nothing (padding, a mixed step's prompt chunks short of their end)
+    are greedy."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
         # One int64 buffer per side: the three int rows, then the three float32 rows (as
@@ -214,18 +220,20 @@ class GraphSamplingInputs:
         self.vocab_size = vocab_size
         self.candidates = top_k_width(vocab_size)
 
-    def sample(self, logits: torch.Tensor, top_k: bool) -> torch.Tensor:  # [rows, vocab]
-        """What a graph captures: tokens [rows] for the last upload of as many rows."""
+    def sample(self, logits: torch.Tensor, top_k: bool, top_p: bool) -> torch.Tensor:
+        """What a graph of kind (top_k, top_p) captures: tokens [rows] for the last upload
+        of as many rows (logits [rows, vocab])."""
         rows = logits.shape[0]
         ints, floats = _views(self.packed, _width(rows))
         top_ks, keys, bases = ints[:, :rows]
         temps, temps_k, top_ps = floats[:, :rows]
         tokens = self.tokens[:rows]
-        kernels.sample_tokens(logits, temps, self.limits[:rows], top_ps, keys, bases, tokens)
+        launch = functools.partial(kernels.sample_tokens, any_top_p=top_p)
+        launch(logits, temps, self.limits[:rows], top_ps, keys, bases, tokens)
         if top_k:
             values, ids = logits.topk(self.candidates, dim=-1)
             picked = self.top_k_tokens[:rows]
-            kernels.sample_tokens(values, temps_k, top_ks, top_ps, keys, bases, picked, ids=ids)
+            launch(values, temps_k, top_ks, top_ps, keys, bases, picked, ids=ids)
             torch.where(temps_k > 0, picked, tokens, out=tokens)
         return tokens
 
@@ -256,13 +264,14 @@ class GraphSamplingInputs:
         floats[2, span] = [p.top_p for p in params]
         self.packed[:length].copy_(self.staging[parity, :length], non_blocking=True)
 
-    def graph(self, params: list[SamplingParams]) -> bool | None:
-        """Which graph samples these rows: True with top-k candidates, False without, None
-        when none can (a top_k above the candidates)."""
+    def graph(self, params: list[SamplingParams]) -> tuple[bool, bool] | None:
+        """Which graph samples these rows: its kind in GRAPH_KINDS, or None when none can
+        (a top_k above the candidates)."""
         ks = [_top_k(p, self.vocab_size) for p in params]
         if max(ks, default=0) > self.candidates:
             return None
-        return any(ks)
+        top_k = any(ks)
+        return top_k, top_k or any(p.top_p < 1.0 and not p.greedy for p in params)
 
 
 def top_k_width(vocab_size: int, max_top_k: int = 0) -> int:

@@ -93,9 +93,9 @@ def test_kernel_matches_reference_over_chunkings(split_rounds, target_programs, 
     assert torch.equal(got, want)
 
 
-def test_any_top_p_false_runs_round_zero_split_and_the_rest_in_the_finish(device):
-    """any_top_p=False (the caller knows no row has a top_p): two launches. A row with a
-    top_p anyway still gets the reference's token, its later rounds in the finishing launch."""
+def test_any_top_p_false_takes_every_top_p_as_one(device):
+    """any_top_p=False (the caller knows no row has a top_p): two launches, no softmax sum.
+    A row with a top_p anyway samples the whole vocabulary, as the reference does at 1."""
     gen = torch.Generator().manual_seed(12)
     n, vocab = 6, 260
     logits = torch.randn(n, vocab, generator=gen) * 2
@@ -108,8 +108,11 @@ def test_any_top_p_false_runs_round_zero_split_and_the_rest_in_the_finish(device
     args = [on(t) for t in (temps, limits, top_ps, keys, bases)]
     sampling.sample_tokens(on(logits), *args, out, any_top_p=False)
     want = torch.full((n,), -1, dtype=torch.int64)
-    sample_tokens_ref(logits, temps, limits, top_ps, keys, bases, want)
+    sample_tokens_ref(logits, temps, limits, torch.ones(n), keys, bases, want)
     assert torch.equal(out.cpu(), want)
+    unfiltered = torch.full((n,), -1, dtype=torch.int64)
+    sample_tokens_ref(logits, temps, limits, top_ps, keys, bases, unfiltered)
+    assert not torch.equal(unfiltered, want)  # the case tells the two apart
 
 
 def test_chunking_spreads_rows_over_whole_blocks(monkeypatch):

@@ -403,13 +403,32 @@ def test_sampling_graphs_give_the_eager_launches_tokens(checkpoint, dtype, monke
     step samples in a graph replayed after its forward's; without, through sample_fused's
     launches. Same shapes, same tokens, whether the requests arrive together or join
     running ones."""
-    path, _ = checkpoint
-    prompts = random_prompts(7, [3, 9, 17, 33, 40, 12, 5, 16])
     params = [
         SamplingParams(max_tokens=30, temperature=0.9, top_p=0.8 if i % 2 else 1.0,
                        top_k=20 if i % 3 == 0 else 0, seed=50 + i, ignore_eos=True)
-        for i in range(len(prompts))
+        for i in range(8)
     ]  # fmt: skip
+    kinds = _sampling_graphs_on_and_off(checkpoint[0], dtype, params, monkeypatch)
+    assert {(True, True), (False, True)} <= kinds  # with top-k, without
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_temperature_alone_samples_in_its_own_graph(checkpoint, monkeypatch):
+    """Steps whose rows have no top_p and no top_k replay the two-launch graph (no softmax
+    sum, no mass rounds): the same tokens as sample_fused's launches."""
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.5 + 0.1 * i, seed=70 + i, ignore_eos=True)
+        for i in range(8)
+    ]
+    kinds = _sampling_graphs_on_and_off(checkpoint[0], "bfloat16", params, monkeypatch)
+    assert kinds == {(False, False)}
+
+
+def _sampling_graphs_on_and_off(path, dtype, params, monkeypatch) -> set:
+    """Tokens with sampling graphs and without (sample_fused) for params (one a prompt),
+    all at once and staggered (mixed steps): asserted equal. The graph kinds taken."""
+    prompts = random_prompts(7, [3, 9, 17, 33, 40, 12, 5, 16])
     firsts, graphs_taken = [], []
     upload, graph = GraphSamplingInputs.upload, GraphSamplingInputs.graph
     monkeypatch.setattr(
@@ -429,10 +448,10 @@ def test_sampling_graphs_give_the_eager_launches_tokens(checkpoint, dtype, monke
         assert_no_leak(engine)
         if graphs:  # the graphs sampled decode steps and mixed ones (rows after chunks)
             assert firsts.count(0) > 10 and any(f > 0 for f in firsts)
-            assert True in graphs_taken and False in graphs_taken  # with top-k, without
             graphed = len(firsts)
     assert len(firsts) == graphed  # without graphs, sample_fused's launches
     assert results[:2] == results[2:]
+    return set(graphs_taken)
 
 
 @pytest.mark.gpu

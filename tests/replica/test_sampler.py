@@ -7,7 +7,13 @@ import time
 import pytest
 import torch
 
-from replica.sampler import GraphSamplingInputs, SamplingBatch, sample, sample_fused
+from replica.sampler import (
+    GRAPH_KINDS,
+    GraphSamplingInputs,
+    SamplingBatch,
+    sample,
+    sample_fused,
+)
 from replica.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -179,29 +185,31 @@ def test_fused_sampler_seeded_rows_ignore_neighbours_and_step_keys():
     assert len(draws) > 1  # the position moves the counter
 
 
-@pytest.mark.parametrize("top_k", [False, True])
-def test_graph_inputs_sample_as_sample_fused_and_leave_other_rows_greedy(top_k):
+@pytest.mark.parametrize("kind", GRAPH_KINDS)
+def test_graph_inputs_sample_as_sample_fused_and_leave_other_rows_greedy(kind):
     """GraphSamplingInputs (what a decode step's sampling graph reads): the sampled rows
     [first, first + n) of a padded forward draw sample_fused's tokens for the same
-    params, positions and step key, top-k rows among them; the rows before and after
-    them take the argmax."""
+    params, positions and step key, in each kind of graph (temperature alone, top-p,
+    top-k rows among them); the rows before and after them take the argmax."""
+    top_k, top_p = kind
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator().manual_seed(3)
     vocab, rows, first = 75, 8, 2
     logits = torch.randn(rows, vocab, generator=gen) * 2
     params = [
-        SamplingParams(temperature=0.9, top_p=0.7, seed=40, top_k=5 if top_k else 0),
+        SamplingParams(temperature=0.9, top_p=0.7 if top_p else 1.0, seed=40,
+                       top_k=5 if top_k else 0),
         SamplingParams(temperature=1.3),
-        SamplingParams(temperature=0.0, top_k=3 if top_k else 0),
-        SamplingParams(temperature=0.6, top_p=0.5, top_k=40 if top_k else 0),
-    ]
+        SamplingParams(temperature=0.0, top_k=3 if top_k else 0, top_p=0.5),  # greedy
+        SamplingParams(temperature=0.6, top_p=0.5 if top_p else 1.0, top_k=40 if top_k else 0),
+    ]  # fmt: skip
     positions = [9, 4, 30, 12]
     inputs = GraphSamplingInputs(16, vocab, device)
-    assert inputs.graph(params) is top_k
+    assert inputs.graph(params) == kind
     assert inputs.graph(params + [SamplingParams(temperature=1.0, top_k=70)]) is None
-    assert inputs.graph(params + [SamplingParams(temperature=0.0, top_k=70)]) is top_k
+    assert inputs.graph(params + [SamplingParams(temperature=0.0, top_k=70)]) == kind
     inputs.upload(params, positions, 77, rows, first)
-    tokens = inputs.sample(logits.to(device), top_k).cpu()
+    tokens = inputs.sample(logits.to(device), *kind).cpu()
     sampled = slice(first, first + len(params))
     want = _fused(logits[sampled], params, positions=positions, step_key=77)
     assert tokens[sampled].tolist() == want.tolist()
@@ -209,4 +217,4 @@ def test_graph_inputs_sample_as_sample_fused_and_leave_other_rows_greedy(top_k):
     assert tokens[others].tolist() == logits[others].argmax(dim=1).tolist()
     inputs.upload(params[:1], positions[:1], 77, 1, 0)  # a smaller graph's rows
     one_row = logits[first : first + 1].to(device)
-    assert inputs.sample(one_row, top_k).cpu().tolist() == want[:1].tolist()
+    assert inputs.sample(one_row, *kind).cpu().tolist() == want[:1].tolist()
