@@ -11,7 +11,7 @@ rows, in us per call.
 For each vocabulary (gpt2's 50,257 in fp16 and qwen3-0.6b's 151,936 in bf16, as their
 LM heads give them), each batch of rows and each kind of sampling (temperature alone,
 top-p, top-k, seeded top-p), it times `replica.sampler.sample_fused` (the CUDA path:
-kernels.sampling, with torch.topk for top-k rows) against `replica.sampler.sample` (the
+kernels.sampling, a radix select for top-k rows) against `replica.sampler.sample` (the
 torch path, a sort for top-k / top-p: the peer), both with triton's do_bench (host launch
 included, as the engine pays it), and kernels.sample_tokens alone, CUDA-graph-timed over
 rotating copies of the logits. Random logits with a spread like a trained model's
@@ -78,12 +78,12 @@ def bench_case(vocab: Vocab, rows: int, kind: str, spread: float) -> dict:
     row["fused_us"] = bk.do_bench_us(fused_fns)
     row["torch_us"] = bk.do_bench_us(torch_fns)
     row["x torch"] = row["torch_us"] / row["fused_us"]
-    if fused.top_k_rows is None:  # the kernel alone: one launch over every row
-        out = torch.empty(rows, dtype=torch.int64, device=device)
-        args = (fused.temperatures, fused.top_ks, fused.top_ps, fused.keys, fused.bases, out)
-        row["kernel_us"] = bk.graph_time_us(
-            [lambda x=x: kernels.sample_tokens(x, *args) for x in logits]
-        )
+    out = torch.empty(rows, dtype=torch.int64, device=device)  # the kernels alone, graphed
+    args = (fused.temperatures, fused.top_ks, fused.top_ps, fused.keys, fused.bases, out)
+    flags = {"any_top_p": fused.any_top_p, "any_top_k": fused.any_top_k}
+    row["kernel_us"] = bk.graph_time_us(
+        [lambda x=x: kernels.sample_tokens(x, *args, **flags) for x in logits]
+    )
     return row
 
 

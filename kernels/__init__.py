@@ -25,7 +25,6 @@ _ENTRY_POINTS = {
     "paged_decode_attention": "kernels.decode_attention",
     "paged_prefill_attention": "kernels.prefill_attention",
     "resolve_placeholders": "kernels.argmax",
-    "candidates_width": "kernels.sampling",
     "sample_tokens": "kernels.sampling",
 }
 

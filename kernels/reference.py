@@ -233,42 +233,41 @@ def philox_words_ref(key: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Te
 
 
 def sample_tokens_ref(
-    logits: torch.Tensor,  # [R, C]
+    logits: torch.Tensor,  # [N, C]
     temperatures: torch.Tensor,  # [N] float32
-    limits: torch.Tensor,  # [N] int64
+    top_ks: torch.Tensor,  # [N] int64: off at 0 or at least C
     top_ps: torch.Tensor,  # [N] float32
     keys: torch.Tensor,  # [N] int64
     bases: torch.Tensor,  # [N] int64
     out: torch.Tensor,  # [N] int64
-    rows: torch.Tensor | None = None,  # [R]
-    ids: torch.Tensor | None = None,  # [R, C]
     max_rounds: int = 64,
 ) -> torch.Tensor:
     """kernels.sampling.sample_tokens in torch: greedy rows take the first argmax; the
-    others sample among their first `limits` candidates, temperature then top-p, by
-    rounds of a Gumbel race over the tokens above a pivot, each accepted when the
-    tokens scoring above it hold less than top_p of the mass."""
+    others sample among the tokens at or above their k-th largest logit (top-k, ties
+    kept), temperature then top-p, by rounds of a Gumbel race over the tokens above a
+    pivot, each accepted when the tokens scoring above it hold less than top_p of the mass."""
     num_rows, num_cols = logits.shape
-    rows = torch.arange(num_rows, device=logits.device) if rows is None else rows.long()
-    x = logits if ids is not None else logits[rows]
-    temp, top_p = temperatures[rows].float(), top_ps[rows].float()
-    limit = limits[rows].clamp(1, num_cols)
+    temp, top_p = temperatures.float(), top_ps.float()
     greedy = temp == 0
     inv_t = torch.where(greedy, torch.ones_like(temp), 1.0 / temp)
+    x = logits.float()  # exact for 16-bit logits: the same order and ties
+    k = top_ks.long()
+    top_k = (k > 0) & (k < num_cols) & ~greedy
+    kth = x.sort(dim=1, descending=True).values.gather(1, (k.clamp(1, num_cols) - 1)[:, None])
+    floor = torch.where(top_k[:, None], kth, float("-inf"))
     cols = torch.arange(num_cols, device=logits.device)
-    valid = cols[None, :] < limit[:, None]
-    s = torch.where(valid, x.float() * inv_t[:, None], float("-inf"))
+    s = torch.where(x >= floor, x * inv_t[:, None], float("-inf"))
     m = s.max(dim=1).values
     token = s.argmax(dim=1)  # the first maximum
     z = torch.exp(s - m[:, None]).sum(dim=1)
     pivot = torch.full_like(m, float("-inf"))
     done = greedy.clone()
-    counter = bases[rows][:, None] + cols[None, :] // 4  # candidate i: word i % 4
-    word = (cols % 4)[None, :].expand(len(rows), -1)
+    counter = bases[:, None] + cols[None, :] // 4  # token i: word i % 4
+    word = (cols % 4)[None, :].expand(num_rows, -1)
     for rnd in range(max_rounds):
         if bool(done.all()):
             break
-        words = philox_words_ref(keys[rows][:, None], counter + rnd * num_cols)
+        words = philox_words_ref(keys[:, None], counter + rnd * num_cols)
         bits = torch.stack(words, dim=-1).gather(-1, word[..., None])[..., 0]
         u = ((bits >> 9).float() + 0.5) * (1.0 / 8388608.0)
         race = torch.where(s > pivot[:, None], s - torch.log(-torch.log(u)), float("-inf"))
@@ -279,7 +278,5 @@ def sample_tokens_ref(
         token = torch.where(accept, t, token)
         pivot = torch.where(done | accept, pivot, s_t)
         done |= accept
-    if ids is not None:
-        token = ids.gather(1, token[:, None])[:, 0]
-    out[rows] = token.to(out.dtype)
+    out.copy_(token.to(out.dtype))
     return out

@@ -6,7 +6,8 @@ vocabulary) from 2.9 to ~8 ms (BENCHMARKS.md). Here the logits are streamed a fe
 times instead:
 
 1. the row's maximum, its first index (a greedy row's token, done) and the softmax
-   normaliser Z over the row's candidates, in one pass (online, per lane);
+   normaliser Z over the row's candidates (its top-k set, else the whole row), in one
+   pass (online, per lane);
 2. a round of rejection sampling: the exponential race (Gumbel-max) over the tokens
    scoring above a pivot picks a token t with probability proportional to p_t among
    them; a second pass sums the mass of the tokens scoring above t. t is in the top-p
@@ -32,13 +33,17 @@ top_p that keeps one token: each round's winner is uniform over the tokens above
 pivot, so the rounds number about ln(vocabulary) (12 for 152K tokens), and 64 of them
 are a Poisson tail beyond 1e-20. top_p == 1 accepts the first race.
 
-Top-k comes in as candidates: the row's top_k largest logits (torch.topk, largest
-first) and their vocabulary ids, with `limits` the row's k; the normaliser and the
-top-p masses then run over the top-k set, which is top-k first, top-p over the
-renormalised rest (transformers' order).
+Top-k is a floor: the row's k-th largest logit, found by a radix select over the
+logits' bits (an ordered key per logit, RADIX_BITS a pass: launches of per-chunk
+histograms of the next bits among the keys that share the bits chosen so far; two
+passes for 16-bit logits, four for float32). The top-k set is every token at or above
+the floor: ties at the k-th value are all kept, as transformers' TopKLogitsWarper and
+vLLM keep them. Round 0's race and the normaliser run over that set; later rounds race
+above a pivot that is in it already. So top-p runs over the renormalised top-k set
+(transformers' order, top-k first).
 
 Random numbers are Philox (tl.randint4x) of a per-row key and counter: the uniform
-for candidate i in round r is word i % 4 of Philox(key, base + r * num_cols + i // 4).
+for token i in round r is word i % 4 of Philox(key, base + r * num_cols + i // 4).
 A request with a seed has key = seed and base = its token's position << 32, so its
 tokens do not depend on its batch neighbours or on the step that samples them; the
 others share a key drawn per step by the host and take base = row << 32.
@@ -63,6 +68,8 @@ TARGET_PROGRAMS = 2048  # a launch's programs, about: rows x chunks (swept: BENC
 MAX_CHUNKS = 256  # a row's chunks at most (a combine reads them as one vector)
 NUM_WARPS = 4
 FINISH_WARPS = 16  # the finishing program may stream a whole row in further rounds
+RADIX_BITS = 8  # key bits a top-k select pass decides: 2**RADIX_BITS histogram bins
+HIST_CHUNKS = 16  # chunk histograms a select reads per load
 _NONE = tl.constexpr(1 << 30)  # "no index", above any vocabulary
 # The interpreter (CPU tests) has no libdevice: there the race's logs are tl.log.
 _FAST_LOG = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
@@ -80,9 +87,18 @@ def _uniforms(key, counter0, start, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scores(x_ptr, i, limit, inv_t):
-    """Candidates i's logits over the temperature, in float32; -inf past the row's limit."""
-    return tl.load(x_ptr + i, mask=i < limit, other=float("-inf")).to(tl.float32) * inv_t
+def _keys(x, KEY_BITS: tl.constexpr):
+    """Ordered keys of logits x (int64, [0, 2**KEY_BITS)): a larger logit has a larger key,
+    equal logits equal keys (-0 as +0). Negative floats' bits flip whole, others gain the
+    sign bit."""
+    sign: tl.constexpr = 1 << (KEY_BITS - 1)
+    mask: tl.constexpr = (1 << KEY_BITS) - 1
+    if KEY_BITS == 16:
+        bits = x.to(tl.int16, bitcast=True).to(tl.int64) & mask
+    else:
+        bits = x.to(tl.int32, bitcast=True).to(tl.int64) & mask
+    key = tl.where(bits >= sign, mask - bits, bits + sign)
+    return tl.where(bits == sign, sign, key)
 
 
 @triton.jit
@@ -117,54 +133,102 @@ def _race_lanes(s, u, i, pivot, win_key, win_idx):
 
 
 @triton.jit
-def _gumbel_race(x_ptr, lo, hi, limit, inv_t, pivot, key, counter0, BLOCK: tl.constexpr):
-    """The race over candidates [lo, hi) scoring above pivot: (best key, its first index)."""
+def _gumbel_race(x_ptr, lo, hi, inv_t, pivot, key, counter0, BLOCK: tl.constexpr):
+    """The race over tokens [lo, hi) scoring above pivot: (best key, its first index)."""
     lanes = tl.arange(0, BLOCK)
     win_key = tl.full([BLOCK], float("-inf"), tl.float32)
     win_idx = tl.full([BLOCK], _NONE, tl.int32)
     for start in range(lo, hi, BLOCK):
         i = start + lanes
-        s = _scores(x_ptr, i, tl.minimum(limit, hi), inv_t)
+        s = tl.load(x_ptr + i, mask=i < hi, other=float("-inf")).to(tl.float32) * inv_t
         u = _uniforms(key, counter0, start, BLOCK)
         win_key, win_idx = _race_lanes(s, u, i, pivot, win_key, win_idx)
     return _first_max(win_key, win_idx)
 
 
 @triton.jit
-def _mass_above(x_ptr, lo, hi, limit, inv_t, s_t, m, BLOCK: tl.constexpr):
-    """Softmax mass (relative to exp(m)) of candidates [lo, hi) scoring above s_t."""
+def _mass_above(x_ptr, lo, hi, inv_t, s_t, m, BLOCK: tl.constexpr):
+    """Softmax mass (relative to exp(m)) of tokens [lo, hi) scoring above s_t."""
     lanes = tl.arange(0, BLOCK)
     above = tl.zeros([BLOCK], tl.float32)
     for start in range(lo, hi, BLOCK):
-        s = _scores(x_ptr, start + lanes, tl.minimum(limit, hi), inv_t)
+        i = start + lanes
+        s = tl.load(x_ptr + i, mask=i < hi, other=float("-inf")).to(tl.float32) * inv_t
         above += tl.where(s > s_t, tl.exp(s - m), 0.0)
     return tl.sum(above, axis=0)
 
 
 @triton.jit
-def _row(prog, rows_ptr, logits_ptr, stride_logits, temps_ptr, limits_ptr, top_ps_ptr,
-         num_cols, TOP_P: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr):  # fmt: skip
-    """Program prog's row: (row, its logits or candidates, limit, top_p, greedy, 1 / T);
-    top_p 1 unless TOP_P (a launch whose rows all have top_p 1 skips its work)."""
-    if HAS_ROWS:
-        row = tl.load(rows_ptr + prog)
-    else:
-        row = prog.to(tl.int64)
-    # Candidates (HAS_IDS) are the program's own row; otherwise the logits are every row's.
-    if HAS_IDS:
-        x_ptr = logits_ptr + prog.to(tl.int64) * stride_logits
-    else:
-        x_ptr = logits_ptr + row * stride_logits
+def _row(row, logits_ptr, stride_logits, temps_ptr, top_ps_ptr, TOP_P: tl.constexpr):
+    """Row row's (logits, top_p, greedy, 1 / T); top_p 1 unless TOP_P (a launch whose rows
+    all have top_p 1 skips its work)."""
+    x_ptr = logits_ptr + row.to(tl.int64) * stride_logits
     temp = tl.load(temps_ptr + row)
-    # At least one candidate: a row with none (a graph's unused row) takes the first.
-    limit = tl.maximum(tl.minimum(tl.load(limits_ptr + row), num_cols), 1).to(tl.int32)
     greedy = temp == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temp)
     if TOP_P:
         top_p = tl.load(top_ps_ptr + row)
     else:
         top_p = tl.full([], 1.0, tl.float32)
-    return row, x_ptr, limit, top_p, greedy, inv_t
+    return x_ptr, top_p, greedy, inv_t
+
+
+@triton.jit
+def _top_k_on(row, temps_ptr, top_ks_ptr, num_cols):
+    """(whether row row samples among its top k, k): k in (0, num_cols), not greedy."""
+    k = tl.load(top_ks_ptr + row)
+    return (k > 0) & (k < num_cols) & (tl.load(temps_ptr + row) != 0.0), k
+
+
+@triton.jit
+def _select(hist_row, passes, num_chunks, k, BINS: tl.constexpr, HIST_CHUNKS: tl.constexpr):
+    """The top passes * RADIX_BITS bits of the row's k-th largest key, from its chunks'
+    histograms of select passes [0, passes) (each over the keys sharing the bits before)."""
+    bins = tl.arange(0, BINS)
+    sub = tl.arange(0, HIST_CHUNKS)
+    prefix = tl.full([], 0, tl.int64)
+    rank = k.to(tl.int64)  # of the key sought, among the keys sharing prefix
+    for q in range(passes):
+        counts = tl.zeros([BINS], tl.int32)
+        for c0 in range(0, num_chunks, HIST_CHUNKS):
+            at = hist_row + ((q * num_chunks + c0 + sub) * BINS)[:, None] + bins[None, :]
+            tile = tl.load(at, mask=(c0 + sub < num_chunks)[:, None], other=0)
+            counts += tl.sum(tile, axis=0)
+        at_or_above = tl.cumsum(counts, axis=0, reverse=True)
+        b = tl.max(tl.where(at_or_above >= rank, bins, -1), axis=0)
+        rank -= tl.sum(tl.where(bins > b, counts, 0), axis=0)
+        prefix = prefix * BINS + b
+    return prefix
+
+
+@triton.jit(do_not_specialize=["num_cols", "chunk", "num_chunks", "p"])
+def _select_kernel(
+    logits_ptr, stride_logits, hist_ptr, temps_ptr, top_ks_ptr, num_cols, chunk, num_chunks,
+    p, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, BLOCK: tl.constexpr,
+    HIST_CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """Program (c, row): select pass p over chunk c of a top-k row: the histogram of its
+    keys' next RADIX_BITS bits, among the keys whose higher bits are passes [0, p)'s."""
+    c = tl.program_id(0)
+    row = tl.program_id(1)
+    on, k = _top_k_on(row, temps_ptr, top_ks_ptr, num_cols)
+    if not on:
+        return
+    BINS: tl.constexpr = 1 << RADIX_BITS
+    hist_row = hist_ptr + row.to(tl.int64) * (KEY_BITS // RADIX_BITS) * num_chunks * BINS
+    prefix = _select(hist_row, p, num_chunks, k, BINS, HIST_CHUNKS)
+    shift = KEY_BITS - RADIX_BITS * (p + 1)
+    x_ptr = logits_ptr + row.to(tl.int64) * stride_logits
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, num_cols)
+    lanes = tl.arange(0, BLOCK)
+    counts = tl.zeros([BINS], tl.int32)
+    for start in range(lo, hi, BLOCK):
+        i = start + lanes
+        key = _keys(tl.load(x_ptr + i, mask=i < hi, other=0.0), KEY_BITS)
+        ours = (i < hi) & ((key >> (shift + RADIX_BITS)) == prefix)
+        counts += tl.histogram(((key >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=ours)
+    tl.store(hist_row + (p * num_chunks + c) * BINS + tl.arange(0, BINS), counts)
 
 
 @triton.jit
@@ -191,7 +255,7 @@ def _combine_race(ws_row, rnd, num_chunks, FIELDS: tl.constexpr, MAX_CHUNKS: tl.
 
 
 @triton.jit
-def _decided(ws_row, x_ptr, rounds, num_chunks, limit, inv_t, top_p, z, best,
+def _decided(ws_row, x_ptr, rounds, num_chunks, inv_t, top_p, z, best,
              FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr):  # fmt: skip
     """After split rounds [0, rounds) of a sampled row: (done, token, pivot). A round's
     partials are read only while the row was still undecided (later ones were not written)."""
@@ -202,7 +266,7 @@ def _decided(ws_row, x_ptr, rounds, num_chunks, limit, inv_t, top_p, z, best,
     for rnd in range(0, rounds):
         live = done == 0  # (a decided row's later rounds were not written)
         t = _combine_race(ws_row, rnd, tl.where(live, num_chunks, 0), FIELDS, MAX_CHUNKS)
-        s_t = tl.load(x_ptr + t, mask=live & (t < limit), other=0.0).to(tl.float32) * inv_t
+        s_t = tl.load(x_ptr + t, mask=live & (t < _NONE), other=0.0).to(tl.float32) * inv_t
         at = ws_row + chunks * FIELDS + 5 + 3 * rnd
         summed = tl.where(live & (top_p < 1.0), num_chunks, 0)  # (the mass was written)
         mass = tl.sum(tl.load(at, mask=chunks < summed, other=0.0), axis=0)
@@ -215,28 +279,35 @@ def _decided(ws_row, x_ptr, rounds, num_chunks, limit, inv_t, top_p, z, best,
 
 @triton.jit(do_not_specialize=["num_cols", "chunk", "num_chunks", "rnd"])
 def _race_kernel(
-    logits_ptr, stride_logits, rows_ptr, ws_ptr, temps_ptr, limits_ptr, top_ps_ptr,
+    logits_ptr, stride_logits, ws_ptr, hist_ptr, temps_ptr, top_ks_ptr, top_ps_ptr,
     keys_ptr, bases_ptr, num_cols, chunk, num_chunks, rnd,
-    FIRST: tl.constexpr, TOP_P: tl.constexpr, HAS_IDS: tl.constexpr,
-    HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, FIELDS: tl.constexpr,
-    MAX_CHUNKS: tl.constexpr,
+    FIRST: tl.constexpr, TOP_P: tl.constexpr, TOP_K: tl.constexpr, KEY_BITS: tl.constexpr,
+    RADIX_BITS: tl.constexpr, BLOCK: tl.constexpr, FIELDS: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr, HIST_CHUNKS: tl.constexpr,
 ):  # fmt: skip
-    """Program (c, prog): chunk c of its row. Round rnd's race over the chunk (unless the
+    """Program (c, row): chunk c of its row. Round rnd's race over the chunk (unless the
     row is decided) and, FIRST, the chunk's max and first argmax besides, and its Z
-    where TOP_P (else 0: Z only weighs a top_p)."""
+    where TOP_P (else 0: Z only weighs a top_p). FIRST over a top-k row (TOP_K) takes the
+    tokens at or above its floor alone, from the select passes' histograms."""
     c = tl.program_id(0)
-    prog = tl.program_id(1)
-    row, x_ptr, limit, top_p, greedy, inv_t = _row(
-        prog, rows_ptr, logits_ptr, stride_logits, temps_ptr, limits_ptr, top_ps_ptr,
-        num_cols, TOP_P, HAS_IDS, HAS_ROWS,
-    )  # fmt: skip
-    ws_row = ws_ptr + prog.to(tl.int64) * num_chunks * FIELDS
+    row = tl.program_id(1)
+    x_ptr, top_p, greedy, inv_t = _row(row, logits_ptr, stride_logits, temps_ptr, top_ps_ptr,
+                                       TOP_P)  # fmt: skip
+    ws_row = ws_ptr + row.to(tl.int64) * num_chunks * FIELDS
     at = ws_row + c * FIELDS
     lo = c * chunk
-    hi = tl.minimum(lo + chunk, limit)
+    hi = tl.minimum(lo + chunk, num_cols)
     counter0 = tl.load(bases_ptr + row) + rnd.to(tl.int64) * num_cols
     key = tl.load(keys_ptr + row)
     if FIRST:
+        floor = tl.full([], -1, tl.int64)  # every key is above
+        if TOP_K:
+            on, k = _top_k_on(row, temps_ptr, top_ks_ptr, num_cols)
+            if on:
+                BINS: tl.constexpr = 1 << RADIX_BITS
+                passes: tl.constexpr = KEY_BITS // RADIX_BITS
+                hist_row = hist_ptr + row.to(tl.int64) * passes * num_chunks * BINS
+                floor = _select(hist_row, passes, num_chunks, k, BINS, HIST_CHUNKS)
         # One stream: each lane's running max (first index), its softmax sum relative to
         # it (TOP_P: Z weighs only a top_p), and round 0's race (pivot -inf: every
         # candidate) but on greedy rows.
@@ -248,7 +319,10 @@ def _race_kernel(
         win_idx = tl.full([BLOCK], _NONE, tl.int32)
         for start in range(lo, hi, BLOCK):
             i = start + lanes
-            s = _scores(x_ptr, i, hi, inv_t)
+            x = tl.load(x_ptr + i, mask=i < hi, other=float("-inf"))
+            s = x.to(tl.float32) * inv_t
+            if TOP_K:
+                s = tl.where(_keys(x, KEY_BITS) >= floor, s, float("-inf"))
             better = s > lane_max
             if TOP_P:
                 # One exp a candidate: a new max rescales the sum by exp(old - new) and
@@ -276,142 +350,135 @@ def _race_kernel(
             return
         m, best, z = _combine_stats(ws_row, num_chunks, FIELDS, MAX_CHUNKS)
         done, token, pivot = _decided(
-            ws_row, x_ptr, rnd, num_chunks, limit, inv_t, top_p, z, best, FIELDS, MAX_CHUNKS
+            ws_row, x_ptr, rnd, num_chunks, inv_t, top_p, z, best, FIELDS, MAX_CHUNKS
         )
         if done != 0:
             return
-        top, t = _gumbel_race(x_ptr, lo, hi, limit, inv_t, pivot, key, counter0, BLOCK)
+        # Above the pivot (a rejected token of the set), every token is in a top-k set too.
+        top, t = _gumbel_race(x_ptr, lo, hi, inv_t, pivot, key, counter0, BLOCK)
         tl.store(at + 3 + 3 * rnd, top)
         tl.store(at + 4 + 3 * rnd, t.to(tl.float32))
 
 
 @triton.jit(do_not_specialize=["num_cols", "chunk", "num_chunks", "rnd"])
 def _mass_kernel(
-    logits_ptr, stride_logits, rows_ptr, ws_ptr, temps_ptr, limits_ptr, top_ps_ptr,
-    num_cols, chunk, num_chunks, rnd,
-    TOP_P: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr,
-    BLOCK: tl.constexpr, FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    logits_ptr, stride_logits, ws_ptr, temps_ptr, top_ps_ptr, num_cols, chunk, num_chunks,
+    rnd, BLOCK: tl.constexpr, FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr,
 ):  # fmt: skip
-    """Program (c, prog): the mass of chunk c's candidates scoring above round rnd's
-    winner, for rows with a top_p still undecided."""
+    """Program (c, row): the mass of chunk c's tokens scoring above round rnd's winner,
+    for rows with a top_p still undecided (the tokens above it are in any top-k set)."""
     c = tl.program_id(0)
-    prog = tl.program_id(1)
-    row, x_ptr, limit, top_p, greedy, inv_t = _row(
-        prog, rows_ptr, logits_ptr, stride_logits, temps_ptr, limits_ptr, top_ps_ptr,
-        num_cols, TOP_P, HAS_IDS, HAS_ROWS,
-    )  # fmt: skip
+    row = tl.program_id(1)
+    x_ptr, top_p, greedy, inv_t = _row(row, logits_ptr, stride_logits, temps_ptr, top_ps_ptr,
+                                       True)  # fmt: skip
     if greedy | (top_p >= 1.0):
         return
-    ws_row = ws_ptr + prog.to(tl.int64) * num_chunks * FIELDS
+    ws_row = ws_ptr + row.to(tl.int64) * num_chunks * FIELDS
     m, best, z = _combine_stats(ws_row, num_chunks, FIELDS, MAX_CHUNKS)
     done, token, pivot = _decided(
-        ws_row, x_ptr, rnd, num_chunks, limit, inv_t, top_p, z, best, FIELDS, MAX_CHUNKS
+        ws_row, x_ptr, rnd, num_chunks, inv_t, top_p, z, best, FIELDS, MAX_CHUNKS
     )
     if done != 0:
         return
     t = _combine_race(ws_row, rnd, num_chunks, FIELDS, MAX_CHUNKS)
     s_t = tl.load(x_ptr + t).to(tl.float32) * inv_t
     lo = c * chunk
-    mass = _mass_above(x_ptr, lo, tl.minimum(lo + chunk, limit), limit, inv_t, s_t, m, BLOCK)
+    mass = _mass_above(x_ptr, lo, tl.minimum(lo + chunk, num_cols), inv_t, s_t, m, BLOCK)
     tl.store(ws_row + c * FIELDS + 5 + 3 * rnd, mass)
 
 
 @triton.jit(do_not_specialize=["num_cols", "num_chunks", "split_rounds"])
 def _finish_kernel(
-    logits_ptr, stride_logits, ids_ptr, stride_ids, rows_ptr, ws_ptr, out_ptr,
-    temps_ptr, limits_ptr, top_ps_ptr, keys_ptr, bases_ptr, num_cols, num_chunks,
-    split_rounds, TOP_P: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ROWS: tl.constexpr,
-    BLOCK: tl.constexpr, FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-    MAX_ROUNDS: tl.constexpr,
+    logits_ptr, stride_logits, ws_ptr, out_ptr, temps_ptr, top_ps_ptr, keys_ptr, bases_ptr,
+    num_cols, num_chunks, split_rounds, TOP_P: tl.constexpr, BLOCK: tl.constexpr,
+    FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr, MAX_ROUNDS: tl.constexpr,
 ):  # fmt: skip
-    """Program prog: its row's token. The split rounds' verdict, else further rounds over
-    the whole row by this program alone (rare: see the module docstring)."""
-    prog = tl.program_id(0)
-    row, x_ptr, limit, top_p, greedy, inv_t = _row(
-        prog, rows_ptr, logits_ptr, stride_logits, temps_ptr, limits_ptr, top_ps_ptr,
-        num_cols, TOP_P, HAS_IDS, HAS_ROWS,
-    )  # fmt: skip
-    ws_row = ws_ptr + prog.to(tl.int64) * num_chunks * FIELDS
+    """Program row: its token. The split rounds' verdict, else further rounds over the
+    whole row by this program alone (rare: see the module docstring)."""
+    row = tl.program_id(0)
+    x_ptr, top_p, greedy, inv_t = _row(row, logits_ptr, stride_logits, temps_ptr, top_ps_ptr,
+                                       TOP_P)  # fmt: skip
+    ws_row = ws_ptr + row.to(tl.int64) * num_chunks * FIELDS
     m, best, z = _combine_stats(ws_row, num_chunks, FIELDS, MAX_CHUNKS)
     token = best
     if not greedy:
         done, token, pivot = _decided(
-            ws_row, x_ptr, split_rounds, num_chunks, limit, inv_t, top_p, z, best, FIELDS,
-            MAX_CHUNKS,
-        )  # fmt: skip
+            ws_row, x_ptr, split_rounds, num_chunks, inv_t, top_p, z, best, FIELDS, MAX_CHUNKS
+        )
         key = tl.load(keys_ptr + row)
         base = tl.load(bases_ptr + row)
         rnd = split_rounds
         while (rnd < MAX_ROUNDS) & (done == 0):
             counter0 = base + rnd * num_cols
-            top, t = _gumbel_race(x_ptr, 0, limit, limit, inv_t, pivot, key, counter0, BLOCK)
+            top, t = _gumbel_race(x_ptr, 0, num_cols, inv_t, pivot, key, counter0, BLOCK)
             s_t = tl.load(x_ptr + t).to(tl.float32) * inv_t
-            accept = _mass_above(x_ptr, 0, limit, limit, inv_t, s_t, m, BLOCK) < top_p * z
+            accept = _mass_above(x_ptr, 0, num_cols, inv_t, s_t, m, BLOCK) < top_p * z
             token = tl.where(accept, t, token)
             pivot = tl.where(accept, pivot, s_t)
             done = accept.to(tl.int32)
             rnd += 1
-    if HAS_IDS:
-        token_id = tl.load(ids_ptr + prog.to(tl.int64) * stride_ids + token)
-    else:
-        token_id = token.to(tl.int64)
-    tl.store(out_ptr + row, token_id)
+    tl.store(out_ptr + row, token.to(tl.int64))
 
 
 def sample_tokens(
-    logits: torch.Tensor,  # [R, C]: rows' logits (ids None) or candidates (with ids)
+    logits: torch.Tensor,  # [N, C]
     temperatures: torch.Tensor,  # [N] float32; 0: greedy (the first argmax)
-    limits: torch.Tensor,  # [N] int64: candidates of each row (top_k), at most C
+    top_ks: torch.Tensor,  # [N] int64: k of each row's top-k; off at 0 or at least C
     top_ps: torch.Tensor,  # [N] float32 in (0, 1]
     keys: torch.Tensor,  # [N] int64: Philox keys
     bases: torch.Tensor,  # [N] int64: Philox counter bases
     out: torch.Tensor,  # [N] int64: each row's token id
-    rows: torch.Tensor | None = None,  # [R] int64: the rows this launch samples
-    ids: torch.Tensor | None = None,  # [R, C] int64: candidate i's vocabulary id
-    any_top_p: bool = True,  # False: every row's top_p taken as 1 (two launches, not five)
+    any_top_p: bool = True,  # False: every row's top_p taken as 1 (no mass launches)
+    any_top_k: bool = True,  # False: every row's top_k taken as off (no select launches)
 ) -> torch.Tensor:
-    """One token per row into out (rows: only those), as the module docstring describes.
+    """One token per row into out, as the module docstring describes.
 
-    Without ids, logits has every row (N) and rows picks some; with ids, logits and ids
-    hold the candidates of rows[j] in their row j (all rows when rows is None). Never
-    reads device data on the host. Triton compiles a kernel per launch form (ids, rows)
-    and per class of the logits' strides (divisible by 16 or not); the widths and the
-    chunking are not specialised on, so nothing compiles mid-serving.
+    Never reads device data on the host. Triton compiles a kernel per launch form (the
+    flags, the logits' width in bits) and per class of the logits' strides (divisible
+    by 16 or not); the widths and the chunking are not specialised on, so nothing
+    compiles mid-serving.
     """
-    assert logits.dim() == 2 and logits.stride(1) == 1, "logits: [R, C], columns contiguous"
+    assert logits.dim() == 2 and logits.stride(1) == 1, "logits: [N, C], columns contiguous"
     # The workspace keeps indices as float32: exact below 2**24 columns (vocabularies: < 300K).
     assert logits.shape[1] < 2**24, "logits: more columns than the workspace indexes exactly"
-    num_programs = rows.shape[0] if rows is not None else logits.shape[0]
-    if ids is not None:
-        assert ids.shape == logits.shape and ids.stride(1) == 1, "ids: as logits"
-        assert logits.shape[0] == num_programs, "candidates: one row per sampled row"
-    if num_programs == 0:
+    key_bits = logits.element_size() * 8
+    assert key_bits in (16, 32), "logits: 16- or 32-bit floats"
+    num_rows, num_cols = logits.shape
+    if num_rows == 0:
         return out
-    num_cols = logits.shape[1]
-    chunk, num_chunks = chunking(num_programs, num_cols)
+    chunk, num_chunks = chunking(num_rows, num_cols)
+    split = (num_chunks, num_rows)
     fields = 3 + 3 * SPLIT_ROUNDS  # per (row, chunk): max, argmax, Z; per round: key, index, mass
-    ws = torch.empty(num_programs * num_chunks * fields, dtype=torch.float32, device=out.device)
-    rows_arg = rows if rows is not None else out
-    params = (temperatures, limits, top_ps)
-    forms = dict(TOP_P=any_top_p, HAS_IDS=ids is not None, HAS_ROWS=rows is not None,
-                 BLOCK=BLOCK, FIELDS=fields, MAX_CHUNKS=MAX_CHUNKS)  # fmt: skip
-    split = (num_chunks, num_programs)
+    ws = torch.empty(num_rows * num_chunks * fields, dtype=torch.float32, device=out.device)
+    hist = ws  # (unread without any_top_k)
+    if any_top_k:
+        passes = key_bits // RADIX_BITS
+        size = num_rows * passes * num_chunks << RADIX_BITS
+        hist = torch.empty(size, dtype=torch.int32, device=out.device)
+        for p in range(passes):
+            _select_kernel[split](
+                logits, logits.stride(0), hist, temperatures, top_ks, num_cols, chunk,
+                num_chunks, p, KEY_BITS=key_bits, RADIX_BITS=RADIX_BITS, BLOCK=BLOCK,
+                HIST_CHUNKS=HIST_CHUNKS, num_warps=NUM_WARPS,
+            )  # fmt: skip
+    rows = (logits, logits.stride(0), ws)
+    forms = dict(BLOCK=BLOCK, FIELDS=fields, MAX_CHUNKS=MAX_CHUNKS)
     split_rounds = SPLIT_ROUNDS if any_top_p else 1  # without a top_p, round 0 decides
     for rnd in range(split_rounds):
         _race_kernel[split](
-            logits, logits.stride(0), rows_arg, ws, *params, keys, bases, num_cols, chunk,
-            num_chunks, rnd, FIRST=rnd == 0, **forms, num_warps=NUM_WARPS,
+            *rows, hist, temperatures, top_ks, top_ps, keys, bases, num_cols, chunk,
+            num_chunks, rnd, FIRST=rnd == 0, TOP_P=any_top_p, TOP_K=any_top_k,
+            KEY_BITS=key_bits, RADIX_BITS=RADIX_BITS, HIST_CHUNKS=HIST_CHUNKS, **forms,
+            num_warps=NUM_WARPS,
         )  # fmt: skip
         if any_top_p:
             _mass_kernel[split](
-                logits, logits.stride(0), rows_arg, ws, *params, num_cols, chunk, num_chunks,
-                rnd, **forms, num_warps=NUM_WARPS,
+                *rows, temperatures, top_ps, num_cols, chunk, num_chunks, rnd, **forms,
+                num_warps=NUM_WARPS,
             )  # fmt: skip
-    _finish_kernel[(num_programs,)](
-        logits, logits.stride(0), ids if ids is not None else logits,
-        ids.stride(0) if ids is not None else 0, rows_arg, ws, out, *params, keys, bases,
-        num_cols, num_chunks, split_rounds, **forms, MAX_ROUNDS=MAX_ROUNDS,
-        num_warps=FINISH_WARPS,
+    _finish_kernel[(num_rows,)](
+        *rows, out, temperatures, top_ps, keys, bases, num_cols, num_chunks, split_rounds,
+        TOP_P=any_top_p, **forms, MAX_ROUNDS=MAX_ROUNDS, num_warps=FINISH_WARPS,
     )  # fmt: skip
     return out
 
@@ -424,10 +491,3 @@ def chunking(num_rows: int, num_cols: int) -> tuple[int, int]:
     per_row = max(1, min(blocks, MAX_CHUNKS, triton.cdiv(TARGET_PROGRAMS, num_rows)))
     chunk = triton.cdiv(blocks, per_row) * BLOCK
     return chunk, triton.cdiv(num_cols, chunk)
-
-
-def candidates_width(max_top_k: int, vocab_size: int) -> int:
-    """torch.topk's width for a batch whose largest top_k is max_top_k: a multiple of 16
-    (the rows' limits mask the extra candidates), so that every top-k launch has widths
-    and strides of one class whatever the batch's top_k, and one compiled kernel."""
-    return min(-(-max_top_k // 16) * 16, vocab_size)

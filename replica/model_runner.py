@@ -177,8 +177,8 @@ class ModelRunner:
         self.step_keys = random.Random(config.seed)
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.request_generators: dict[str, torch.Generator] = {}
-        # A decode or mixed forward's sampled rows (top_k at most GRAPH_TOP_K): a graph per
-        # graph size, replayed after the forward's.
+        # A decode or mixed forward's sampled rows: a graph per graph size and kind of
+        # sampling, replayed after the forward's.
         self.graph_sampling = (
             GraphSamplingInputs(
                 max(self.mixed_graph_sizes + self.graph_sizes), self.vocab_size, device
@@ -373,17 +373,17 @@ class ModelRunner:
         logits_parts, slot_parts, greedy_parts = (
             list(x) for x in zip(*(p for p in parts if len(p[1])), strict=True)
         )
-        # Every sampling launch: rows with a top_k (over their candidates) beside rows over
-        # the whole vocabulary and a greedy row, then a batch without a top_k row (one
-        # launch over every row).
-        kinds = (
+        # Every form of kernels.sampling's launches (with top-k rows or not, top-p rows or
+        # not), sampled rows beside greedy ones.
+        sampled = (
             SamplingParams(temperature=0.5, top_k=5, top_p=0.9),
+            SamplingParams(temperature=0.5, top_k=5),
             SamplingParams(temperature=0.5, top_p=0.9),
-            SamplingParams(temperature=0.0),
+            SamplingParams(temperature=0.5),
         )
         batches = [SamplingBatch.greedy()]
-        for kinds_used in (kinds, kinds[1:]):
-            params = [kinds_used[i % len(kinds_used)] for i in range(rows)]
+        for kind in sampled:
+            params = [SamplingParams(temperature=0.0) if i % 2 else kind for i in range(rows)]
             batches.append(
                 SamplingBatch.build(
                     params, [None] * rows, self.vocab_size, self.device, positions=[0] * rows

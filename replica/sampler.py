@@ -1,8 +1,8 @@
 """Batched sampling on the device: greedy, temperature, top-k, top-p, per-request seeds.
 
 Two implementations, chosen once by the model runner. On CUDA, `sample_fused`:
-kernels.sampling's launch (rejection rounds over the logits, no sort; top-k rows over
-their torch.topk candidates), with per-request seeds as Philox keys. On the CPU,
+kernels.sampling's launches (rejection rounds over the logits, no sort; a radix select
+of each top-k row's k-th logit), with per-request seeds as Philox keys. On the CPU,
 `sample`: torch ops (a sort for top-k / top-p, the exponential race), a seeded request
 drawing from its own torch.Generator. Both sample the same distribution; a seed
 reproduces a request's tokens on one device type, whatever its batch neighbours.
@@ -10,7 +10,6 @@ reproduces a request's tokens on one device type, whatever its batch neighbours.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,9 +18,8 @@ import torch
 import kernels
 from replica.sampling_params import SamplingParams
 
-GRAPH_TOP_K = 64  # top-k candidates a sampling graph takes (common top_k: 20 to 50)
 # The sampling graphs of a decode graph size, as (top_k, top_p): temperature alone (two
-# launches, no softmax sum), top-p, and top-k rows beside any others.
+# launches, no softmax sum), top-p, and top-k (its select passes; top-p rows or not).
 GRAPH_KINDS = ((False, False), (False, True), (True, True))
 
 
@@ -30,19 +28,15 @@ class SamplingBatch:
     """Per-row sampling parameters, as device tensors, for one step's logits."""
 
     temperatures: torch.Tensor  # [N] float32; 0 means greedy
-    top_ks: torch.Tensor  # [N] int64; vocab size when disabled
+    top_ks: torch.Tensor  # [N] int64; vocab size when disabled (top-k keeps ties at the k-th)
     top_ps: torch.Tensor  # [N] float32
     generators: list[torch.Generator | None]  # a seeded request's own generator, else None
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
-    # sample_fused's inputs (build with positions; top_ks are its rows' limits); None for
-    # the torch path
+    # sample_fused's Philox inputs (build with positions); None for the torch path
     keys: torch.Tensor | None = None  # [N] int64: Philox keys
     bases: torch.Tensor | None = None  # [N] int64: Philox counter bases
-    top_k_rows: torch.Tensor | None = None  # rows sampling among their top_k (None: none)
-    other_rows: torch.Tensor | None = None  # the others (greedy rows among them)
-    max_top_k: int = 0
 
     @classmethod
     def greedy(cls) -> SamplingBatch:
@@ -84,16 +78,9 @@ class SamplingBatch:
         )
         if positions is None:
             return batch
-        keys, bases = _philox(params, positions, step_key)
-        top_k_rows = [i for i, k in enumerate(ks) if k]
-        other_rows = [i for i, k in enumerate(ks) if not k]
-        ints = _packed([keys, bases, top_k_rows, other_rows], torch.int64, pin)
+        ints = _packed(list(_philox(params, positions, step_key)), torch.int64, pin)
         ints = ints.to(device, non_blocking=True)
         batch.keys, batch.bases = ints[0, :n], ints[1, :n]
-        if top_k_rows:
-            batch.top_k_rows = ints[2, : len(top_k_rows)]
-            batch.other_rows = ints[3, : len(other_rows)]
-            batch.max_top_k = max(ks)
         return batch
 
 
@@ -161,8 +148,9 @@ def sample(
 
 def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, vocab]
-    ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
-    drop = ranks >= batch.top_ks.unsqueeze(1)
+    # top-k: below the k-th largest logit (its ties kept, as transformers' warper keeps them)
+    kth = sorted_logits.gather(1, (batch.top_ks.clamp(1, logits.shape[1]) - 1).unsqueeze(1))
+    drop = sorted_logits < kth
     if batch.any_top_p:
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # keep the token that crosses top_p
@@ -172,20 +160,15 @@ def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tens
 
 
 def sample_fused(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  # [N] int64
-    """sample's distribution through kernels.sampling (batch built with positions): rows
-    with a top_k sample among their torch.topk candidates, the others over the whole
-    vocabulary; greedy rows take the first argmax."""
+    """sample's distribution through kernels.sampling (batch built with positions); greedy
+    rows take the first argmax."""
     if batch.all_greedy:
         return logits.argmax(dim=-1)
     tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    params = (batch.temperatures, batch.top_ks, batch.top_ps, batch.keys, batch.bases, tokens)
-    top_p = {"any_top_p": batch.any_top_p}
-    if batch.top_k_rows is None:
-        return kernels.sample_tokens(logits, *params, **top_p)
-    width = top_k_width(logits.shape[1], batch.max_top_k)
-    values, ids = logits.index_select(0, batch.top_k_rows).topk(width, dim=-1)
-    kernels.sample_tokens(values, *params, rows=batch.top_k_rows, ids=ids, **top_p)
-    return kernels.sample_tokens(logits, *params, rows=batch.other_rows, **top_p)
+    return kernels.sample_tokens(
+        logits, batch.temperatures, batch.top_ks, batch.top_ps, batch.keys, batch.bases,
+        tokens, any_top_p=batch.any_top_p, any_top_k=batch.any_top_k,
+    )  # fmt: skip
 
 
 class GraphSamplingInputs:
@@ -195,18 +178,14 @@ class GraphSamplingInputs:
     cost it ~0.2 ms (H200 host, BENCHMARKS.md).
 
     Per row, at offsets of whole 16 rows per field (so that every graph's views start
-    aligned): the temperature over the whole vocabulary (0 on a top_k row), the
-    temperature over the top-k candidates (0 on the others), top_p; the top_k, Philox key
-    and base. A graph for a batch with top_k rows adds torch.topk's GRAPH_TOP_K candidates
-    of every row and a launch over them, and takes each row's token from its own launch;
-    a batch with a top_k above GRAPH_TOP_K takes sample_fused. A batch without top_p or
-    top_k rows takes a graph of kernels.sampling's two launches for temperature alone.
-    Rows that sample nothing (padding, a mixed step's prompt chunks short of their end)
-    are greedy."""
+    aligned): the top_k (0: none), Philox key and base; the temperature and top_p. Each
+    kind of graph (GRAPH_KINDS) leaves out the launches its batch does not need. Rows
+    that sample nothing (padding, a mixed step's prompt chunks short of their end) are
+    greedy."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
-        # One int64 buffer per side: the three int rows, then the three float32 rows (as
-        # half as many int64s), each row whole 16 entries wide for a graph of max_rows.
+        # One int64 buffer: the three int rows, then the two float32 rows (as half as many
+        # int64s), each row whole 16 entries wide for a graph of max_rows.
         length = _length(_width(max_rows))
         self.packed = torch.zeros(length, dtype=torch.int64, device=device)
         # Host staging, two copies (ModelRunner's parity): a step's copy may still be
@@ -214,11 +193,8 @@ class GraphSamplingInputs:
         pin = device.type == "cuda"
         self.staging = torch.zeros((2, length), dtype=torch.int64, pin_memory=pin)
         self.staging_np = [copy.numpy() for copy in self.staging]
-        self.limits = torch.full((max_rows,), vocab_size, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.top_k_tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.vocab_size = vocab_size
-        self.candidates = top_k_width(vocab_size)
 
     def sample(self, logits: torch.Tensor, top_k: bool, top_p: bool) -> torch.Tensor:
         """What a graph of kind (top_k, top_p) captures: tokens [rows] for the last upload
@@ -226,16 +202,11 @@ class GraphSamplingInputs:
         rows = logits.shape[0]
         ints, floats = _views(self.packed, _width(rows))
         top_ks, keys, bases = ints[:, :rows]
-        temps, temps_k, top_ps = floats[:, :rows]
+        temps, top_ps = floats[:, :rows]
         tokens = self.tokens[:rows]
-        launch = functools.partial(kernels.sample_tokens, any_top_p=top_p)
-        launch(logits, temps, self.limits[:rows], top_ps, keys, bases, tokens)
-        if top_k:
-            values, ids = logits.topk(self.candidates, dim=-1)
-            picked = self.top_k_tokens[:rows]
-            launch(values, temps_k, top_ks, top_ps, keys, bases, picked, ids=ids)
-            torch.where(temps_k > 0, picked, tokens, out=tokens)
-        return tokens
+        return kernels.sample_tokens(
+            logits, temps, top_ks, top_ps, keys, bases, tokens, any_top_p=top_p, any_top_k=top_k
+        )
 
     def upload(
         self,
@@ -253,31 +224,16 @@ class GraphSamplingInputs:
         host[:] = 0
         ints, floats = _views(host, width)
         span = slice(first, first + len(params))
-        keys, bases = _philox(params, positions, step_key)
         ints[0, span] = [_top_k(p, self.vocab_size) for p in params]
-        ints[1, span] = keys
-        ints[2, span] = bases
-        temps = np.array([p.temperature for p in params], dtype=np.float32)
-        has_k = ints[0, span] > 0
-        floats[0, span] = np.where(has_k, 0.0, temps)
-        floats[1, span] = np.where(has_k, temps, 0.0)
-        floats[2, span] = [p.top_p for p in params]
+        ints[1:, span] = _philox(params, positions, step_key)
+        floats[0, span] = [p.temperature for p in params]
+        floats[1, span] = [p.top_p for p in params]
         self.packed[:length].copy_(self.staging[parity, :length], non_blocking=True)
 
-    def graph(self, params: list[SamplingParams]) -> tuple[bool, bool] | None:
-        """Which graph samples these rows: its kind in GRAPH_KINDS, or None when none can
-        (a top_k above the candidates)."""
-        ks = [_top_k(p, self.vocab_size) for p in params]
-        if max(ks, default=0) > self.candidates:
-            return None
-        top_k = any(ks)
+    def graph(self, params: list[SamplingParams]) -> tuple[bool, bool]:
+        """Which graph samples these rows: its kind in GRAPH_KINDS."""
+        top_k = any(_top_k(p, self.vocab_size) for p in params)
         return top_k, top_k or any(p.top_p < 1.0 and not p.greedy for p in params)
-
-
-def top_k_width(vocab_size: int, max_top_k: int = 0) -> int:
-    """torch.topk's width for top-k candidates: at least GRAPH_TOP_K, so that a batch
-    takes the same width (and Philox counters) in a graph or in sample_fused."""
-    return kernels.candidates_width(max(max_top_k, GRAPH_TOP_K), vocab_size)
 
 
 def _width(rows: int) -> int:
@@ -285,13 +241,13 @@ def _width(rows: int) -> int:
 
 
 def _length(width: int) -> int:
-    return 3 * width + 3 * width // 2  # int64s: three int rows, three float32 rows
+    return 3 * width + width  # int64s: three int rows, two float32 rows
 
 
 def _views(packed: torch.Tensor | np.ndarray, width: int) -> tuple:
-    """(ints [3, width], floats [3, width]) of a packed buffer, torch or numpy, as one
+    """(ints [3, width], floats [2, width]) of a packed buffer, torch or numpy, as one
     graph size lays them out."""
     ints = packed[: 3 * width].reshape(3, width)
     floats = packed[3 * width : _length(width)]
     floats = floats.view(torch.float32 if isinstance(packed, torch.Tensor) else np.float32)
-    return ints, floats.reshape(3, width)
+    return ints, floats.reshape(2, width)

@@ -37,26 +37,37 @@ def test_philox_reference_is_tritons_randint(key, base, device):
     assert torch.equal(out[1:].cpu(), torch.stack(philox_words_ref(keys.cpu(), counters)))
 
 
-def _params(n: int, gen: torch.Generator, greedy_every: int = 4):
+def _params(n: int, gen: torch.Generator, vocab: int, greedy_every: int = 4):
+    """Temperatures (greedy every greedy_every rows), top_ks (off, small, over the
+    vocabulary), top_ps (some 1), Philox keys and bases."""
     temps = torch.rand(n, generator=gen) * 1.5 + 0.3
     temps[::greedy_every] = 0.0
+    top_ks = torch.tensor([0, 1, 5, 40, vocab, vocab + 3, 0, 17])[torch.arange(n) % 8]
     top_ps = torch.where(torch.rand(n, generator=gen) < 0.3, 1.0, torch.rand(n, generator=gen))
     keys = torch.randint(0, 2**62, (n,), generator=gen)
     bases = torch.randint(0, 2**20, (n,), generator=gen) << 32
-    return temps, top_ps.clamp(min=0.01), keys, bases
+    return temps, top_ks, top_ps.clamp(min=0.01), keys, bases
 
 
-def _both(logits, temps, limits, top_ps, keys, bases, device, **rows_ids):
-    """(kernel, reference) tokens for the same inputs; rows the launch leaves stay -1."""
+def _both(logits, temps, top_ks, top_ps, keys, bases, device, **flags):
+    """(kernel, reference) tokens for the same inputs."""
     n = temps.shape[0]
     on = lambda t: t.to(device)  # noqa: E731
     out = torch.full((n,), -1, dtype=torch.int64, device=device)
-    args = [on(t) for t in (temps, limits, top_ps, keys, bases)]
-    extra = {k: on(v) for k, v in rows_ids.items()}
-    sampling.sample_tokens(on(logits), *args, out, **extra)
+    args = [on(t) for t in (temps, top_ks, top_ps, keys, bases)]
+    sampling.sample_tokens(on(logits), *args, out, **flags)
     ref = torch.full((n,), -1, dtype=torch.int64)
-    sample_tokens_ref(logits, temps, limits, top_ps, keys, bases, ref, **rows_ids)
+    sample_tokens_ref(logits, temps, top_ks, top_ps, keys, bases, ref)
     return out.cpu(), ref
+
+
+def _in_top_k(logits: torch.Tensor, top_ks: torch.Tensor, tokens: torch.Tensor) -> bool:
+    """Every token at or above its row's k-th largest logit (rows with a top_k)."""
+    for row, (k, t) in enumerate(zip(top_ks.tolist(), tokens.tolist(), strict=True)):
+        x = logits[row].float()
+        if 0 < k < x.numel() and x[t] < x.topk(k).values[-1]:
+            return False
+    return True
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -66,13 +77,13 @@ def test_kernel_matches_reference_over_whole_rows(dtype, seed, device):
     n, vocab = 12, 203  # four 64-logit chunks, the last ragged
     logits = (torch.randn(n, vocab, generator=gen) * 3).to(dtype)
     logits[0, 7] = logits[0, 150] = logits[0].max() + 1  # a greedy row with a tie
-    temps, top_ps, keys, bases = _params(n, gen)
-    limits = torch.full((n,), vocab, dtype=torch.int64)
-    got, want = _both(logits, temps, limits, top_ps, keys, bases, device)
+    temps, top_ks, top_ps, keys, bases = _params(n, gen, vocab)
+    got, want = _both(logits, temps, top_ks, top_ps, keys, bases, device)
     assert torch.equal(got, want)
     assert got[0] == 7  # the first of the tied maxima
     greedy = temps == 0
     assert torch.equal(got[greedy], logits.float().argmax(dim=1)[greedy])
+    assert _in_top_k(logits, torch.where(greedy, 0, top_ks), got)
 
 
 @pytest.mark.parametrize("split_rounds", [1, 2, 3])
@@ -86,33 +97,58 @@ def test_kernel_matches_reference_over_chunkings(split_rounds, target_programs, 
     gen = torch.Generator().manual_seed(split_rounds * 100 + target_programs)
     n, vocab = 10, 333
     logits = torch.randn(n, vocab, generator=gen) * 2
-    temps, top_ps, keys, bases = _params(n, gen, greedy_every=5)
+    temps, top_ks, top_ps, keys, bases = _params(n, gen, vocab, greedy_every=5)
     top_ps[1::3] = 0.05  # rows likely to need several rounds
-    limits = torch.full((n,), vocab, dtype=torch.int64)
-    got, want = _both(logits, temps, limits, top_ps, keys, bases, device)
+    got, want = _both(logits, temps, top_ks, top_ps, keys, bases, device)
     assert torch.equal(got, want)
 
 
-def test_any_top_p_false_takes_every_top_p_as_one(device):
-    """any_top_p=False (the caller knows no row has a top_p): two launches, no softmax sum.
-    A row with a top_p anyway samples the whole vocabulary, as the reference does at 1."""
+def test_flags_off_take_every_top_p_as_one_and_every_top_k_as_off(device):
+    """any_top_p=False, any_top_k=False (the caller knows no row has them): no softmax
+    sum, no mass rounds, no select passes. A row with either anyway samples the whole
+    vocabulary, as the reference does without them."""
     gen = torch.Generator().manual_seed(12)
     n, vocab = 6, 260
     logits = torch.randn(n, vocab, generator=gen) * 2
-    temps, _, keys, bases = _params(n, gen, greedy_every=4)
+    temps, _, _, keys, bases = _params(n, gen, vocab, greedy_every=4)
+    top_ps, top_ks = torch.ones(n), torch.zeros(n, dtype=torch.int64)
+    top_ps[3], top_ks[5] = 0.05, 2
+    plain = torch.ones(n), torch.zeros(n, dtype=torch.int64)
+    for flags, (ps, ks) in (({"any_top_p": False}, (plain[0], top_ks)),
+                            ({"any_top_k": False}, (top_ps, plain[1]))):  # fmt: skip
+        got, _ = _both(logits, temps, top_ks, top_ps, keys, bases, device, **flags)
+        _, want = _both(logits, temps, ks, ps, keys, bases, device)
+        assert torch.equal(got, want)
+        _, filtered = _both(logits, temps, top_ks, top_ps, keys, bases, device)
+        assert not torch.equal(filtered, want)  # the case tells the two apart
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_top_k_keeps_ties_at_the_kth_logit_across_signs_and_zeros(dtype, device):
+    """The floor is the k-th largest logit, found through the logits' ordered bit keys:
+    negative logits, -0 and +0 (equal), and ties at the k-th value (all kept, as
+    transformers' TopKLogitsWarper keeps them)."""
+    gen = torch.Generator().manual_seed(4)
+    n, vocab = 8, 150
+    logits = (torch.randn(n, vocab, generator=gen) - 4).to(dtype)  # mostly negative
+    logits[0, :6] = torch.tensor([1.0, 0.5, 0.5, 0.5, 0.25, -0.0]).to(dtype)  # k=2: 4 kept
+    logits[1, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0]).to(dtype)  # k=3: the four zeros
+    logits[1, 4:] = -1
+    temps = torch.full((n,), 1.0)
+    top_ks = torch.tensor([2, 3, 1, 7, 149, 50, 2, 3])
     top_ps = torch.ones(n)
-    top_ps[3] = 0.05
-    limits = torch.full((n,), vocab, dtype=torch.int64)
-    on = lambda t: t.to(device)  # noqa: E731
-    out = torch.full((n,), -1, dtype=torch.int64, device=device)
-    args = [on(t) for t in (temps, limits, top_ps, keys, bases)]
-    sampling.sample_tokens(on(logits), *args, out, any_top_p=False)
-    want = torch.full((n,), -1, dtype=torch.int64)
-    sample_tokens_ref(logits, temps, limits, torch.ones(n), keys, bases, want)
-    assert torch.equal(out.cpu(), want)
-    unfiltered = torch.full((n,), -1, dtype=torch.int64)
-    sample_tokens_ref(logits, temps, limits, top_ps, keys, bases, unfiltered)
-    assert not torch.equal(unfiltered, want)  # the case tells the two apart
+    keys = torch.arange(n) + 5
+    draws = []
+    for base in range(12):
+        bases = torch.full((n,), base << 32, dtype=torch.int64)
+        got, want = _both(logits, temps, top_ks, top_ps, keys, bases, device)
+        assert torch.equal(got, want)
+        assert _in_top_k(logits, top_ks, got)
+        draws.append(got)
+    draws = torch.stack(draws)
+    assert set(draws[:, 0].tolist()) <= {0, 1, 2, 3} and len(set(draws[:, 0].tolist())) > 2
+    assert set(draws[:, 1].tolist()) <= {0, 1, 2, 3} and len(set(draws[:, 1].tolist())) > 1
+    assert (draws[:, 2] == logits[2].float().argmax()).all()  # top_k = 1, no tie
 
 
 def test_chunking_spreads_rows_over_whole_blocks(monkeypatch):
@@ -122,29 +158,6 @@ def test_chunking_spreads_rows_over_whole_blocks(monkeypatch):
     assert sampling.chunking(256, 64 * 40) == (64 * 10, 4)  # 1024 programs / 256 rows
     assert sampling.chunking(2048, 64 * 40) == (64 * 40, 1)
     assert sampling.chunking(4, 20) == (64, 1)
-
-
-def test_kernel_matches_reference_on_candidates_and_row_subsets(device):
-    """Top-k rows: their torch.topk candidates and ids, limits at each row's k; the other
-    rows over the whole vocabulary, both launches writing their own rows of out."""
-    gen = torch.Generator().manual_seed(5)
-    n, vocab = 10, 150
-    logits = torch.randn(n, vocab, generator=gen) * 2
-    temps, top_ps, keys, bases = _params(n, gen, greedy_every=5)
-    top_k_rows = torch.tensor([1, 3, 4, 8])
-    other_rows = torch.tensor([0, 2, 5, 6, 7, 9])
-    limits = torch.full((n,), vocab, dtype=torch.int64)
-    limits[top_k_rows] = torch.tensor([3, 40, 1, 17])
-    values, ids = logits[top_k_rows].topk(40, dim=1)
-    got_k, want_k = _both(
-        values, temps, limits, top_ps, keys, bases, device, rows=top_k_rows, ids=ids
-    )
-    got_o, want_o = _both(logits, temps, limits, top_ps, keys, bases, device, rows=other_rows)
-    assert torch.equal(got_k, want_k) and torch.equal(got_o, want_o)
-    assert (got_k[other_rows] == -1).all() and (got_o[top_k_rows] == -1).all()
-    for row, k in zip(top_k_rows.tolist(), (3, 40, 1, 17), strict=True):
-        assert got_k[row] in logits[row].topk(k).indices.tolist()
-    assert got_k[4] == logits[4].argmax()  # top_k = 1
 
 
 def test_a_row_draws_by_its_key_and_base_not_its_place(device):
@@ -157,12 +170,12 @@ def test_a_row_draws_by_its_key_and_base_not_its_place(device):
     for place in (0, 3, 5):
         logits = torch.cat([others[:place], row, others[place:]])
         temps = torch.full((6,), 0.9)
-        limits = torch.full((6,), vocab, dtype=torch.int64)
+        top_ks = torch.zeros(6, dtype=torch.int64)
         top_ps = torch.full((6,), 0.8)
         keys = torch.randint(0, 2**62, (6,), generator=gen)
         bases = torch.randint(0, 2**20, (6,), generator=gen) << 32
         keys[place], bases[place] = 424242, 17 << 32
-        got, want = _both(logits, temps, limits, top_ps, keys, bases, device)
+        got, want = _both(logits, temps, top_ks, top_ps, keys, bases, device)
         assert torch.equal(got, want)
         tokens.append(int(got[place]))
     assert len(set(tokens)) == 1
@@ -175,11 +188,11 @@ def test_a_tiny_top_p_keeps_only_the_most_likely_token(device):
     n, vocab = 6, 180
     logits = torch.randn(n, vocab, generator=gen) * 0.01
     temps = torch.ones(n)
-    limits = torch.full((n,), vocab, dtype=torch.int64)
+    top_ks = torch.zeros(n, dtype=torch.int64)
     top_ps = torch.full((n,), 1e-4)
     keys = torch.arange(n) + 11
     bases = torch.zeros(n, dtype=torch.int64)
-    got, want = _both(logits, temps, limits, top_ps, keys, bases, device)
+    got, want = _both(logits, temps, top_ks, top_ps, keys, bases, device)
     assert torch.equal(got, want)
     assert torch.equal(got, logits.argmax(dim=1))
 
@@ -187,16 +200,12 @@ def test_a_tiny_top_p_keeps_only_the_most_likely_token(device):
 def _frequencies(logits: torch.Tensor, rows: int, **kw) -> torch.Tensor:
     n_vocab = logits.shape[1]
     temps = torch.full((rows,), kw.get("temperature", 1.0))
-    limit = kw.get("limit", n_vocab)
-    limits = torch.full((rows,), limit, dtype=torch.int64)
+    top_ks = torch.full((rows,), kw.get("top_k", 0), dtype=torch.int64)
     top_ps = torch.full((rows,), kw.get("top_p", 1.0))
     keys = torch.full((rows,), 77, dtype=torch.int64)
     bases = torch.arange(rows) << 32  # independent draws: one counter range each
-    values, ids = logits.topk(limit, dim=1) if limit < n_vocab else (logits, None)
     out = torch.empty(rows, dtype=torch.int64)
-    x = values.expand(rows, -1)
-    sample_tokens_ref(x, temps, limits, top_ps, keys, bases, out,
-                      ids=None if ids is None else ids.expand(rows, -1))  # fmt: skip
+    sample_tokens_ref(logits.expand(rows, -1), temps, top_ks, top_ps, keys, bases, out)
     return torch.bincount(out, minlength=n_vocab).double() / rows
 
 
@@ -206,8 +215,8 @@ def _frequencies(logits: torch.Tensor, rows: int, **kw) -> torch.Tensor:
         ({"temperature": 0.7}, None),
         ({"temperature": 1.0, "top_p": 0.65}, [0, 1]),  # kept while the mass before < 0.65
         ({"temperature": 1.0, "top_p": 0.75}, [0, 1, 2]),  # 0.5 + 0.2 < 0.75: the third too
-        ({"temperature": 1.0, "limit": 3}, [0, 1, 2]),
-        ({"temperature": 1.0, "limit": 3, "top_p": 0.6}, [0, 1]),  # 0.5 / 0.85 < 0.6
+        ({"temperature": 1.0, "top_k": 3}, [0, 1, 2]),
+        ({"temperature": 1.0, "top_k": 3, "top_p": 0.6}, [0, 1]),  # 0.5 / 0.85 < 0.6
     ],
 )
 def test_reference_samples_the_renormalised_filtered_softmax(kw, support):
@@ -223,9 +232,3 @@ def test_reference_samples_the_renormalised_filtered_softmax(kw, support):
         want /= want.sum()
     tol = 5 * (want * (1 - want) / rows).sqrt() + 1e-12  # 5 sigma
     assert ((freq - want).abs() <= tol).all(), (freq.tolist(), want.tolist())
-
-
-def test_candidates_width_keeps_one_class_of_widths():
-    """Multiples of 16 (Triton specialises on divisibility by 16), at most the vocabulary."""
-    widths = [sampling.candidates_width(k, 384) for k in (1, 5, 16, 17, 50, 383, 400)]
-    assert widths == [16, 16, 16, 32, 64, 384, 384]
