@@ -34,13 +34,13 @@ pivot, so the rounds number about ln(vocabulary) (12 for 152K tokens), and 64 of
 are a Poisson tail beyond 1e-20. top_p == 1 accepts the first race.
 
 Top-k is a floor: the row's k-th largest logit, found by a radix select over the
-logits' bits (an ordered key per logit, RADIX_BITS a pass: launches of per-chunk
-histograms of the next bits among the keys that share the bits chosen so far; two
-passes for 16-bit logits, four for float32). The top-k set is every token at or above
-the floor: ties at the k-th value are all kept, as transformers' TopKLogitsWarper and
-vLLM keep them. Round 0's race and the normaliser run over that set; later rounds race
-above a pivot that is in it already. So top-p runs over the renormalised top-k set
-(transformers' order, top-k first).
+logits' bits (an ordered key per logit, RADIX_BITS a pass from the top: launches of
+per-chunk histograms of the next bits among the keys that share the bits chosen so
+far). The top-k set is every token at or above the floor: ties at the k-th value are
+all kept, as transformers' TopKLogitsWarper and vLLM keep them. Round 0's race and
+the normaliser run over that set; later rounds race above a pivot that is in it
+already. So top-p runs over the renormalised top-k set (transformers' order, top-k
+first).
 
 Random numbers are Philox (tl.randint4x) of a per-row key and counter: the uniform
 for token i in round r is word i % 4 of Philox(key, base + r * num_cols + i // 4).
@@ -68,8 +68,8 @@ TARGET_PROGRAMS = 2048  # a launch's programs, about: rows x chunks (swept: BENC
 MAX_CHUNKS = 256  # a row's chunks at most (a combine reads them as one vector)
 NUM_WARPS = 4
 FINISH_WARPS = 16  # the finishing program may stream a whole row in further rounds
-RADIX_BITS = 8  # key bits a top-k select pass decides: 2**RADIX_BITS histogram bins
-HIST_CHUNKS = 16  # chunk histograms a select reads per load
+RADIX_BITS = 8  # key bits a top-k select pass decides (the last pass: what is left)
+HIST_WORDS = 4096  # histogram entries a select reads per load (HIST_WORDS >> RADIX_BITS chunks)
 _NONE = tl.constexpr(1 << 30)  # "no index", above any vocabulary
 # The interpreter (CPU tests) has no libdevice: there the race's logs are tl.log.
 _FAST_LOG = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
@@ -88,13 +88,13 @@ def _uniforms(key, counter0, start, BLOCK: tl.constexpr):
 
 @triton.jit
 def _keys(x, KEY_BITS: tl.constexpr):
-    """Ordered keys of logits x (int64, [0, 2**KEY_BITS)): a larger logit has a larger key,
-    equal logits equal keys (-0 as +0). Negative floats' bits flip whole, others gain the
-    sign bit."""
+    """Ordered keys of logits x ([0, 2**KEY_BITS): int32 for 16-bit logits, else int64): a
+    larger logit has a larger key, equal logits equal keys (-0 as +0). Negative floats'
+    bits flip whole, others gain the sign bit."""
     sign: tl.constexpr = 1 << (KEY_BITS - 1)
     mask: tl.constexpr = (1 << KEY_BITS) - 1
     if KEY_BITS == 16:
-        bits = x.to(tl.int16, bitcast=True).to(tl.int64) & mask
+        bits = x.to(tl.int16, bitcast=True).to(tl.int32) & mask
     else:
         bits = x.to(tl.int32, bitcast=True).to(tl.int64) & mask
     key = tl.where(bits >= sign, mask - bits, bits + sign)
@@ -181,14 +181,25 @@ def _top_k_on(row, temps_ptr, top_ks_ptr, num_cols):
 
 
 @triton.jit
-def _select(hist_row, passes, num_chunks, k, BINS: tl.constexpr, HIST_CHUNKS: tl.constexpr):
-    """The top passes * RADIX_BITS bits of the row's k-th largest key, from its chunks'
-    histograms of select passes [0, passes) (each over the keys sharing the bits before)."""
+def _pass_bits(p, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """(the lowest key bit select pass p decides, how many): RADIX_BITS from the top."""
+    shift = tl.maximum(KEY_BITS - RADIX_BITS * (p + 1), 0)
+    return shift, KEY_BITS - RADIX_BITS * p - shift
+
+
+@triton.jit
+def _select(hist_row, passes, num_chunks, k, KEY_BITS: tl.constexpr,
+            RADIX_BITS: tl.constexpr, HIST_CHUNKS: tl.constexpr):  # fmt: skip
+    """The bits select passes [0, passes) decide of the row's k-th largest key (its top
+    bits), from its chunks' histograms of those passes (each over the keys sharing the
+    bits before)."""
+    BINS: tl.constexpr = 1 << RADIX_BITS
     bins = tl.arange(0, BINS)
     sub = tl.arange(0, HIST_CHUNKS)
     prefix = tl.full([], 0, tl.int64)
     rank = k.to(tl.int64)  # of the key sought, among the keys sharing prefix
     for q in range(passes):
+        shift, width = _pass_bits(q, KEY_BITS, RADIX_BITS)
         counts = tl.zeros([BINS], tl.int32)
         for c0 in range(0, num_chunks, HIST_CHUNKS):
             at = hist_row + ((q * num_chunks + c0 + sub) * BINS)[:, None] + bins[None, :]
@@ -197,7 +208,7 @@ def _select(hist_row, passes, num_chunks, k, BINS: tl.constexpr, HIST_CHUNKS: tl
         at_or_above = tl.cumsum(counts, axis=0, reverse=True)
         b = tl.max(tl.where(at_or_above >= rank, bins, -1), axis=0)
         rank -= tl.sum(tl.where(bins > b, counts, 0), axis=0)
-        prefix = prefix * BINS + b
+        prefix = (prefix << width) + b
     return prefix
 
 
@@ -208,16 +219,17 @@ def _select_kernel(
     HIST_CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """Program (c, row): select pass p over chunk c of a top-k row: the histogram of its
-    keys' next RADIX_BITS bits, among the keys whose higher bits are passes [0, p)'s."""
+    keys' next bits (_pass_bits), among the keys whose higher bits are passes [0, p)'s."""
     c = tl.program_id(0)
     row = tl.program_id(1)
     on, k = _top_k_on(row, temps_ptr, top_ks_ptr, num_cols)
     if not on:
         return
     BINS: tl.constexpr = 1 << RADIX_BITS
-    hist_row = hist_ptr + row.to(tl.int64) * (KEY_BITS // RADIX_BITS) * num_chunks * BINS
-    prefix = _select(hist_row, p, num_chunks, k, BINS, HIST_CHUNKS)
-    shift = KEY_BITS - RADIX_BITS * (p + 1)
+    passes: tl.constexpr = (KEY_BITS + RADIX_BITS - 1) // RADIX_BITS
+    hist_row = hist_ptr + row.to(tl.int64) * passes * num_chunks * BINS
+    prefix = _select(hist_row, p, num_chunks, k, KEY_BITS, RADIX_BITS, HIST_CHUNKS)
+    shift, width = _pass_bits(p, KEY_BITS, RADIX_BITS)
     x_ptr = logits_ptr + row.to(tl.int64) * stride_logits
     lo = c * chunk
     hi = tl.minimum(lo + chunk, num_cols)
@@ -226,8 +238,9 @@ def _select_kernel(
     for start in range(lo, hi, BLOCK):
         i = start + lanes
         key = _keys(tl.load(x_ptr + i, mask=i < hi, other=0.0), KEY_BITS)
-        ours = (i < hi) & ((key >> (shift + RADIX_BITS)) == prefix)
-        counts += tl.histogram(((key >> shift) & (BINS - 1)).to(tl.int32), BINS, mask=ours)
+        ours = (i < hi) & ((key >> (shift + width)) == prefix.to(key.dtype))
+        bits = (key >> shift) & ((1 << width) - 1)
+        counts += tl.histogram(bits.to(tl.int32), BINS, mask=ours)
     tl.store(hist_row + (p * num_chunks + c) * BINS + tl.arange(0, BINS), counts)
 
 
@@ -305,9 +318,9 @@ def _race_kernel(
             on, k = _top_k_on(row, temps_ptr, top_ks_ptr, num_cols)
             if on:
                 BINS: tl.constexpr = 1 << RADIX_BITS
-                passes: tl.constexpr = KEY_BITS // RADIX_BITS
+                passes: tl.constexpr = (KEY_BITS + RADIX_BITS - 1) // RADIX_BITS
                 hist_row = hist_ptr + row.to(tl.int64) * passes * num_chunks * BINS
-                floor = _select(hist_row, passes, num_chunks, k, BINS, HIST_CHUNKS)
+                floor = _select(hist_row, passes, num_chunks, k, KEY_BITS, RADIX_BITS, HIST_CHUNKS)
         # One stream: each lane's running max (first index), its softmax sum relative to
         # it (TOP_P: Z weighs only a top_p), and round 0's race (pivot -inf: every
         # candidate) but on greedy rows.
@@ -322,7 +335,8 @@ def _race_kernel(
             x = tl.load(x_ptr + i, mask=i < hi, other=float("-inf"))
             s = x.to(tl.float32) * inv_t
             if TOP_K:
-                s = tl.where(_keys(x, KEY_BITS) >= floor, s, float("-inf"))
+                key_x = _keys(x, KEY_BITS)
+                s = tl.where(key_x >= floor.to(key_x.dtype), s, float("-inf"))
             better = s > lane_max
             if TOP_P:
                 # One exp a candidate: a new max rescales the sum by exp(old - new) and
@@ -451,15 +465,16 @@ def sample_tokens(
     fields = 3 + 3 * SPLIT_ROUNDS  # per (row, chunk): max, argmax, Z; per round: key, index, mass
     ws = torch.empty(num_rows * num_chunks * fields, dtype=torch.float32, device=out.device)
     hist = ws  # (unread without any_top_k)
+    select = dict(KEY_BITS=key_bits, RADIX_BITS=RADIX_BITS,
+                  HIST_CHUNKS=max(1, HIST_WORDS >> RADIX_BITS))  # fmt: skip
     if any_top_k:
-        passes = key_bits // RADIX_BITS
+        passes = -(-key_bits // RADIX_BITS)
         size = num_rows * passes * num_chunks << RADIX_BITS
         hist = torch.empty(size, dtype=torch.int32, device=out.device)
         for p in range(passes):
             _select_kernel[split](
                 logits, logits.stride(0), hist, temperatures, top_ks, num_cols, chunk,
-                num_chunks, p, KEY_BITS=key_bits, RADIX_BITS=RADIX_BITS, BLOCK=BLOCK,
-                HIST_CHUNKS=HIST_CHUNKS, num_warps=NUM_WARPS,
+                num_chunks, p, **select, BLOCK=BLOCK, num_warps=NUM_WARPS,
             )  # fmt: skip
     rows = (logits, logits.stride(0), ws)
     forms = dict(BLOCK=BLOCK, FIELDS=fields, MAX_CHUNKS=MAX_CHUNKS)
@@ -468,8 +483,7 @@ def sample_tokens(
         _race_kernel[split](
             *rows, hist, temperatures, top_ks, top_ps, keys, bases, num_cols, chunk,
             num_chunks, rnd, FIRST=rnd == 0, TOP_P=any_top_p, TOP_K=any_top_k,
-            KEY_BITS=key_bits, RADIX_BITS=RADIX_BITS, HIST_CHUNKS=HIST_CHUNKS, **forms,
-            num_warps=NUM_WARPS,
+            **select, **forms, num_warps=NUM_WARPS,
         )  # fmt: skip
         if any_top_p:
             _mass_kernel[split](

@@ -123,11 +123,14 @@ def test_flags_off_take_every_top_p_as_one_and_every_top_k_as_off(device):
         assert not torch.equal(filtered, want)  # the case tells the two apart
 
 
+@pytest.mark.parametrize("radix_bits", [8, 11])  # 16 bits: 8 + 8 or 11 + 5; 32: 4 x 8 or 11, 11, 10
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_top_k_keeps_ties_at_the_kth_logit_across_signs_and_zeros(dtype, device):
+def test_top_k_keeps_ties_at_the_kth_logit_across_signs_and_zeros(dtype, radix_bits,
+                                                                  monkeypatch, device):  # fmt: skip
     """The floor is the k-th largest logit, found through the logits' ordered bit keys:
     negative logits, -0 and +0 (equal), and ties at the k-th value (all kept, as
-    transformers' TopKLogitsWarper keeps them)."""
+    transformers' TopKLogitsWarper keeps them); select passes of any width."""
+    monkeypatch.setattr(sampling, "RADIX_BITS", radix_bits)
     gen = torch.Generator().manual_seed(4)
     n, vocab = 8, 150
     logits = (torch.randn(n, vocab, generator=gen) - 4).to(dtype)  # mostly negative
@@ -139,7 +142,7 @@ def test_top_k_keeps_ties_at_the_kth_logit_across_signs_and_zeros(dtype, device)
     top_ps = torch.ones(n)
     keys = torch.arange(n) + 5
     draws = []
-    for base in range(12):
+    for base in range(8):
         bases = torch.full((n,), base << 32, dtype=torch.int64)
         got, want = _both(logits, temps, top_ks, top_ps, keys, bases, device)
         assert torch.equal(got, want)
