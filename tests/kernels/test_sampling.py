@@ -137,18 +137,16 @@ def test_top_k_keeps_ties_at_the_kth_logit_across_signs_and_zeros(dtype, radix_b
     logits[0, :6] = torch.tensor([1.0, 0.5, 0.5, 0.5, 0.25, -0.0]).to(dtype)  # k=2: 4 kept
     logits[1, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0]).to(dtype)  # k=3: the four zeros
     logits[1, 4:] = -1
-    temps = torch.full((n,), 1.0)
     top_ks = torch.tensor([2, 3, 1, 7, 149, 50, 2, 3])
-    top_ps = torch.ones(n)
-    keys = torch.arange(n) + 5
-    draws = []
-    for base in range(8):
-        bases = torch.full((n,), base << 32, dtype=torch.int64)
-        got, want = _both(logits, temps, top_ks, top_ps, keys, bases, device)
-        assert torch.equal(got, want)
-        assert _in_top_k(logits, top_ks, got)
-        draws.append(got)
-    draws = torch.stack(draws)
+    draws = 8  # each row 8 times in one launch, each copy its own Philox base
+    logits, top_ks = logits.repeat(draws, 1), top_ks.repeat(draws)
+    temps, top_ps = torch.ones(n * draws), torch.ones(n * draws)
+    keys = (torch.arange(n) + 5).repeat(draws)
+    bases = torch.arange(draws).repeat_interleave(n) << 32
+    got, want = _both(logits, temps, top_ks, top_ps, keys, bases, device)
+    assert torch.equal(got, want)
+    assert _in_top_k(logits, top_ks, got)
+    draws = got.view(draws, n)
     assert set(draws[:, 0].tolist()) <= {0, 1, 2, 3} and len(set(draws[:, 0].tolist())) > 2
     assert set(draws[:, 1].tolist()) <= {0, 1, 2, 3} and len(set(draws[:, 1].tolist())) > 1
     assert (draws[:, 2] == logits[2].float().argmax()).all()  # top_k = 1, no tie
