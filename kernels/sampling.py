@@ -87,6 +87,12 @@ def _uniforms(key, counter0, start, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _scores(x_ptr, i, hi, inv_t):
+    """Tokens i's logits over the temperature, in float32; -inf from hi on."""
+    return tl.load(x_ptr + i, mask=i < hi, other=float("-inf")).to(tl.float32) * inv_t
+
+
+@triton.jit
 def _keys(x, KEY_BITS: tl.constexpr):
     """Ordered keys of logits x ([0, 2**KEY_BITS): int32 for 16-bit logits, else int64): a
     larger logit has a larger key, equal logits equal keys (-0 as +0). Negative floats'
@@ -140,7 +146,7 @@ def _gumbel_race(x_ptr, lo, hi, inv_t, pivot, key, counter0, BLOCK: tl.constexpr
     win_idx = tl.full([BLOCK], _NONE, tl.int32)
     for start in range(lo, hi, BLOCK):
         i = start + lanes
-        s = tl.load(x_ptr + i, mask=i < hi, other=float("-inf")).to(tl.float32) * inv_t
+        s = _scores(x_ptr, i, hi, inv_t)
         u = _uniforms(key, counter0, start, BLOCK)
         win_key, win_idx = _race_lanes(s, u, i, pivot, win_key, win_idx)
     return _first_max(win_key, win_idx)
@@ -152,8 +158,7 @@ def _mass_above(x_ptr, lo, hi, inv_t, s_t, m, BLOCK: tl.constexpr):
     lanes = tl.arange(0, BLOCK)
     above = tl.zeros([BLOCK], tl.float32)
     for start in range(lo, hi, BLOCK):
-        i = start + lanes
-        s = tl.load(x_ptr + i, mask=i < hi, other=float("-inf")).to(tl.float32) * inv_t
+        s = _scores(x_ptr, start + lanes, hi, inv_t)
         above += tl.where(s > s_t, tl.exp(s - m), 0.0)
     return tl.sum(above, axis=0)
 
@@ -185,6 +190,13 @@ def _pass_bits(p, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr):
     """(the lowest key bit select pass p decides, how many): RADIX_BITS from the top."""
     shift = tl.maximum(KEY_BITS - RADIX_BITS * (p + 1), 0)
     return shift, KEY_BITS - RADIX_BITS * p - shift
+
+
+@triton.jit
+def _hist_row(hist_ptr, row, num_chunks, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """Row row's histograms in the select workspace: [pass][chunk][2**RADIX_BITS]."""
+    passes: tl.constexpr = (KEY_BITS + RADIX_BITS - 1) // RADIX_BITS
+    return hist_ptr + row.to(tl.int64) * passes * num_chunks * (1 << RADIX_BITS)
 
 
 @triton.jit
@@ -226,8 +238,7 @@ def _select_kernel(
     if not on:
         return
     BINS: tl.constexpr = 1 << RADIX_BITS
-    passes: tl.constexpr = (KEY_BITS + RADIX_BITS - 1) // RADIX_BITS
-    hist_row = hist_ptr + row.to(tl.int64) * passes * num_chunks * BINS
+    hist_row = _hist_row(hist_ptr, row, num_chunks, KEY_BITS, RADIX_BITS)
     prefix = _select(hist_row, p, num_chunks, k, KEY_BITS, RADIX_BITS, HIST_CHUNKS)
     shift, width = _pass_bits(p, KEY_BITS, RADIX_BITS)
     x_ptr = logits_ptr + row.to(tl.int64) * stride_logits
@@ -317,9 +328,8 @@ def _race_kernel(
         if TOP_K:
             on, k = _top_k_on(row, temps_ptr, top_ks_ptr, num_cols)
             if on:
-                BINS: tl.constexpr = 1 << RADIX_BITS
                 passes: tl.constexpr = (KEY_BITS + RADIX_BITS - 1) // RADIX_BITS
-                hist_row = hist_ptr + row.to(tl.int64) * passes * num_chunks * BINS
+                hist_row = _hist_row(hist_ptr, row, num_chunks, KEY_BITS, RADIX_BITS)
                 floor = _select(hist_row, passes, num_chunks, k, KEY_BITS, RADIX_BITS, HIST_CHUNKS)
         # One stream: each lane's running max (first index), its softmax sum relative to
         # it (TOP_P: Z weighs only a top_p), and round 0's race (pivot -inf: every

@@ -74,7 +74,7 @@ class SamplingBatch:
             generators=generators,
             all_greedy=False,
             any_top_k=any(ks),
-            any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
+            any_top_p=any(map(_top_p, params)),
         )
         if positions is None:
             return batch
@@ -90,6 +90,11 @@ def _top_k(p: SamplingParams, vocab_size: int) -> int:
     return p.top_k if 0 < p.top_k < vocab_size and not p.greedy else 0
 
 
+def _top_p(p: SamplingParams) -> bool:
+    """Whether a row filters by top-p (a greedy row's top_p changes nothing)."""
+    return p.top_p < 1.0 and not p.greedy
+
+
 def _philox(
     params: list[SamplingParams], positions: list[int], step_key: int
 ) -> tuple[list[int], list[int]]:
@@ -101,16 +106,12 @@ def _philox(
     return keys, bases
 
 
-def _packed(
-    rows: list[list], dtype: torch.dtype, pin: bool, width: int | None = None
-) -> torch.Tensor:
+def _packed(rows: list[list], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """rows as one [len(rows), width] tensor for one copy, each row zero-padded to a width
-    of whole 16 bytes (at least width): every row a kernel reads starts 16-byte aligned, as
-    Triton's compiled kernels assume (an unaligned one would compile a second kernel
-    mid-serving)."""
+    of whole 16 bytes: every row a kernel reads starts 16-byte aligned, as Triton's
+    compiled kernels assume (an unaligned one would compile a second kernel mid-serving)."""
     per_16_bytes = 16 // dtype.itemsize
-    width = max(width or 0, *map(len, rows))
-    width = -(-width // per_16_bytes) * per_16_bytes
+    width = -(-max(map(len, rows)) // per_16_bytes) * per_16_bytes
     packed = torch.zeros((len(rows), width), dtype=dtype, pin_memory=pin)
     host = packed.numpy()  # filled through numpy: ~5x faster than torch.tensor(lists)
     for i, row in enumerate(rows):
@@ -233,7 +234,7 @@ class GraphSamplingInputs:
     def graph(self, params: list[SamplingParams]) -> tuple[bool, bool]:
         """Which graph samples these rows: its kind in GRAPH_KINDS."""
         top_k = any(_top_k(p, self.vocab_size) for p in params)
-        return top_k, top_k or any(p.top_p < 1.0 and not p.greedy for p in params)
+        return top_k, top_k or any(map(_top_p, params))
 
 
 def _width(rows: int) -> int:
