@@ -31,6 +31,7 @@ import torch
 import kernels
 from bench import kernels as bk
 from bench.common import machine_description, markdown_table, write_json
+from replica.models.layers import LMHead
 from replica.sampler import GraphSamplingInputs, SamplingBatch, sample, sample_fused
 from replica.sampling_params import SamplingParams
 
@@ -60,8 +61,12 @@ def bench_case(vocab: Vocab, rows: int, kind: str, spread: float) -> dict:
     ]
     gen = torch.Generator(device=device).manual_seed(rows)
     copies = bk.num_copies(rows * vocab.size * vocab.dtype.itemsize)
+    # As the fused LM head gives them: rows of a padded width (aligned), sliced.
+    width = -(-vocab.size // LMHead.PAD_ROWS_TO) * LMHead.PAD_ROWS_TO
     logits = [
-        (torch.randn(rows, vocab.size, generator=gen, device=device) * spread).to(vocab.dtype)
+        (torch.randn(rows, width, generator=gen, device=device) * spread).to(vocab.dtype)[
+            :, : vocab.size
+        ]
         for _ in range(copies)
     ]
     positions = list(range(rows))

@@ -36,8 +36,9 @@ are a Poisson tail beyond 1e-20. top_p == 1 accepts the first race.
 Top-k is a floor: the row's k-th largest logit, found by a radix select over the
 logits' bits (an ordered key per logit, RADIX_BITS a pass from the top: launches of
 per-chunk histograms of the next bits among the keys that share the bits chosen so
-far). The top-k set is every token at or above the floor: ties at the k-th value are
-all kept, as transformers' TopKLogitsWarper and vLLM keep them. Round 0's race and
+far; a lane counts its keys' 16 bins in bytes, four to an int32: BENCHMARKS.md says
+why not tl.histogram). The top-k set is every token at or above the floor: ties at the
+k-th value are all kept, as transformers' TopKLogitsWarper and vLLM keep them. Round 0's race and
 the normaliser run over that set; later rounds race above a pivot that is in it
 already. So top-p runs over the renormalised top-k set (transformers' order, top-k
 first).
@@ -68,9 +69,12 @@ TARGET_PROGRAMS = 2048  # a launch's programs, about: rows x chunks (swept: BENC
 MAX_CHUNKS = 256  # a row's chunks at most (a combine reads them as one vector)
 NUM_WARPS = 4
 FINISH_WARPS = 16  # the finishing program may stream a whole row in further rounds
-RADIX_BITS = 8  # key bits a top-k select pass decides (the last pass: what is left)
-HIST_WORDS = 4096  # histogram entries a select reads per load (HIST_WORDS >> RADIX_BITS chunks)
+FINISH_BLOCK = 4096  # its logits per lane pass: 8 a thread, one vector load (as BLOCK's 4 warps)
+RADIX_BITS = 4  # key bits a top-k select pass decides: 16 bins (16- and 32-bit keys: whole passes)
+LANE_KEYS = 255  # keys a lane counts in a select pass at most (its counts are bytes)
 _NONE = tl.constexpr(1 << 30)  # "no index", above any vocabulary
+_RADIX = tl.constexpr(RADIX_BITS)
+_BINS = tl.constexpr(1 << RADIX_BITS)
 # The interpreter (CPU tests) has no libdevice: there the race's logs are tl.log.
 _FAST_LOG = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
@@ -87,9 +91,26 @@ def _uniforms(key, counter0, start, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scores(x_ptr, i, hi, inv_t):
-    """Tokens i's logits over the temperature, in float32; -inf from hi on."""
-    return tl.load(x_ptr + i, mask=i < hi, other=float("-inf")).to(tl.float32) * inv_t
+def _block(x_ptr, start, hi, other, BLOCK: tl.constexpr):
+    """Logits [start, start + BLOCK), other from hi on. start is a multiple of BLOCK (a
+    row's chunks are whole blocks) and a whole block loads unmasked: where the row is
+    16-aligned too (a padded LM head's stride), a lane's logits load as one vector, not
+    one load each. (start // BLOCK * BLOCK tells the compiler what tl.multiple_of cannot
+    tell it of a loop's counter.)"""
+    start = start // BLOCK * BLOCK
+    i = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= hi:
+        x = tl.load(x_ptr + i)
+    else:
+        x = tl.load(x_ptr + i, mask=i < hi, other=other)
+    return x
+
+
+@triton.jit
+def _scores(x_ptr, start, hi, inv_t, BLOCK: tl.constexpr):
+    """Tokens [start, start + BLOCK)'s logits over the temperature, in float32; -inf from
+    hi on."""
+    return _block(x_ptr, start, hi, float("-inf"), BLOCK).to(tl.float32) * inv_t
 
 
 @triton.jit
@@ -105,6 +126,18 @@ def _keys(x, KEY_BITS: tl.constexpr):
         bits = x.to(tl.int32, bitcast=True).to(tl.int64) & mask
     key = tl.where(bits >= sign, mask - bits, bits + sign)
     return tl.where(bits == sign, sign, key)
+
+
+@triton.jit
+def _key_logit(key, dtype: tl.constexpr, KEY_BITS: tl.constexpr):
+    """The logit (of type dtype, in float32) whose key is key (_keys' inverse; the key of
+    -0 gives +0): a float compare with it orders as the keys do (-0 == +0 too)."""
+    sign: tl.constexpr = 1 << (KEY_BITS - 1)
+    mask: tl.constexpr = (1 << KEY_BITS) - 1
+    bits = tl.where(key >= sign, key - sign, mask - key)
+    if KEY_BITS == 16:
+        return bits.to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+    return bits.to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -146,7 +179,7 @@ def _gumbel_race(x_ptr, lo, hi, inv_t, pivot, key, counter0, BLOCK: tl.constexpr
     win_idx = tl.full([BLOCK], _NONE, tl.int32)
     for start in range(lo, hi, BLOCK):
         i = start + lanes
-        s = _scores(x_ptr, i, hi, inv_t)
+        s = _scores(x_ptr, start, hi, inv_t, BLOCK)
         u = _uniforms(key, counter0, start, BLOCK)
         win_key, win_idx = _race_lanes(s, u, i, pivot, win_key, win_idx)
     return _first_max(win_key, win_idx)
@@ -155,10 +188,9 @@ def _gumbel_race(x_ptr, lo, hi, inv_t, pivot, key, counter0, BLOCK: tl.constexpr
 @triton.jit
 def _mass_above(x_ptr, lo, hi, inv_t, s_t, m, BLOCK: tl.constexpr):
     """Softmax mass (relative to exp(m)) of tokens [lo, hi) scoring above s_t."""
-    lanes = tl.arange(0, BLOCK)
     above = tl.zeros([BLOCK], tl.float32)
     for start in range(lo, hi, BLOCK):
-        s = _scores(x_ptr, start + lanes, hi, inv_t)
+        s = _scores(x_ptr, start, hi, inv_t, BLOCK)
         above += tl.where(s > s_t, tl.exp(s - m), 0.0)
     return tl.sum(above, axis=0)
 
@@ -186,73 +218,85 @@ def _top_k_on(row, temps_ptr, top_ks_ptr, num_cols):
 
 
 @triton.jit
-def _pass_bits(p, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr):
-    """(the lowest key bit select pass p decides, how many): RADIX_BITS from the top."""
-    shift = tl.maximum(KEY_BITS - RADIX_BITS * (p + 1), 0)
-    return shift, KEY_BITS - RADIX_BITS * p - shift
-
-
-@triton.jit
-def _hist_row(hist_ptr, row, num_chunks, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr):
+def _hist_row(hist_ptr, row, num_chunks, KEY_BITS: tl.constexpr):
     """Row row's histograms in the select workspace: [pass][chunk][2**RADIX_BITS]."""
-    passes: tl.constexpr = (KEY_BITS + RADIX_BITS - 1) // RADIX_BITS
-    return hist_ptr + row.to(tl.int64) * passes * num_chunks * (1 << RADIX_BITS)
+    passes: tl.constexpr = KEY_BITS // _RADIX
+    return hist_ptr + row.to(tl.int64) * passes * num_chunks * _BINS
 
 
 @triton.jit
-def _select(hist_row, passes, num_chunks, k, KEY_BITS: tl.constexpr,
-            RADIX_BITS: tl.constexpr, HIST_CHUNKS: tl.constexpr):  # fmt: skip
+def _select(hist_row, passes, num_chunks, k, MAX_CHUNKS: tl.constexpr):
     """The bits select passes [0, passes) decide of the row's k-th largest key (its top
-    bits), from its chunks' histograms of those passes (each over the keys sharing the
-    bits before)."""
-    BINS: tl.constexpr = 1 << RADIX_BITS
-    bins = tl.arange(0, BINS)
-    sub = tl.arange(0, HIST_CHUNKS)
+    passes * RADIX_BITS bits), from its chunks' histograms of those passes (each over
+    the keys sharing the bits before)."""
+    bins = tl.arange(0, _BINS)
+    chunks = tl.arange(0, MAX_CHUNKS)
     prefix = tl.full([], 0, tl.int64)
     rank = k.to(tl.int64)  # of the key sought, among the keys sharing prefix
     for q in range(passes):
-        shift, width = _pass_bits(q, KEY_BITS, RADIX_BITS)
-        counts = tl.zeros([BINS], tl.int32)
-        for c0 in range(0, num_chunks, HIST_CHUNKS):
-            at = hist_row + ((q * num_chunks + c0 + sub) * BINS)[:, None] + bins[None, :]
-            tile = tl.load(at, mask=(c0 + sub < num_chunks)[:, None], other=0)
-            counts += tl.sum(tile, axis=0)
+        at = hist_row + ((q * num_chunks + chunks) << _RADIX)[:, None] + bins[None, :]
+        counts = tl.sum(tl.load(at, mask=(chunks < num_chunks)[:, None], other=0), axis=0)
         at_or_above = tl.cumsum(counts, axis=0, reverse=True)
         b = tl.max(tl.where(at_or_above >= rank, bins, -1), axis=0)
         rank -= tl.sum(tl.where(bins > b, counts, 0), axis=0)
-        prefix = (prefix << width) + b
+        prefix = (prefix << _RADIX) + b
     return prefix
+
+
+@triton.jit
+def _unpack_counts(at, packed):
+    """Store the lanes' byte counts packed in int32s (byte f: bin f of four) summed
+    over the lanes: four bins' counts at at[0:4]."""
+    fields = tl.arange(0, 4) * 8
+    tl.store(at + tl.arange(0, 4), tl.sum((packed[:, None] >> fields[None, :]) & 255, axis=0))
 
 
 @triton.jit(do_not_specialize=["num_cols", "chunk", "num_chunks", "p"])
 def _select_kernel(
     logits_ptr, stride_logits, hist_ptr, temps_ptr, top_ks_ptr, num_cols, chunk, num_chunks,
-    p, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, BLOCK: tl.constexpr,
-    HIST_CHUNKS: tl.constexpr,
+    p, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """Program (c, row): select pass p over chunk c of a top-k row: the histogram of its
-    keys' next bits (_pass_bits), among the keys whose higher bits are passes [0, p)'s."""
+    keys' RADIX_BITS bits below passes [0, p)'s, among the keys whose higher bits are
+    those passes'.
+
+    A lane counts its own keys in bytes, four bins to an int32: a key adds
+    1 << 8 * (bin % 4) to counter bin // 4 (~36 instructions a key on sm_90, most of them
+    integer ones, which Hopper issues at half rate: a pass runs near that rate). A lane
+    counts at most LANE_KEYS keys (chunking keeps chunks that short). tl.histogram
+    compiled to a ballot per bin bit and a popc per bin a lane owns, ~125 instructions a
+    key: two 8-bit passes of it took longer than these four (BENCHMARKS.md)."""
     c = tl.program_id(0)
     row = tl.program_id(1)
     on, k = _top_k_on(row, temps_ptr, top_ks_ptr, num_cols)
     if not on:
         return
-    BINS: tl.constexpr = 1 << RADIX_BITS
-    hist_row = _hist_row(hist_ptr, row, num_chunks, KEY_BITS, RADIX_BITS)
-    prefix = _select(hist_row, p, num_chunks, k, KEY_BITS, RADIX_BITS, HIST_CHUNKS)
-    shift, width = _pass_bits(p, KEY_BITS, RADIX_BITS)
+    hist_row = _hist_row(hist_ptr, row, num_chunks, KEY_BITS)
+    prefix = _select(hist_row, p, num_chunks, k, MAX_CHUNKS)
+    shift = KEY_BITS - _RADIX * (p + 1)
     x_ptr = logits_ptr + row.to(tl.int64) * stride_logits
     lo = c * chunk
     hi = tl.minimum(lo + chunk, num_cols)
     lanes = tl.arange(0, BLOCK)
-    counts = tl.zeros([BINS], tl.int32)
+    b0 = tl.zeros([BLOCK], tl.int32)  # bins 0-3, a byte each
+    b1 = tl.zeros([BLOCK], tl.int32)
+    b2 = tl.zeros([BLOCK], tl.int32)
+    b3 = tl.zeros([BLOCK], tl.int32)
     for start in range(lo, hi, BLOCK):
         i = start + lanes
-        key = _keys(tl.load(x_ptr + i, mask=i < hi, other=0.0), KEY_BITS)
-        ours = (i < hi) & ((key >> (shift + width)) == prefix.to(key.dtype))
-        bits = (key >> shift) & ((1 << width) - 1)
-        counts += tl.histogram(bits.to(tl.int32), BINS, mask=ours)
-    tl.store(hist_row + (p * num_chunks + c) * BINS + tl.arange(0, BINS), counts)
+        key = _keys(_block(x_ptr, start, hi, 0.0, BLOCK), KEY_BITS)
+        ours = (i < hi) & ((key >> (shift + _RADIX)) == prefix.to(key.dtype))
+        bin = ((key >> shift) & (_BINS - 1)).to(tl.int32)
+        one = tl.where(ours, 1 << ((bin & 3) * 8), 0)
+        b0 += tl.where(bin < 4, one, 0)
+        b1 += tl.where((bin >> 2) == 1, one, 0)
+        b2 += tl.where((bin >> 2) == 2, one, 0)
+        b3 += tl.where(bin >= 12, one, 0)
+    at = hist_row + ((p * num_chunks + c) << _RADIX)
+    _unpack_counts(at, b0)
+    _unpack_counts(at + 4, b1)
+    _unpack_counts(at + 8, b2)
+    _unpack_counts(at + 12, b3)
 
 
 @triton.jit
@@ -306,8 +350,7 @@ def _race_kernel(
     logits_ptr, stride_logits, ws_ptr, hist_ptr, temps_ptr, top_ks_ptr, top_ps_ptr,
     keys_ptr, bases_ptr, num_cols, chunk, num_chunks, rnd,
     FIRST: tl.constexpr, TOP_P: tl.constexpr, TOP_K: tl.constexpr, KEY_BITS: tl.constexpr,
-    RADIX_BITS: tl.constexpr, BLOCK: tl.constexpr, FIELDS: tl.constexpr,
-    MAX_CHUNKS: tl.constexpr, HIST_CHUNKS: tl.constexpr,
+    BLOCK: tl.constexpr, FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """Program (c, row): chunk c of its row. Round rnd's race over the chunk (unless the
     row is decided) and, FIRST, the chunk's max and first argmax besides, and its Z
@@ -324,13 +367,13 @@ def _race_kernel(
     counter0 = tl.load(bases_ptr + row) + rnd.to(tl.int64) * num_cols
     key = tl.load(keys_ptr + row)
     if FIRST:
-        floor = tl.full([], -1, tl.int64)  # every key is above
+        floor = tl.full([], float("-inf"), tl.float32)  # every logit is above
         if TOP_K:
             on, k = _top_k_on(row, temps_ptr, top_ks_ptr, num_cols)
             if on:
-                passes: tl.constexpr = (KEY_BITS + RADIX_BITS - 1) // RADIX_BITS
-                hist_row = _hist_row(hist_ptr, row, num_chunks, KEY_BITS, RADIX_BITS)
-                floor = _select(hist_row, passes, num_chunks, k, KEY_BITS, RADIX_BITS, HIST_CHUNKS)
+                hist_row = _hist_row(hist_ptr, row, num_chunks, KEY_BITS)
+                key_k = _select(hist_row, KEY_BITS // _RADIX, num_chunks, k, MAX_CHUNKS)
+                floor = _key_logit(key_k, logits_ptr.dtype.element_ty, KEY_BITS)
         # One stream: each lane's running max (first index), its softmax sum relative to
         # it (TOP_P: Z weighs only a top_p), and round 0's race (pivot -inf: every
         # candidate) but on greedy rows.
@@ -342,11 +385,8 @@ def _race_kernel(
         win_idx = tl.full([BLOCK], _NONE, tl.int32)
         for start in range(lo, hi, BLOCK):
             i = start + lanes
-            x = tl.load(x_ptr + i, mask=i < hi, other=float("-inf"))
-            s = x.to(tl.float32) * inv_t
-            if TOP_K:
-                key_x = _keys(x, KEY_BITS)
-                s = tl.where(key_x >= floor.to(key_x.dtype), s, float("-inf"))
+            x = _block(x_ptr, start, hi, float("-inf"), BLOCK)
+            s = tl.where(x.to(tl.float32) >= floor, x.to(tl.float32) * inv_t, float("-inf"))
             better = s > lane_max
             if TOP_P:
                 # One exp a candidate: a new max rescales the sum by exp(old - new) and
@@ -475,16 +515,15 @@ def sample_tokens(
     fields = 3 + 3 * SPLIT_ROUNDS  # per (row, chunk): max, argmax, Z; per round: key, index, mass
     ws = torch.empty(num_rows * num_chunks * fields, dtype=torch.float32, device=out.device)
     hist = ws  # (unread without any_top_k)
-    select = dict(KEY_BITS=key_bits, RADIX_BITS=RADIX_BITS,
-                  HIST_CHUNKS=max(1, HIST_WORDS >> RADIX_BITS))  # fmt: skip
     if any_top_k:
-        passes = -(-key_bits // RADIX_BITS)
+        passes = key_bits // RADIX_BITS
         size = num_rows * passes * num_chunks << RADIX_BITS
         hist = torch.empty(size, dtype=torch.int32, device=out.device)
         for p in range(passes):
             _select_kernel[split](
                 logits, logits.stride(0), hist, temperatures, top_ks, num_cols, chunk,
-                num_chunks, p, **select, BLOCK=BLOCK, num_warps=NUM_WARPS,
+                num_chunks, p, KEY_BITS=key_bits, BLOCK=BLOCK, MAX_CHUNKS=MAX_CHUNKS,
+                num_warps=NUM_WARPS,
             )  # fmt: skip
     rows = (logits, logits.stride(0), ws)
     forms = dict(BLOCK=BLOCK, FIELDS=fields, MAX_CHUNKS=MAX_CHUNKS)
@@ -493,7 +532,7 @@ def sample_tokens(
         _race_kernel[split](
             *rows, hist, temperatures, top_ks, top_ps, keys, bases, num_cols, chunk,
             num_chunks, rnd, FIRST=rnd == 0, TOP_P=any_top_p, TOP_K=any_top_k,
-            **select, **forms, num_warps=NUM_WARPS,
+            KEY_BITS=key_bits, **forms, num_warps=NUM_WARPS,
         )  # fmt: skip
         if any_top_p:
             _mass_kernel[split](
@@ -502,7 +541,8 @@ def sample_tokens(
             )  # fmt: skip
     _finish_kernel[(num_rows,)](
         *rows, out, temperatures, top_ps, keys, bases, num_cols, num_chunks, split_rounds,
-        TOP_P=any_top_p, **forms, MAX_ROUNDS=MAX_ROUNDS, num_warps=FINISH_WARPS,
+        TOP_P=any_top_p, **(forms | dict(BLOCK=FINISH_BLOCK)), MAX_ROUNDS=MAX_ROUNDS,
+        num_warps=FINISH_WARPS,
     )  # fmt: skip
     return out
 
@@ -510,8 +550,10 @@ def sample_tokens(
 def chunking(num_rows: int, num_cols: int) -> tuple[int, int]:
     """(chunk, num_chunks): each row split into chunks of whole BLOCKs, enough of them for
     about TARGET_PROGRAMS programs a launch (one row alone still spreads over the SMs),
-    at most MAX_CHUNKS."""
+    at most MAX_CHUNKS, each of at most LANE_KEYS blocks (a select pass's lane counts
+    one key of each block in a byte)."""
     blocks = triton.cdiv(num_cols, BLOCK)
     per_row = max(1, min(blocks, MAX_CHUNKS, triton.cdiv(TARGET_PROGRAMS, num_rows)))
+    per_row = max(per_row, triton.cdiv(blocks, LANE_KEYS))
     chunk = triton.cdiv(blocks, per_row) * BLOCK
     return chunk, triton.cdiv(num_cols, chunk)

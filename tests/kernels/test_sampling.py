@@ -15,6 +15,7 @@ from kernels.reference import philox_uint32_ref, philox_words_ref, sample_tokens
 def small_block(monkeypatch):
     """64-logit lane passes, so that every row spans several chunks and a ragged end."""
     monkeypatch.setattr(sampling, "BLOCK", 64)
+    monkeypatch.setattr(sampling, "FINISH_BLOCK", 128)
 
 
 @triton.jit
@@ -123,14 +124,11 @@ def test_flags_off_take_every_top_p_as_one_and_every_top_k_as_off(device):
         assert not torch.equal(filtered, want)  # the case tells the two apart
 
 
-@pytest.mark.parametrize("radix_bits", [8, 11])  # 16 bits: 8 + 8 or 11 + 5; 32: 4 x 8 or 11, 11, 10
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_top_k_keeps_ties_at_the_kth_logit_across_signs_and_zeros(dtype, radix_bits,
-                                                                  monkeypatch, device):  # fmt: skip
+def test_top_k_keeps_ties_at_the_kth_logit_across_signs_and_zeros(dtype, device):
     """The floor is the k-th largest logit, found through the logits' ordered bit keys:
     negative logits, -0 and +0 (equal), and ties at the k-th value (all kept, as
-    transformers' TopKLogitsWarper keeps them); select passes of any width."""
-    monkeypatch.setattr(sampling, "RADIX_BITS", radix_bits)
+    transformers' TopKLogitsWarper keeps them)."""
     gen = torch.Generator().manual_seed(4)
     n, vocab = 8, 150
     logits = (torch.randn(n, vocab, generator=gen) - 4).to(dtype)  # mostly negative
@@ -159,6 +157,26 @@ def test_chunking_spreads_rows_over_whole_blocks(monkeypatch):
     assert sampling.chunking(256, 64 * 40) == (64 * 10, 4)  # 1024 programs / 256 rows
     assert sampling.chunking(2048, 64 * 40) == (64 * 40, 1)
     assert sampling.chunking(4, 20) == (64, 1)
+    assert sampling.chunking(4096, 64 * 600) == (64 * 200, 3)  # a chunk: <= LANE_KEYS blocks
+
+
+def test_select_counts_a_lanes_keys_in_bytes_without_overflow(monkeypatch, device):
+    """One chunk a row where chunking allows (TARGET_PROGRAMS 1): 256 blocks make two
+    chunks of 128, since a lane's select counts are bytes. Every key shares the first
+    pass's bin, so an uncapped lane would count 256 keys there and carry into the next
+    bin; the floor (the 8192nd largest: 1.5) keeps the 1.5s alone."""
+    monkeypatch.setattr(sampling, "TARGET_PROGRAMS", 1)
+    n, vocab = 4, 64 * 256
+    assert sampling.chunking(n, vocab) == (64 * 128, 2)
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.where(torch.rand(n, vocab, generator=gen) < 0.5, 1.0, 1.5)
+    high = logits == 1.5
+    top_ks = high.sum(dim=1)
+    temps, top_ps = torch.ones(n), torch.ones(n)
+    keys, bases = torch.arange(n) + 3, torch.zeros(n, dtype=torch.int64)
+    got, want = _both(logits.half(), temps, top_ks, top_ps, keys, bases, device)
+    assert torch.equal(got, want)
+    assert high[torch.arange(n), got].all()
 
 
 def test_a_row_draws_by_its_key_and_base_not_its_place(device):
