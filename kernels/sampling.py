@@ -33,15 +33,19 @@ top_p that keeps one token: each round's winner is uniform over the tokens above
 pivot, so the rounds number about ln(vocabulary) (12 for 152K tokens), and 64 of them
 are a Poisson tail beyond 1e-20. top_p == 1 accepts the first race.
 
-Top-k is a floor: the row's k-th largest logit, found by a radix select over the
-logits' bits (an ordered key per logit, RADIX_BITS a pass from the top: launches of
-per-chunk histograms of the next bits among the keys that share the bits chosen so
-far; a lane counts its keys' 16 bins in bytes, four to an int32: BENCHMARKS.md says
-why not tl.histogram). The top-k set is every token at or above the floor: ties at the
-k-th value are all kept, as transformers' TopKLogitsWarper and vLLM keep them. Round 0's race and
-the normaliser run over that set; later rounds race above a pivot that is in it
-already. So top-p runs over the renormalised top-k set (transformers' order, top-k
-first).
+Top-k is a floor: the row's k-th largest logit. Three launches find it without a pass
+per few bits over every logit: (1) a lower bound: per chunk, each lane's largest logit
+and the m-th largest of those lane maxima (m = ceil(k / chunks): the chunk holds at
+least m logits at or above it), so that at least k logits of the row are at or above
+the least of its chunks' bounds; (2) every logit at or above that bound gathered
+(about k to a few k of them); (3) the k-th largest among them, by a bisection over
+the logits' ordered bit keys. A row whose gathered logits overflow CANDIDATES (a
+huge k, or a bound dragged down by a chunk of -inf) bisects over its whole row
+instead: rare and slow. The top-k set is every token at or above the floor: ties at
+the k-th value are all kept, as transformers' TopKLogitsWarper and vLLM keep them.
+Round 0's race and the normaliser run over that set; later rounds race above a pivot
+that is in it already. So top-p runs over the renormalised top-k set (transformers'
+order, top-k first).
 
 Random numbers are Philox (tl.randint4x) of a per-row key and counter: the uniform
 for token i in round r is word i % 4 of Philox(key, base + r * num_cols + i // 4).
@@ -70,11 +74,8 @@ MAX_CHUNKS = 256  # a row's chunks at most (a combine reads them as one vector)
 NUM_WARPS = 4
 FINISH_WARPS = 16  # the finishing program may stream a whole row in further rounds
 FINISH_BLOCK = 4096  # its logits per lane pass: 8 a thread, one vector load (as BLOCK's 4 warps)
-RADIX_BITS = 4  # key bits a top-k select pass decides: 16 bins (16- and 32-bit keys: whole passes)
-LANE_KEYS = 255  # keys a lane counts in a select pass at most (its counts are bytes)
+CANDIDATES = 4096  # a top-k row's logits at or above its lower bound, gathered at most
 _NONE = tl.constexpr(1 << 30)  # "no index", above any vocabulary
-_RADIX = tl.constexpr(RADIX_BITS)
-_BINS = tl.constexpr(1 << RADIX_BITS)
 # The interpreter (CPU tests) has no libdevice: there the race's logs are tl.log.
 _FAST_LOG = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
@@ -218,85 +219,111 @@ def _top_k_on(row, temps_ptr, top_ks_ptr, num_cols):
 
 
 @triton.jit
-def _hist_row(hist_ptr, row, num_chunks, KEY_BITS: tl.constexpr):
-    """Row row's histograms in the select workspace: [pass][chunk][2**RADIX_BITS]."""
-    passes: tl.constexpr = KEY_BITS // _RADIX
-    return hist_ptr + row.to(tl.int64) * passes * num_chunks * _BINS
+def _kth_key(keys, m, KEY_BITS: tl.constexpr):
+    """The m-th largest of keys (a tensor of _keys), by bisection from the top bit: the
+    largest t with at least m keys at or above it. 0 where fewer than m keys exceed 0."""
+    ans = tl.zeros([], keys.dtype)
+    for b in tl.static_range(KEY_BITS):
+        t = ans | (1 << (KEY_BITS - 1 - b))
+        ans = tl.where(tl.sum((keys >= t).to(tl.int32), axis=0) >= m, t, ans)
+    return ans
 
 
-@triton.jit
-def _select(hist_row, passes, num_chunks, k, MAX_CHUNKS: tl.constexpr):
-    """The bits select passes [0, passes) decide of the row's k-th largest key (its top
-    passes * RADIX_BITS bits), from its chunks' histograms of those passes (each over
-    the keys sharing the bits before)."""
-    bins = tl.arange(0, _BINS)
-    chunks = tl.arange(0, MAX_CHUNKS)
-    prefix = tl.full([], 0, tl.int64)
-    rank = k.to(tl.int64)  # of the key sought, among the keys sharing prefix
-    for q in range(passes):
-        at = hist_row + ((q * num_chunks + chunks) << _RADIX)[:, None] + bins[None, :]
-        counts = tl.sum(tl.load(at, mask=(chunks < num_chunks)[:, None], other=0), axis=0)
-        at_or_above = tl.cumsum(counts, axis=0, reverse=True)
-        b = tl.max(tl.where(at_or_above >= rank, bins, -1), axis=0)
-        rank -= tl.sum(tl.where(bins > b, counts, 0), axis=0)
-        prefix = (prefix << _RADIX) + b
-    return prefix
-
-
-@triton.jit
-def _unpack_counts(at, packed):
-    """Store the lanes' byte counts packed in int32s (byte f: bin f of four) summed
-    over the lanes: four bins' counts at at[0:4]."""
-    fields = tl.arange(0, 4) * 8
-    tl.store(at + tl.arange(0, 4), tl.sum((packed[:, None] >> fields[None, :]) & 255, axis=0))
-
-
-@triton.jit(do_not_specialize=["num_cols", "chunk", "num_chunks", "p"])
-def _select_kernel(
-    logits_ptr, stride_logits, hist_ptr, temps_ptr, top_ks_ptr, num_cols, chunk, num_chunks,
-    p, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+@triton.jit(do_not_specialize=["num_cols", "chunk", "num_chunks"])
+def _bound_kernel(
+    logits_ptr, stride_logits, bound_ptr, count_ptr, temps_ptr, top_ks_ptr, num_cols, chunk,
+    num_chunks, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Program (c, row): select pass p over chunk c of a top-k row: the histogram of its
-    keys' RADIX_BITS bits below passes [0, p)'s, among the keys whose higher bits are
-    those passes'.
-
-    A lane counts its own keys in bytes, four bins to an int32: a key adds
-    1 << 8 * (bin % 4) to counter bin // 4 (~36 instructions a key on sm_90, most of them
-    integer ones, which Hopper issues at half rate: a pass runs near that rate). A lane
-    counts at most LANE_KEYS keys (chunking keeps chunks that short). tl.histogram
-    compiled to a ballot per bin bit and a popc per bin a lane owns, ~125 instructions a
-    key: two 8-bit passes of it took longer than these four (BENCHMARKS.md)."""
+    """Program (c, row) of a top-k row: chunk c's bound on the row's floor, the m-th
+    largest of its lanes' maxima, m = ceil(k * chunk's logits / row's logits): the
+    chunks' m add up to k at least, and a short last chunk does not drag the bound down
+    (a lane past the row's end holds -inf). Program 0 also zeroes the row's gathered
+    count for _gather_kernel."""
     c = tl.program_id(0)
     row = tl.program_id(1)
     on, k = _top_k_on(row, temps_ptr, top_ks_ptr, num_cols)
     if not on:
         return
-    hist_row = _hist_row(hist_ptr, row, num_chunks, KEY_BITS)
-    prefix = _select(hist_row, p, num_chunks, k, MAX_CHUNKS)
-    shift = KEY_BITS - _RADIX * (p + 1)
+    if c == 0:
+        tl.store(count_ptr + row, 0)
     x_ptr = logits_ptr + row.to(tl.int64) * stride_logits
     lo = c * chunk
     hi = tl.minimum(lo + chunk, num_cols)
-    lanes = tl.arange(0, BLOCK)
-    b0 = tl.zeros([BLOCK], tl.int32)  # bins 0-3, a byte each
-    b1 = tl.zeros([BLOCK], tl.int32)
-    b2 = tl.zeros([BLOCK], tl.int32)
-    b3 = tl.zeros([BLOCK], tl.int32)
+    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in range(lo, hi, BLOCK):
-        i = start + lanes
-        key = _keys(_block(x_ptr, start, hi, 0.0, BLOCK), KEY_BITS)
-        ours = (i < hi) & ((key >> (shift + _RADIX)) == prefix.to(key.dtype))
-        bin = ((key >> shift) & (_BINS - 1)).to(tl.int32)
-        one = tl.where(ours, 1 << ((bin & 3) * 8), 0)
-        b0 += tl.where(bin < 4, one, 0)
-        b1 += tl.where((bin >> 2) == 1, one, 0)
-        b2 += tl.where((bin >> 2) == 2, one, 0)
-        b3 += tl.where(bin >= 12, one, 0)
-    at = hist_row + ((p * num_chunks + c) << _RADIX)
-    _unpack_counts(at, b0)
-    _unpack_counts(at + 4, b1)
-    _unpack_counts(at + 8, b2)
-    _unpack_counts(at + 12, b3)
+        x = _block(x_ptr, start, hi, float("-inf"), BLOCK)
+        lane_max = tl.maximum(lane_max, x.to(tl.float32))
+    m = (k * (hi - lo) + num_cols - 1) // num_cols  # (a short last chunk: a small m)
+    lane_keys = _keys(lane_max.to(logits_ptr.dtype.element_ty), KEY_BITS)  # (exact)
+    bound = _kth_key(lane_keys, m, KEY_BITS)
+    tl.store(bound_ptr + row.to(tl.int64) * num_chunks + c, bound.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["num_cols", "chunk", "num_chunks"])
+def _gather_kernel(
+    logits_ptr, stride_logits, bound_ptr, count_ptr, cand_ptr, temps_ptr, top_ks_ptr,
+    num_cols, chunk, num_chunks, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr, CANDIDATES: tl.constexpr,
+):  # fmt: skip
+    """Program (c, row) of a top-k row: chunk c's logits at or above the row's bound (the
+    least of its chunks'), appended to the row's candidates (the first CANDIDATES of
+    them; the count goes on past it)."""
+    c = tl.program_id(0)
+    row = tl.program_id(1)
+    on, k = _top_k_on(row, temps_ptr, top_ks_ptr, num_cols)
+    if not on:
+        return
+    chunks = tl.arange(0, MAX_CHUNKS)
+    at = bound_ptr + row.to(tl.int64) * num_chunks + chunks
+    bound = tl.min(tl.load(at, mask=chunks < num_chunks, other=1 << KEY_BITS), axis=0)
+    low = _key_logit(bound, logits_ptr.dtype.element_ty, KEY_BITS)
+    x_ptr = logits_ptr + row.to(tl.int64) * stride_logits
+    cand_row = cand_ptr + row.to(tl.int64) * CANDIDATES
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, num_cols)
+    lanes = tl.arange(0, BLOCK)
+    count = count_ptr + row + tl.zeros([BLOCK], tl.int32)
+    for start in range(lo, hi, BLOCK):
+        # A place per taken logit, by an atomic of its own (few are taken: no reduction
+        # of the block's lanes, no barrier; relaxed: no fence before the next loads).
+        x = _block(x_ptr, start, hi, float("-inf"), BLOCK)
+        take = (start + lanes < hi) & (x.to(tl.float32) >= low)
+        pos = tl.atomic_add(count, 1, mask=take, sem="relaxed")
+        tl.store(cand_row + pos, x, mask=take & (pos < CANDIDATES))
+
+
+@triton.jit(do_not_specialize=["num_cols"])
+def _floor_kernel(
+    logits_ptr, stride_logits, count_ptr, cand_ptr, floor_ptr, temps_ptr, top_ks_ptr,
+    num_cols, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, CANDIDATES: tl.constexpr,
+):  # fmt: skip
+    """Program row: its floor (-inf but on a top-k row), the k-th largest of its gathered
+    logits; past CANDIDATES of them, of its whole row (one stream a key bit)."""
+    row = tl.program_id(0)
+    on, k = _top_k_on(row, temps_ptr, top_ks_ptr, num_cols)
+    floor = tl.full([], float("-inf"), tl.float32)
+    if on:
+        dtype: tl.constexpr = logits_ptr.dtype.element_ty
+        n = tl.load(count_ptr + row)
+        if n <= CANDIDATES:
+            i = tl.arange(0, CANDIDATES)
+            x = tl.load(cand_ptr + row.to(tl.int64) * CANDIDATES + i, mask=i < n, other=0.0)
+            keys = tl.where(i < n, _keys(x, KEY_BITS), 0)
+            floor = _key_logit(_kth_key(keys, k, KEY_BITS), dtype, KEY_BITS)
+        else:
+            x_ptr = logits_ptr + row.to(tl.int64) * stride_logits
+            lanes = tl.arange(0, BLOCK)
+            ans = tl.zeros([], tl.int64)
+            for b in range(KEY_BITS):
+                t = ans | (tl.full([], 1, tl.int64) << (KEY_BITS - 1 - b))
+                t_logit = _key_logit(t, dtype, KEY_BITS)
+                at_or_above = tl.zeros([BLOCK], tl.int32)
+                for start in range(0, num_cols, BLOCK):
+                    x = _block(x_ptr, start, num_cols, float("-inf"), BLOCK).to(tl.float32)
+                    at_or_above += ((start + lanes < num_cols) & (x >= t_logit)).to(tl.int32)
+                ans = tl.where(tl.sum(at_or_above, axis=0) >= k, t, ans)
+            floor = _key_logit(ans, dtype, KEY_BITS)
+    tl.store(floor_ptr + row, floor)
 
 
 @triton.jit
@@ -347,15 +374,14 @@ def _decided(ws_row, x_ptr, rounds, num_chunks, inv_t, top_p, z, best,
 
 @triton.jit(do_not_specialize=["num_cols", "chunk", "num_chunks", "rnd"])
 def _race_kernel(
-    logits_ptr, stride_logits, ws_ptr, hist_ptr, temps_ptr, top_ks_ptr, top_ps_ptr,
-    keys_ptr, bases_ptr, num_cols, chunk, num_chunks, rnd,
-    FIRST: tl.constexpr, TOP_P: tl.constexpr, TOP_K: tl.constexpr, KEY_BITS: tl.constexpr,
-    BLOCK: tl.constexpr, FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    logits_ptr, stride_logits, ws_ptr, floor_ptr, temps_ptr, top_ps_ptr, keys_ptr,
+    bases_ptr, num_cols, chunk, num_chunks, rnd, FIRST: tl.constexpr, TOP_P: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr, FIELDS: tl.constexpr, MAX_CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """Program (c, row): chunk c of its row. Round rnd's race over the chunk (unless the
     row is decided) and, FIRST, the chunk's max and first argmax besides, and its Z
     where TOP_P (else 0: Z only weighs a top_p). FIRST over a top-k row (TOP_K) takes the
-    tokens at or above its floor alone, from the select passes' histograms."""
+    tokens at or above its floor alone (_floor_kernel's)."""
     c = tl.program_id(0)
     row = tl.program_id(1)
     x_ptr, top_p, greedy, inv_t = _row(row, logits_ptr, stride_logits, temps_ptr, top_ps_ptr,
@@ -367,13 +393,10 @@ def _race_kernel(
     counter0 = tl.load(bases_ptr + row) + rnd.to(tl.int64) * num_cols
     key = tl.load(keys_ptr + row)
     if FIRST:
-        floor = tl.full([], float("-inf"), tl.float32)  # every logit is above
         if TOP_K:
-            on, k = _top_k_on(row, temps_ptr, top_ks_ptr, num_cols)
-            if on:
-                hist_row = _hist_row(hist_ptr, row, num_chunks, KEY_BITS)
-                key_k = _select(hist_row, KEY_BITS // _RADIX, num_chunks, k, MAX_CHUNKS)
-                floor = _key_logit(key_k, logits_ptr.dtype.element_ty, KEY_BITS)
+            floor = tl.load(floor_ptr + row)  # (-inf but on a top-k row)
+        else:
+            floor = tl.full([], float("-inf"), tl.float32)
         # One stream: each lane's running max (first index), its softmax sum relative to
         # it (TOP_P: Z weighs only a top_p), and round 0's race (pivot -inf: every
         # candidate) but on greedy rows.
@@ -514,25 +537,32 @@ def sample_tokens(
     split = (num_chunks, num_rows)
     fields = 3 + 3 * SPLIT_ROUNDS  # per (row, chunk): max, argmax, Z; per round: key, index, mass
     ws = torch.empty(num_rows * num_chunks * fields, dtype=torch.float32, device=out.device)
-    hist = ws  # (unread without any_top_k)
+    floor = ws  # (unread without any_top_k)
     if any_top_k:
-        passes = key_bits // RADIX_BITS
-        size = num_rows * passes * num_chunks << RADIX_BITS
-        hist = torch.empty(size, dtype=torch.int32, device=out.device)
-        for p in range(passes):
-            _select_kernel[split](
-                logits, logits.stride(0), hist, temperatures, top_ks, num_cols, chunk,
-                num_chunks, p, KEY_BITS=key_bits, BLOCK=BLOCK, MAX_CHUNKS=MAX_CHUNKS,
-                num_warps=NUM_WARPS,
-            )  # fmt: skip
+        counts = torch.empty(num_rows, dtype=torch.int32, device=out.device)
+        floor = torch.empty(num_rows, dtype=torch.float32, device=out.device)
+        bounds = torch.empty(num_rows * num_chunks, dtype=torch.int64, device=out.device)
+        cand = torch.empty(num_rows * CANDIDATES, dtype=logits.dtype, device=out.device)
+        rows_k = (logits, logits.stride(0))
+        top_k = (temperatures, top_ks, num_cols)
+        _bound_kernel[split](*rows_k, bounds, counts, *top_k, chunk, num_chunks,
+                             KEY_BITS=key_bits, BLOCK=BLOCK, num_warps=NUM_WARPS)  # fmt: skip
+        _gather_kernel[split](
+            *rows_k, bounds, counts, cand, *top_k, chunk, num_chunks, KEY_BITS=key_bits,
+            BLOCK=BLOCK, MAX_CHUNKS=MAX_CHUNKS, CANDIDATES=CANDIDATES, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        _floor_kernel[(num_rows,)](
+            *rows_k, counts, cand, floor, *top_k, KEY_BITS=key_bits, BLOCK=FINISH_BLOCK,
+            CANDIDATES=CANDIDATES, num_warps=FINISH_WARPS,
+        )  # fmt: skip
     rows = (logits, logits.stride(0), ws)
     forms = dict(BLOCK=BLOCK, FIELDS=fields, MAX_CHUNKS=MAX_CHUNKS)
     split_rounds = SPLIT_ROUNDS if any_top_p else 1  # without a top_p, round 0 decides
     for rnd in range(split_rounds):
         _race_kernel[split](
-            *rows, hist, temperatures, top_ks, top_ps, keys, bases, num_cols, chunk,
-            num_chunks, rnd, FIRST=rnd == 0, TOP_P=any_top_p, TOP_K=any_top_k,
-            KEY_BITS=key_bits, **forms, num_warps=NUM_WARPS,
+            *rows, floor, temperatures, top_ps, keys, bases, num_cols, chunk, num_chunks,
+            rnd, FIRST=rnd == 0, TOP_P=any_top_p, TOP_K=any_top_k, **forms,
+            num_warps=NUM_WARPS,
         )  # fmt: skip
         if any_top_p:
             _mass_kernel[split](
@@ -550,10 +580,8 @@ def sample_tokens(
 def chunking(num_rows: int, num_cols: int) -> tuple[int, int]:
     """(chunk, num_chunks): each row split into chunks of whole BLOCKs, enough of them for
     about TARGET_PROGRAMS programs a launch (one row alone still spreads over the SMs),
-    at most MAX_CHUNKS, each of at most LANE_KEYS blocks (a select pass's lane counts
-    one key of each block in a byte)."""
+    at most MAX_CHUNKS."""
     blocks = triton.cdiv(num_cols, BLOCK)
     per_row = max(1, min(blocks, MAX_CHUNKS, triton.cdiv(TARGET_PROGRAMS, num_rows)))
-    per_row = max(per_row, triton.cdiv(blocks, LANE_KEYS))
     chunk = triton.cdiv(blocks, per_row) * BLOCK
     return chunk, triton.cdiv(num_cols, chunk)

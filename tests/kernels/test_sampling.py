@@ -157,26 +157,29 @@ def test_chunking_spreads_rows_over_whole_blocks(monkeypatch):
     assert sampling.chunking(256, 64 * 40) == (64 * 10, 4)  # 1024 programs / 256 rows
     assert sampling.chunking(2048, 64 * 40) == (64 * 40, 1)
     assert sampling.chunking(4, 20) == (64, 1)
-    assert sampling.chunking(4096, 64 * 600) == (64 * 200, 3)  # a chunk: <= LANE_KEYS blocks
 
 
-def test_select_counts_a_lanes_keys_in_bytes_without_overflow(monkeypatch, device):
-    """One chunk a row where chunking allows (TARGET_PROGRAMS 1): 256 blocks make two
-    chunks of 128, since a lane's select counts are bytes. Every key shares the first
-    pass's bin, so an uncapped lane would count 256 keys there and carry into the next
-    bin; the floor (the 8192nd largest: 1.5) keeps the 1.5s alone."""
-    monkeypatch.setattr(sampling, "TARGET_PROGRAMS", 1)
-    n, vocab = 4, 64 * 256
-    assert sampling.chunking(n, vocab) == (64 * 128, 2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_rows_past_their_candidates_bisect_the_whole_row(dtype, monkeypatch, device):
+    """Rows whose gathered logits overflow CANDIDATES (a chunk of -inf drags the bound
+    down to -inf; a large k; a flat row) find their floor over the whole row instead."""
+    monkeypatch.setattr(sampling, "CANDIDATES", 16)
     gen = torch.Generator().manual_seed(6)
-    logits = torch.where(torch.rand(n, vocab, generator=gen) < 0.5, 1.0, 1.5)
-    high = logits == 1.5
-    top_ks = high.sum(dim=1)
-    temps, top_ps = torch.ones(n), torch.ones(n)
-    keys, bases = torch.arange(n) + 3, torch.zeros(n, dtype=torch.int64)
-    got, want = _both(logits.half(), temps, top_ks, top_ps, keys, bases, device)
+    n, vocab = 6, 300
+    logits = torch.randn(n, vocab, generator=gen)
+    logits[0, :100] = float("-inf")  # bound -inf: every finite logit gathered
+    logits[2] = 0.5  # flat: every logit at the bound, all tied at the floor
+    logits[3, ::7] = 3.0  # ties at the floor, k = 20 of 43
+    logits[4, :10] = 5 + torch.arange(10.0)  # the top ten in one chunk
+    top_ks = torch.tensor([5, 60, 7, 20, 3, 250])  # rows 1 and 5: k past CANDIDATES
+    draws = 8  # each row 8 times, hot (T = 5: a floor too low would show)
+    logits, top_ks = logits.repeat(draws, 1).to(dtype), top_ks.repeat(draws)
+    temps, top_ps = torch.full((n * draws,), 5.0), torch.ones(n * draws)
+    keys = (torch.arange(n) + 3).repeat(draws)
+    bases = torch.arange(draws).repeat_interleave(n) << 32
+    got, want = _both(logits, temps, top_ks, top_ps, keys, bases, device)
     assert torch.equal(got, want)
-    assert high[torch.arange(n), got].all()
+    assert _in_top_k(logits, top_ks, got)
 
 
 def test_a_row_draws_by_its_key_and_base_not_its_place(device):
