@@ -11,7 +11,7 @@ rows, in us per call.
 For each vocabulary (gpt2's 50,257 in fp16 and qwen3-0.6b's 151,936 in bf16, as their
 LM heads give them), each batch of rows and each kind of sampling (temperature alone,
 top-p, top-k, seeded top-p), it times `replica.sampler.sample_fused` (the CUDA path:
-kernels.sampling, a radix select for top-k rows) against `replica.sampler.sample` (the
+kernels.sampling, a bisected floor for top-k rows) against `replica.sampler.sample` (the
 torch path, a sort for top-k / top-p: the peer), both with triton's do_bench (host launch
 included, as the engine pays it), and kernels.sample_tokens alone, CUDA-graph-timed over
 rotating copies of the logits. Random logits with a spread like a trained model's

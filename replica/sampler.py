@@ -1,11 +1,12 @@
 """Batched sampling on the device: greedy, temperature, top-k, top-p, per-request seeds.
 
 Two implementations, chosen once by the model runner. On CUDA, `sample_fused`:
-kernels.sampling's launches (rejection rounds over the logits, no sort; a radix select
-of each top-k row's k-th logit), with per-request seeds as Philox keys. On the CPU,
-`sample`: torch ops (a sort for top-k / top-p, the exponential race), a seeded request
-drawing from its own torch.Generator. Both sample the same distribution; a seed
-reproduces a request's tokens on one device type, whatever its batch neighbours.
+kernels.sampling's launches (rejection rounds over the logits, no sort; each top-k
+row's k-th logit bisected among the few logits above a lower bound), with per-request
+seeds as Philox keys. On the CPU, `sample`: torch ops (a sort for top-k / top-p, the
+exponential race), a seeded request drawing from its own torch.Generator. Both sample
+the same distribution; a seed reproduces a request's tokens on one device type,
+whatever its batch neighbours.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import kernels
 from replica.sampling_params import SamplingParams
 
 # The sampling graphs of a decode graph size, as (top_k, top_p): temperature alone (two
-# launches, no softmax sum), top-p, and top-k (its select passes; top-p rows or not).
+# launches, no softmax sum), top-p, and top-k (its bound, gather and floor launches;
+# top-p rows or not).
 GRAPH_KINDS = ((False, False), (False, True), (True, True))
 
 
