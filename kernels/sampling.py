@@ -33,13 +33,14 @@ top_p that keeps one token: each round's winner is uniform over the tokens above
 pivot, so the rounds number about ln(vocabulary) (12 for 152K tokens), and 64 of them
 are a Poisson tail beyond 1e-20. top_p == 1 accepts the first race.
 
-Top-k is a floor: the row's k-th largest logit. Three launches find it without a pass
-per few bits over every logit: (1) a lower bound: per chunk, each lane's largest logit
-and the m-th largest of those lane maxima (m = ceil(k / chunks): the chunk holds at
-least m logits at or above it), so that at least k logits of the row are at or above
-the least of its chunks' bounds; (2) every logit at or above that bound gathered
-(about k to a few k of them); (3) the k-th largest among them, by a bisection over
-the logits' ordered bit keys. A row whose gathered logits overflow CANDIDATES (a
+Top-k is a floor: the row's k-th largest logit. Three launches find it, reading every
+logit twice (a radix select's passes over every logit's bits cost ~4x more:
+BENCHMARKS.md): (1) a lower bound: per whole chunk, each lane's largest logit and the
+m-th largest of those lane maxima (m = ceil(k / whole chunks): the chunk holds at least
+m logits at or above it), so that at least k logits of the row are at or above the
+least of its chunks' bounds; (2) every logit at or above that bound gathered (about k
+to a few k of them); (3) the k-th largest among them, by a bisection over the logits'
+ordered bit keys. A row whose gathered logits overflow CANDIDATES (a
 huge k, or a bound dragged down by a chunk of -inf) bisects over its whole row
 instead: rare and slow. The top-k set is every token at or above the floor: ties at
 the k-th value are all kept, as transformers' TopKLogitsWarper and vLLM keep them.
