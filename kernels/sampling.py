@@ -260,7 +260,7 @@ def _bound_kernel(
     for start in range(lo, hi, BLOCK):
         x = _block(x_ptr, start, hi, float("-inf"), BLOCK)
         lane_max = tl.maximum(lane_max, x.to(tl.float32))
-    m = tl.where(whole > 0, (k + whole - 1) // whole, k)
+    m = tl.where(whole > 0, (k + whole - 1) // tl.maximum(whole, 1), k)
     lane_keys = _keys(lane_max.to(logits_ptr.dtype.element_ty), KEY_BITS)  # (exact)
     tl.store(at, _kth_key(lane_keys, m, KEY_BITS).to(tl.int64))
 
