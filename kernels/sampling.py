@@ -402,8 +402,6 @@ def _race_kernel(
     if FIRST:
         if TOP_K:
             floor = tl.load(floor_ptr + row)  # (-inf but on a top-k row)
-        else:
-            floor = tl.full([], float("-inf"), tl.float32)
         # One stream: each lane's running max (first index), its softmax sum relative to
         # it (TOP_P: Z weighs only a top_p), and round 0's race (pivot -inf: every
         # candidate) but on greedy rows.
@@ -415,8 +413,10 @@ def _race_kernel(
         win_idx = tl.full([BLOCK], _NONE, tl.int32)
         for start in range(lo, hi, BLOCK):
             i = start + lanes
-            x = _block(x_ptr, start, hi, float("-inf"), BLOCK)
-            s = tl.where(x.to(tl.float32) >= floor, x.to(tl.float32) * inv_t, float("-inf"))
+            x = _block(x_ptr, start, hi, float("-inf"), BLOCK).to(tl.float32)
+            s = x * inv_t
+            if TOP_K:
+                s = tl.where(x >= floor, s, float("-inf"))
             better = s > lane_max
             if TOP_P:
                 # One exp a candidate: a new max rescales the sum by exp(old - new) and
@@ -523,7 +523,7 @@ def sample_tokens(
     bases: torch.Tensor,  # [N] int64: Philox counter bases
     out: torch.Tensor,  # [N] int64: each row's token id
     any_top_p: bool = True,  # False: every row's top_p taken as 1 (no mass launches)
-    any_top_k: bool = True,  # False: every row's top_k taken as off (no select launches)
+    any_top_k: bool = True,  # False: every row's top_k taken as off (no floor launches)
 ) -> torch.Tensor:
     """One token per row into out, as the module docstring describes.
 

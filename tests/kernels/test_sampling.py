@@ -106,7 +106,7 @@ def test_kernel_matches_reference_over_chunkings(split_rounds, target_programs, 
 
 def test_flags_off_take_every_top_p_as_one_and_every_top_k_as_off(device):
     """any_top_p=False, any_top_k=False (the caller knows no row has them): no softmax
-    sum, no mass rounds, no select passes. A row with either anyway samples the whole
+    sum, no mass rounds, no floor launches. A row with either anyway samples the whole
     vocabulary, as the reference does without them."""
     gen = torch.Generator().manual_seed(12)
     n, vocab = 6, 260
