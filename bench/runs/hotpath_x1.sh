@@ -12,6 +12,8 @@
 #            TUNE_CASES)
 #   fold     bench.gemm --fold: GPT-2's sublayer boundaries, add + norm apart or folded
 #            into the projections
+#   overlap  bench.overlap: can decode attention share the GPU with the projections (a
+#            read and a candidate attention on few programs, beside one layer's projections)
 #   tests    the gpu tests of the engine and the kernels
 #   kernels  every kernel test, natively
 # Usage: PARTS="diag engine" bash bench/runs/hotpath_x1.sh OUT_DIR
@@ -59,6 +61,9 @@ for part in ${PARTS:-diag}; do
   fold)
     timeout 200 python -m bench.gemm --fold --rows 32 64 128 256 --out "$out/gemm_fold.json" \
       2>&1 | grep -v -i warning | tail -12 ;;
+  overlap)
+    timeout 300 python -m bench.overlap --rows 128 256 --out "$out/overlap.json" \
+      2>&1 | grep -v -i warning | tail -70 ;;
   tests)
     timeout 300 python -m pytest -q -p no:cacheprovider -m gpu tests/replica tests/kernels \
       2>&1 | tail -4 ;;
