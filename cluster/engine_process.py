@@ -41,13 +41,13 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.config import ClusterConfig
-from cluster.deployment import (
+from cluster.engine_loop import (
     Deliver,
     EngineLoop,
     EngineUnavailableError,
-    _settle,
     engine_model_info,
     error_batches,
+    settle,
 )
 from cluster.messages import StepBatch
 from cluster.metrics import ReplicaMetrics
@@ -216,9 +216,9 @@ class EngineProcess:
         if error is None and caller_id:
             self._callers[request_id] = caller_id  # an add that succeeded
         if error is None:
-            _settle(future, future.set_result, result)
+            settle(future, future.set_result, result)
         else:
-            _settle(future, future.set_exception, error)
+            settle(future, future.set_exception, error)
 
     def _on_out(
         self,
@@ -246,7 +246,7 @@ class EngineProcess:
                 logger.error("kvfleet engine process of replica %s: %s", self.replica_id, reason)
             futures, self._futures = list(self._futures.values()), {}
         for future, _, _ in futures:
-            _settle(future, future.set_exception, EngineUnavailableError(self.failure))
+            settle(future, future.set_exception, EngineUnavailableError(self.failure))
 
     def _end_requests(self) -> None:
         """The child is gone: "error" for each request it had not ended."""
@@ -325,7 +325,7 @@ def _child_main(fd: int) -> None:
     try:
         _, config, replica_id, num_gpus, engine_factory = conn.recv()
         if engine_factory is None:
-            from cluster.deployment import _default_engine_factory as engine_factory
+            from cluster.engine_loop import default_engine_factory as engine_factory
         engine = engine_factory(config, replica_id, num_gpus)
         loop = _ChildEngineLoop(engine, replica_id, config.stats_period_s, send)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it

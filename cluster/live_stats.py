@@ -7,7 +7,7 @@ period), about half the life of a 128-token request, long enough for every route
 send a wave of requests to the one replica its snapshot shows idle (BENCHMARKS.md,
 "herding"). A replica also puts its latest load snapshot on every carrier message it
 sends (CarrierBatch.stats, without the prefix hashes; refreshed on the engine thread at
-most every cluster.deployment.LOAD_STATS_PERIOD_S and on every step that ends a
+most every cluster.engine_loop.LOAD_STATS_PERIOD_S and on every step that ends a
 request), so a process that has requests on a replica holds a snapshot of it a few ms
 plus one message old; KVFleetRequestRouter takes whichever of the two is newer.
 Acks also say when the engine admitted each request (note_admitted), so a router

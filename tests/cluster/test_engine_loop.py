@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from cluster.deployment import EngineLoop
+from cluster.engine_loop import EngineLoop
 from cluster.transport import StepBatch
 from replica import EngineConfig, LLMEngine, SamplingParams
 

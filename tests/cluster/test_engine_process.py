@@ -17,7 +17,8 @@ import torch
 
 from bench.cluster import FakeEngine, fake_engine
 from cluster import Client, ClusterConfig, build_app
-from cluster.deployment import EngineUnavailableError, LLMServer
+from cluster.deployment import LLMServer
+from cluster.engine_loop import EngineUnavailableError
 from cluster.engine_process import EngineProcess
 from cluster.messages import (
     ERROR_FINISH,
