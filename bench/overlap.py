@@ -8,6 +8,14 @@ projections and the step would shrink toward the larger of the two, if both
 kernels can hold the GPU together. The twelfth and fifteenth sessions found they
 do not with the engine's kernels: the attention's grid fills every SM.
 
+What is at stake (BENCHMARKS.md's figures): a layer is ~40 us of attention and
+~30 us of projections at 256 rows, ~20 and ~25 at 128 (projections barely shrink
+with rows: they sit at their latency floor). Two halves whose projections never run
+at once cost at least 2 x 25 = 50 us a layer (0.65 ms a step, ~3.5x HF in issue 4's
+run); only if the halves' projections and attentions all run beside each other
+does a layer near max(30, 40) us (0.54 ms a step, ~4.0x). So the overlap must hide
+nearly all of the shorter side to matter.
+
 This benchmark measures the two conditions an overlap needs, each graph-timed:
   1. A read that holds part of the GPU: a persistent grid of P programs, each with
      UNROLL independent CHUNK-element loads in flight, against the full grid. How few
