@@ -23,8 +23,9 @@ This benchmark measures the two conditions an overlap needs, each graph-timed:
   2. Concurrency: that read, the engine's decode attention (full grid) and a candidate
      attention that needs few programs (`group_attention`, below) on one stream
      beside one gpt2 layer's four projections (kernels.linear, the engine's tiles) on
-     another, forked and joined inside one CUDA graph, against each alone. "hidden %"
-     is how much of the shorter one the pair saved: (a + b - both) / min(a, b).
+     another, forked and joined inside one CUDA graph, against each alone; and two
+     layers' projections beside each other (the other half's). "hidden %" is how much
+     of the shorter one the pair saved: (a + b - both) / min(a, b).
 
 The candidate (`group_attention`): a program per (sequence, group of HEADS heads), or
 a persistent grid over them when given fewer programs; its tile a whole KV block of
@@ -43,6 +44,7 @@ program, a third of an SM's) and 36 KiB of shared memory, no spills; 2 heads, 80
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -152,12 +154,17 @@ def read_fn(x: torch.Tensor, out: torch.Tensor, programs: int, unroll: int, warp
     )
 
 
-def projections_fn(rows: int, hidden: int, dtype: torch.dtype) -> Callable[[], None]:
+def projections_fn(
+    rows: int, hidden: int, dtype: torch.dtype, split_k: bool = True, seed: int = 0
+) -> Callable[[], None]:
     """One gpt2 layer's four projections at `rows` rows, as the engine launches them
-    (kernels.linear with the tile table's tiles; GELU fused into c_fc)."""
+    (kernels.linear with the tile table's tiles; GELU fused into c_fc). split_k=False
+    runs mlp.c_proj's tile unsplit: split launches share the device's semaphores, so two
+    chains on two streams must not both split."""
     from kernels.linear import linear
+    from kernels.linear_tiles import choose_tile
 
-    gen = torch.Generator(device=bk.DEVICE).manual_seed(rows)
+    gen = torch.Generator(device=bk.DEVICE).manual_seed(rows * 1000 + seed)
 
     def w(k: int, n: int) -> torch.Tensor:
         return bk._randn((k, n), dtype, gen) * k**-0.5
@@ -173,12 +180,15 @@ def projections_fn(rows: int, hidden: int, dtype: torch.dtype) -> Callable[[], N
     o = torch.empty(rows, hidden, dtype=dtype, device=bk.DEVICE)
     h = torch.empty(rows, 4 * hidden, dtype=dtype, device=bk.DEVICE)
     y = torch.empty(rows, hidden, dtype=dtype, device=bk.DEVICE)
+    proj_tile = choose_tile(rows, hidden, 4 * hidden)
+    if proj_tile is not None and not split_k:
+        proj_tile = dataclasses.replace(proj_tile, split_k=1)
 
     def run() -> None:
         linear(x, w_attn, weight_is_kn=True, out=qkv)
         linear(qkv[:, :hidden], w_o, weight_is_kn=True, out=o)
         linear(o, w_fc, weight_is_kn=True, activation="gelu_tanh", out=h)
-        linear(h, w_proj, weight_is_kn=True, out=y)
+        linear(h, w_proj, weight_is_kn=True, out=y, tile=proj_tile)
 
     return run
 
@@ -250,7 +260,8 @@ def main() -> None:
         num_bytes = 2 * rows * CONTEXT * shape.kv_row_bytes  # K and V of one layer
         x = torch.randn(num_bytes // 2, device=bk.DEVICE).half()
         out = torch.empty(sms * max(args.per_sm) * 64, dtype=torch.float32, device=bk.DEVICE)
-        proj = projections_fn(rows, shape.num_heads * shape.head_dim, shape.dtype)
+        hidden = shape.num_heads * shape.head_dim
+        proj = projections_fn(rows, hidden, shape.dtype)
         proj_us = bk.graph_time_us([proj])
         full = -(-x.numel() // (CHUNK * 4))
         cases = [("full grid", full, 4)] + [
@@ -262,6 +273,12 @@ def main() -> None:
             row |= {"rows": rows, "GB/s alone": num_bytes / row["alone us"] / 1e3}
             bk.print_now(row)
             read_rows.append(row)
+        # The two halves' projections beside each other (both unsplit), against one alone.
+        halves = [projections_fn(rows, hidden, shape.dtype, False, seed) for seed in (1, 2)]
+        row = pair_row("projections (unsplit)", *halves, side, bk.graph_time_us([halves[1]]))
+        row |= {"rows": rows}
+        bk.print_now(row)
+        pair_rows.append(row)
         engine, _ = attention_fns(rows)
         w = args.group_warps
         candidates = [("decode attention (engine)", engine)] + [
