@@ -56,6 +56,7 @@ from bench.common import markdown_table, write_json
 
 CHUNK = 2048  # fp16 elements per load of a program: 4 KiB
 CONTEXT = 192  # the mean context of issue 4's run (prompt 128, 128 new tokens)
+LOG2E = 1.4426950408889634  # the kernel's softmax runs in base 2
 
 
 @triton.jit
@@ -138,7 +139,7 @@ def group_attention(
     num_items = num_rows * (num_heads // heads)
     group_decode_attention[(programs or num_items,)](
         q, k_cache, v_cache, block_table, slot_mapping, context_lens, out,
-        scale * 1.4426950408889634, num_items,
+        scale * LOG2E, num_items,
         q.stride(0), k_cache.stride(0), k_cache.stride(1), block_table.stride(0), out.stride(0),
         NUM_GROUPS=num_heads // heads, HEADS=heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], STAGES=num_stages, num_warps=num_warps,
@@ -193,27 +194,44 @@ def projections_fn(
     return run
 
 
-def attention_fns(
-    rows: int, heads: int = 4, programs: int | None = None, num_warps: int = 4, num_stages: int = 3
-):
-    """The engine's decode attention and the candidate over one gpt2 layer's cache at
-    `rows` x CONTEXT (the same inputs), each checked against the reference's rows first."""
-    from kernels.decode_attention import paged_decode_attention
-
+def _attention_inputs(rows: int):
+    """paged_decode_attention's arguments over one gpt2 layer's cache at `rows` x CONTEXT,
+    an output buffer, and the reference's first rows (bench.kernels' cached inputs)."""
     shape = bk.SHAPES[0]
     caches, block_table, slot_mapping, q, context_lens, _, expect = bk._decode_inputs(
         shape, rows, CONTEXT
     )
     k, v = caches[0]
     args = (q, k, v, block_table, slot_mapping, context_lens, shape.head_dim**-0.5)
-    out = torch.full_like(q, float("nan"))
-    engine = lambda: paged_decode_attention(*args, out=out, max_context_len=CONTEXT)  # noqa: E731
-    group = lambda: group_attention(*args, out, heads, programs, num_warps, num_stages)  # noqa: E731
-    for fn in (engine, group):
-        out.fill_(float("nan"))
-        fn()
-        torch.testing.assert_close(out[: len(expect)], expect, atol=1e-2, rtol=1e-2)
-    return engine, group
+    return args, torch.empty_like(q), expect
+
+
+def _checked(fn: Callable[[], object], out: torch.Tensor, expect: torch.Tensor):
+    """fn, once run on a poisoned out and compared with the reference's rows."""
+    out.fill_(float("nan"))
+    fn()
+    torch.testing.assert_close(out[: len(expect)], expect, atol=1e-2, rtol=1e-2)
+    return fn
+
+
+def engine_attention(rows: int) -> Callable[[], object]:
+    """The engine's decode attention (its full grid) at `rows` x CONTEXT."""
+    from kernels.decode_attention import paged_decode_attention
+
+    args, out, expect = _attention_inputs(rows)
+    return _checked(
+        lambda: paged_decode_attention(*args, out=out, max_context_len=CONTEXT), out, expect
+    )
+
+
+def candidate_attention(
+    rows: int, heads: int, programs: int | None, num_warps: int, num_stages: int
+) -> Callable[[], object]:
+    """group_attention over the same inputs as engine_attention's."""
+    args, out, expect = _attention_inputs(rows)
+    return _checked(
+        lambda: group_attention(*args, out, heads, programs, num_warps, num_stages), out, expect
+    )
 
 
 def forked(a: Callable[[], object], b: Callable[[], object], side: torch.cuda.Stream):
@@ -279,11 +297,10 @@ def main() -> None:
         row |= {"rows": rows}
         bk.print_now(row)
         pair_rows.append(row)
-        engine, _ = attention_fns(rows)
         w = args.group_warps
-        candidates = [("decode attention (engine)", engine)] + [
+        candidates = [("decode attention (engine)", engine_attention(rows))] + [
             (f"group attention, {h} heads, {p or 'item'} programs, {w}w/{st}s",
-             attention_fns(rows, h, p, w, st)[1])
+             candidate_attention(rows, h, p, w, st))
             for h in args.group_heads for p in (None, sms, 2 * sms) for st in args.group_stages
         ]  # fmt: skip
         for name, fn in candidates:

@@ -1,4 +1,5 @@
-"""bench.overlap's persistent read sums exactly the bytes it claims to read, at any grid."""
+"""bench.overlap's kernels: the persistent read sums exactly the bytes it claims to read, at
+any grid; the candidate group attention computes the reference's paged decode attention."""
 
 from __future__ import annotations
 
