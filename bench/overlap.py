@@ -39,6 +39,13 @@ CPU (ptxas -v), 4 heads / 4 warps / 3 stages take 168 registers a thread (21.5K 
 program, a third of an SM's) and 36 KiB of shared memory, no spills; 2 heads, 80 and 18.
 
     python -m bench.overlap --rows 128 256 --out overlap.json
+
+Result (H200, 2026-11-27; BENCHMARKS.md, "Can decode attention share the GPU with the
+projections?"): the read needs ~8 programs per SM for ~3.5 TB/s, and at that many it
+hides only about half of the projections. The engine's attention hides 17%. The
+candidate reads at 760-1,280 GB/s. Two halves with their attention and projections
+overlapped would cost more per layer than one whole batch (76.8 against 64.8 us at 256
+rows), so the decode step keeps one batch on one stream.
 """
 
 from __future__ import annotations
