@@ -305,13 +305,14 @@ class ModelRunner:
         host = self.token_staging[self.parity, : len(sampled_seqs)]
         if not sampled_seqs:
             return StepHandle(host, None)
-        kind = self._sampling_graph(sampled_seqs) if len(logits) == 1 and num_rows else None
-        if kind is not None:
+        if len(logits) == 1 and num_rows and self._graph_samples(sampled_seqs):
             # Only the decode (or mixed) forward samples: its graph's sampling graph.
             positions = [len(s) for s in sampled_seqs]
             step_key = self.step_keys.getrandbits(63)
             params = [s.params for s in sampled_seqs]
-            self.graph_sampling.upload(params, positions, step_key, padded, first, self.parity)
+            kind = self.graph_sampling.upload(
+                params, positions, step_key, padded, first, self.parity
+            )
             self.sampling_graphs[mixed, padded, kind].replay()  # into token_buf too
             return self._tokens_to_host(self.graph_sampling.tokens[first:num_rows], host)
         sampling = self._sampling_batch(sampled_seqs)
@@ -532,12 +533,10 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return graphs, pool
 
-    def _sampling_graph(self, seqs: list[Sequence]) -> tuple[bool, bool] | None:
-        """GraphSamplingInputs.graph for a decode forward's rows; None also when nothing
-        is sampled (a greedy step's tokens are its forward graph's argmax) or no graphs."""
-        if self.graph_sampling is None or all(map(_GREEDY, seqs)):
-            return None
-        return self.graph_sampling.graph([s.params for s in seqs])
+    def _graph_samples(self, seqs: list[Sequence]) -> bool:
+        """Whether a sampling graph samples these rows: not when they are all greedy (a
+        greedy step's tokens are its forward graph's argmax), nor without graphs."""
+        return self.graph_sampling is not None and not all(map(_GREEDY, seqs))
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         if all(map(_GREEDY, seqs)):  # a C-level pass: 256 rows a step on the hot path

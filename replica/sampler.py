@@ -11,6 +11,7 @@ whatever its batch neighbours.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -219,24 +220,43 @@ class GraphSamplingInputs:
         rows: int,  # the forward's rows (its graph's size)
         first: int,  # params are rows [first, first + len(params))
         parity: int = 0,  # which staging copy (the step's; see __init__)
-    ) -> None:
-        """One copy from pinned memory, not waited for (as SamplingBatch.build's)."""
+    ) -> tuple[bool, bool]:
+        """One copy from pinned memory, not waited for (as SamplingBatch.build's). Returns
+        which graph samples these rows: its kind in GRAPH_KINDS. Each field is read once
+        per row and the rules run over numpy columns: the host does this every sampled
+        step, for up to max_num_seqs rows."""
+        n = len(params)
+        temps = np.fromiter(map(_TEMPERATURE, params), np.float64, n)
+        top_ps = np.fromiter(map(_TOP_P, params), np.float64, n)
+        sampled = temps != 0.0  # SamplingParams.greedy is temperature == 0.0
+        ks = np.fromiter(map(_TOP_K, params), np.int64, n)
+        ks[~((ks > 0) & (ks < self.vocab_size) & sampled)] = 0  # _top_k's rule
         width = _width(rows)
         length = _length(width)
         host = self.staging_np[parity][:length]
         host[:] = 0
         ints, floats = _views(host, width)
-        span = slice(first, first + len(params))
-        ints[0, span] = [_top_k(p, self.vocab_size) for p in params]
-        ints[1:, span] = _philox(params, positions, step_key)
-        floats[0, span] = [p.temperature for p in params]
-        floats[1, span] = [p.top_p for p in params]
+        span = slice(first, first + n)
+        ints[0, span] = ks
+        if any(map(_seeded, params)):
+            ints[1:, span] = _philox(params, positions, step_key)
+        else:  # the common case: every row draws from the step's key, a range per row
+            ints[1, span] = step_key
+            ints[2, span] = np.arange(n, dtype=np.int64) << 32
+        floats[0, span] = temps
+        floats[1, span] = top_ps
         self.packed[:length].copy_(self.staging[parity, :length], non_blocking=True)
+        top_k = bool(ks.any())
+        return top_k, top_k or bool(((top_ps < 1.0) & sampled).any())  # _top_p's rule
 
-    def graph(self, params: list[SamplingParams]) -> tuple[bool, bool]:
-        """Which graph samples these rows: its kind in GRAPH_KINDS."""
-        top_k = any(_top_k(p, self.vocab_size) for p in params)
-        return top_k, top_k or any(map(_top_p, params))
+
+_TEMPERATURE = operator.attrgetter("temperature")
+_TOP_P = operator.attrgetter("top_p")
+_TOP_K = operator.attrgetter("top_k")
+
+
+def _seeded(p: SamplingParams) -> bool:
+    return p.seed is not None
 
 
 def _width(rows: int) -> int:

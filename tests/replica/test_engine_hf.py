@@ -430,14 +430,14 @@ def _sampling_graphs_on_and_off(path, dtype, params, monkeypatch) -> set:
     all at once and staggered (mixed steps): asserted equal. The graph kinds taken."""
     prompts = random_prompts(7, [3, 9, 17, 33, 40, 12, 5, 16])
     firsts, graphs_taken = [], []
-    upload, graph = GraphSamplingInputs.upload, GraphSamplingInputs.graph
-    monkeypatch.setattr(
-        GraphSamplingInputs, "upload", lambda self, *a: firsts.append(a[4]) or upload(self, *a)
-    )
-    monkeypatch.setattr(
-        GraphSamplingInputs, "graph", lambda self, p: graphs_taken.append(graph(self, p)) or
-        graphs_taken[-1],
-    )  # fmt: skip
+    upload = GraphSamplingInputs.upload
+
+    def recording_upload(self, *args):
+        firsts.append(args[4])
+        graphs_taken.append(upload(self, *args))
+        return graphs_taken[-1]
+
+    monkeypatch.setattr(GraphSamplingInputs, "upload", recording_upload)
     results = []
     for graphs in (True, False):
         engine = make_engine(

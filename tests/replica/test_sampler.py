@@ -205,10 +205,11 @@ def test_graph_inputs_sample_as_sample_fused_and_leave_other_rows_greedy(kind):
     ]  # fmt: skip
     positions = [9, 4, 30, 12]
     inputs = GraphSamplingInputs(16, vocab, device)
-    assert inputs.graph(params) == kind
-    assert inputs.graph(params + [SamplingParams(temperature=1.0, top_k=70)]) == (True, True)
-    assert inputs.graph(params + [SamplingParams(temperature=0.0, top_k=70)]) == kind
-    inputs.upload(params, positions, 77, rows, first)
+    top_k_row = SamplingParams(temperature=1.0, top_k=70)  # below the vocabulary: a filter
+    assert inputs.upload(params + [top_k_row], positions + [5], 77, rows, 0) == (True, True)
+    greedy_row = SamplingParams(temperature=0.0, top_k=70)  # a greedy row filters nothing
+    assert inputs.upload(params + [greedy_row], positions + [5], 77, rows, 0) == kind
+    assert inputs.upload(params, positions, 77, rows, first) == kind
     tokens = inputs.sample(logits.to(device), *kind).cpu()
     sampled = slice(first, first + len(params))
     want = _fused(logits[sampled], params, positions=positions, step_key=77)
@@ -218,3 +219,10 @@ def test_graph_inputs_sample_as_sample_fused_and_leave_other_rows_greedy(kind):
     inputs.upload(params[:1], positions[:1], 77, 1, 0)  # a smaller graph's rows
     one_row = logits[first : first + 1].to(device)
     assert inputs.sample(one_row, *kind).cpu().tolist() == want[:1].tolist()
+    unseeded = params[1:]  # every row on the step's key: upload's common case
+    sampled = slice(first, first + len(unseeded))
+    for step_key in range(78, 84):  # several keys: a wrong counter base shows in some
+        assert inputs.upload(unseeded, positions[1:], step_key, rows, first) == kind
+        tokens = inputs.sample(logits.to(device), *kind).cpu()
+        want = _fused(logits[sampled], unseeded, positions=positions[1:], step_key=step_key)
+        assert tokens[sampled].tolist() == want.tolist()
