@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from cluster.errors import ReplicaDiedError, ReplicaError
 from cluster.metrics import CallerMetrics
-from cluster.transport import CallerTransport, DeltaStream, TokenDelta
+from cluster.transport import CallerTransport, DeltaStream, TokenDelta, broadcast
 from replica.models.loader import load_tokenizer
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
@@ -274,8 +274,8 @@ class Client:
     async def _from_every_replica(self, method_name: str) -> list[Any]:
         """Each live replica's answer to method_name (within stats_timeout_s); a replica
         whose call failed gives its exception instead, which callers skip."""
-        response = self._transport().handle.broadcast(method_name)
-        return await response.results_async(timeout_s=self.stats_timeout_s, return_exceptions=True)
+        handle = self._transport().handle
+        return await broadcast(handle, method_name, timeout_s=self.stats_timeout_s)
 
     def _transport(self) -> CallerTransport:
         loop = asyncio.get_running_loop()

@@ -315,9 +315,8 @@ class CallerTransport:
     async def abort(self, request_id: str) -> None:
         """Abort a request wherever it runs (or will run); its stream gets no more items."""
         self._forget(request_id)
-        response = self._handle.broadcast("abort", request_id)
         try:
-            await response.results_async(timeout_s=self.abort_timeout_s, return_exceptions=True)
+            await broadcast(self._handle, "abort", request_id, timeout_s=self.abort_timeout_s)
         except TimeoutError:
             # A replica that does not answer in time is gone or its carrier is cut: either
             # way the request's blocks are (or will be) freed on the replica side.
@@ -456,6 +455,30 @@ class CallerTransport:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+async def broadcast(handle: Any, method_name: str, *args: Any, timeout_s: float) -> list[Any]:
+    """Every live replica's answer to handle.broadcast(method_name, *args), a replica's
+    exception in place of its answer; TimeoutError past timeout_s.
+
+    A caller that stops waiting (its task cancelled: a stats poller stopped, a stream
+    closed while its abort is on its way) leaves the broadcast to end by itself, within
+    timeout_s, rather than cancel it: an abort still reaches the replicas, and Serve,
+    which gathers the replicas' calls under asyncio.wait_for, leaves a cancelled
+    gather's CancelledError unretrieved on Python 3.11, which asyncio then logs as an
+    error with a traceback."""
+    response = handle.broadcast(method_name, *args)
+    fetch = asyncio.ensure_future(
+        response.results_async(timeout_s=timeout_s, return_exceptions=True)
+    )
+    fetch.add_done_callback(_retrieve)
+    return await asyncio.shield(fetch)
+
+
+def _retrieve(fetch: asyncio.Future) -> None:
+    """Done callback of a fetch nobody may await any more: its outcome counts as read."""
+    if not fetch.cancelled():
+        fetch.exception()
 
 
 async def _drain(gen: Any) -> None:
