@@ -230,7 +230,12 @@ class GraphSamplingInputs:
         top_ps = np.fromiter(map(_TOP_P, params), np.float64, n)
         sampled = temps != 0.0  # SamplingParams.greedy is temperature == 0.0
         ks = np.fromiter(map(_TOP_K, params), np.int64, n)
-        ks[~((ks > 0) & (ks < self.vocab_size) & sampled)] = 0  # _top_k's rule
+        top_k = bool(ks.max() > 0)
+        if top_k:  # _top_k's rule: 0 for off, the whole vocabulary, or a greedy row
+            ks[~((ks > 0) & (ks < self.vocab_size) & sampled)] = 0
+            top_k = bool(ks.any())
+        else:
+            ks[:] = 0  # (-1 is off too)
         width = _width(rows)
         length = _length(width)
         host = self.staging_np[parity][:length]
@@ -246,7 +251,6 @@ class GraphSamplingInputs:
         floats[0, span] = temps
         floats[1, span] = top_ps
         self.packed[:length].copy_(self.staging[parity, :length], non_blocking=True)
-        top_k = bool(ks.any())
         return top_k, top_k or bool(((top_ps < 1.0) & sampled).any())  # _top_p's rule
 
 

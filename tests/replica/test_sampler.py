@@ -209,6 +209,8 @@ def test_graph_inputs_sample_as_sample_fused_and_leave_other_rows_greedy(kind):
     assert inputs.upload(params + [top_k_row], positions + [5], 77, rows, 0) == (True, True)
     greedy_row = SamplingParams(temperature=0.0, top_k=70)  # a greedy row filters nothing
     assert inputs.upload(params + [greedy_row], positions + [5], 77, rows, 0) == kind
+    off_row = SamplingParams(temperature=1.0, top_k=-1)  # -1: off, as 0
+    assert inputs.upload(params + [off_row], positions + [5], 77, rows, 0) == kind
     assert inputs.upload(params, positions, 77, rows, first) == kind
     tokens = inputs.sample(logits.to(device), *kind).cpu()
     sampled = slice(first, first + len(params))
