@@ -12,6 +12,7 @@ whatever its batch neighbours.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,56 +61,83 @@ class SamplingBatch:
         key, [0, 2**63)): also sample_fused's inputs."""
         if all(p.greedy for p in params):
             return cls.greedy()
-        ks = [_top_k(p, vocab_size) for p in params]
-        top_ks = [k or vocab_size for k in ks]
+        temps, top_ps, ks, any_top_k, any_top_p = _columns(params, vocab_size)
+        top_ks = np.where(ks > 0, ks, vocab_size)
         # Copies from pinned memory, not waited for: the step's forward is already queued
         # ahead of them, and a blocking copy would hold the host until the device finished
         # that forward, so the host could not prepare the next step meanwhile. float32 holds
         # every top_k exactly (vocab sizes are far below 2**24).
         pin = device.type == "cuda"
         n = len(params)
-        rows = [[p.temperature for p in params], top_ks, [p.top_p for p in params]]
-        values = _packed(rows, torch.float32, pin).to(device, non_blocking=True)
+        values = _packed([temps, top_ks, top_ps], torch.float32, pin).to(device, non_blocking=True)
         batch = cls(
             temperatures=values[0, :n],
             top_ks=values[1, :n].long(),
             top_ps=values[2, :n],
             generators=generators,
             all_greedy=False,
-            any_top_k=any(ks),
-            any_top_p=any(map(_top_p, params)),
+            any_top_k=any_top_k,
+            any_top_p=any_top_p,
         )
         if positions is None:
             return batch
-        ints = _packed(list(_philox(params, positions, step_key)), torch.int64, pin)
+        ints = _packed(_philox(params, positions, step_key), torch.int64, pin)
         ints = ints.to(device, non_blocking=True)
         batch.keys, batch.bases = ints[0, :n], ints[1, :n]
         return batch
 
 
-def _top_k(p: SamplingParams, vocab_size: int) -> int:
-    """A row's top-k filter, 0 for none: off, the whole vocabulary, or a greedy row (whose
-    token is the argmax over the whole vocabulary, whatever its top_k)."""
-    return p.top_k if 0 < p.top_k < vocab_size and not p.greedy else 0
+def _columns(
+    params: list[SamplingParams], vocab_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool, bool]:
+    """The rows' temperatures and top_ps (float64), each row's top-k filter (int64) and
+    whether any row filters by top-k and by top-p, each field read once per row: the
+    host builds these every sampled step, for up to max_num_seqs rows.
+
+    A row's top-k filter is 0 for none: off (0 or -1), the whole vocabulary, or a greedy
+    row (whose token is the argmax over the whole vocabulary, whatever its top_k). A
+    greedy row's top_p changes nothing either."""
+    n = len(params)
+    temps = np.fromiter(map(_TEMPERATURE, params), np.float64, n)
+    top_ps = np.fromiter(map(_TOP_P, params), np.float64, n)
+    sampled = temps != 0.0  # SamplingParams.greedy is temperature == 0.0
+    ks = np.fromiter(map(_TOP_K, params), np.int64, n)
+    any_top_k = bool(ks.max(initial=0) > 0)
+    if any_top_k:
+        ks[~((ks > 0) & (ks < vocab_size) & sampled)] = 0
+        any_top_k = bool(ks.any())
+    else:
+        ks[:] = 0  # (-1 is off too)
+    any_top_p = bool(((top_ps < 1.0) & sampled).any())
+    return temps, top_ps, ks, any_top_k, any_top_p
 
 
-def _top_p(p: SamplingParams) -> bool:
-    """Whether a row filters by top-p (a greedy row's top_p changes nothing)."""
-    return p.top_p < 1.0 and not p.greedy
+_TEMPERATURE = operator.attrgetter("temperature")
+_TOP_P = operator.attrgetter("top_p")
+_TOP_K = operator.attrgetter("top_k")
 
 
 def _philox(
     params: list[SamplingParams], positions: list[int], step_key: int
-) -> tuple[list[int], list[int]]:
+) -> tuple[Sequence[int], Sequence[int]]:
     """Each row's Philox key and counter base: a seeded request's draws depend on its seed
     and its token's position alone; the others share the step's key, a range per row."""
+    n = len(params)
+    if len(positions) != n:
+        raise ValueError(f"positions: {len(positions)} for {n} rows")
+    if not any(map(_seeded, params)):  # the common case, without a loop over the rows
+        return np.full(n, step_key, np.int64), np.arange(n, dtype=np.int64) << 32
     keys = [step_key if p.seed is None else p.seed for p in params]
     bases = [(row if p.seed is None else pos) << 32 for row, (p, pos) in
-             enumerate(zip(params, positions, strict=True))]  # fmt: skip
+             enumerate(zip(params, positions))]  # fmt: skip
     return keys, bases
 
 
-def _packed(rows: list[list], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+def _seeded(p: SamplingParams) -> bool:
+    return p.seed is not None
+
+
+def _packed(rows: Sequence[Sequence], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """rows as one [len(rows), width] tensor for one copy, each row zero-padded to a width
     of whole 16 bytes: every row a kernel reads starts 16-byte aligned, as Triton's
     compiled kernels assume (an unaligned one would compile a second kernel mid-serving)."""
@@ -222,45 +250,20 @@ class GraphSamplingInputs:
         parity: int = 0,  # which staging copy (the step's; see __init__)
     ) -> tuple[bool, bool]:
         """One copy from pinned memory, not waited for (as SamplingBatch.build's). Returns
-        which graph samples these rows: its kind in GRAPH_KINDS. Each field is read once
-        per row and the rules run over numpy columns: the host does this every sampled
-        step, for up to max_num_seqs rows."""
-        n = len(params)
-        temps = np.fromiter(map(_TEMPERATURE, params), np.float64, n)
-        top_ps = np.fromiter(map(_TOP_P, params), np.float64, n)
-        sampled = temps != 0.0  # SamplingParams.greedy is temperature == 0.0
-        ks = np.fromiter(map(_TOP_K, params), np.int64, n)
-        top_k = bool(ks.max() > 0)
-        if top_k:  # _top_k's rule: 0 for off, the whole vocabulary, or a greedy row
-            ks[~((ks > 0) & (ks < self.vocab_size) & sampled)] = 0
-            top_k = bool(ks.any())
-        else:
-            ks[:] = 0  # (-1 is off too)
+        which graph samples these rows: its kind in GRAPH_KINDS."""
+        temps, top_ps, ks, top_k, top_p = _columns(params, self.vocab_size)
         width = _width(rows)
         length = _length(width)
         host = self.staging_np[parity][:length]
         host[:] = 0
         ints, floats = _views(host, width)
-        span = slice(first, first + n)
+        span = slice(first, first + len(params))
         ints[0, span] = ks
-        if any(map(_seeded, params)):
-            ints[1:, span] = _philox(params, positions, step_key)
-        else:  # the common case: every row draws from the step's key, a range per row
-            ints[1, span] = step_key
-            ints[2, span] = np.arange(n, dtype=np.int64) << 32
+        ints[1:, span] = _philox(params, positions, step_key)
         floats[0, span] = temps
         floats[1, span] = top_ps
         self.packed[:length].copy_(self.staging[parity, :length], non_blocking=True)
-        return top_k, top_k or bool(((top_ps < 1.0) & sampled).any())  # _top_p's rule
-
-
-_TEMPERATURE = operator.attrgetter("temperature")
-_TOP_P = operator.attrgetter("top_p")
-_TOP_K = operator.attrgetter("top_k")
-
-
-def _seeded(p: SamplingParams) -> bool:
-    return p.seed is not None
+        return top_k, top_k or top_p
 
 
 def _width(rows: int) -> int:
