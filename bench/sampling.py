@@ -2,6 +2,7 @@
 
     python -m bench.sampling [--rows 1 64 256] [--shapes gpt2,qwen3-0.6b] [--out sampling.json]
     python -m bench.sampling --host [--rows 1 64 256]     # any machine
+    python -m bench.sampling --kinds "T=0.8 top_p=0.95" --split-rounds 1 2 3 4   # a sweep
 
 --host times the host's side of a sampled step instead: packing the rows' parameters for
 the device (GraphSamplingInputs.upload, what a decode step's sampling graph reads, and
@@ -17,6 +18,9 @@ included, as the engine pays it), and kernels.sample_tokens alone, CUDA-graph-ti
 rotating copies of the logits. Random logits with a spread like a trained model's
 (normal, scale 3) and like a random-weight one's (scale 0.3): the rejection rounds
 depend on how peaked a row is.
+
+--split-rounds sweeps kernels.sampling.SPLIT_ROUNDS, the rejection rounds run split over a
+row's chunks before the finishing launch takes a row still undecided, one program a row.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+import kernels.sampling
 from bench import kernels as bk
 from bench.common import machine_description, markdown_table, write_json
 from replica.models.layers import LMHead
@@ -79,7 +84,8 @@ def bench_case(vocab: Vocab, rows: int, kind: str, spread: float) -> dict:
     default = torch.Generator(device=device).manual_seed(0)
     fused_fns = [lambda x=x: sample_fused(x, fused) for x in logits]
     torch_fns = [lambda x=x: sample(x, torch_batch, default) for x in logits]
-    row = {"vocab": vocab.name, "rows": rows, "sampling": kind, "spread": spread}
+    row = {"vocab": vocab.name, "rows": rows, "sampling": kind, "spread": spread,
+           "split_rounds": kernels.sampling.SPLIT_ROUNDS}  # fmt: skip
     row["fused_us"] = bk.do_bench_us(fused_fns)
     row["torch_us"] = bk.do_bench_us(torch_fns)
     row["x torch"] = row["torch_us"] / row["fused_us"]
@@ -125,6 +131,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default=",".join(v.name for v in VOCABS))
     parser.add_argument("--out", default=None, help="write JSON results here")
     parser.add_argument("--host", action="store_true", help="the host's packing, not kernels")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"a subset of {list(KINDS)}")
+    parser.add_argument(
+        "--split-rounds", type=int, nargs="+", default=[kernels.sampling.SPLIT_ROUNDS],
+        help="values of kernels.sampling.SPLIT_ROUNDS to sweep",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.host:
         bk.print_now(machine_description())
@@ -136,17 +147,25 @@ def main(argv: list[str] | None = None) -> None:
     vocabs = [v for v in VOCABS if v.name in names]
     if len(vocabs) != len(names):
         raise SystemExit(f"--shapes: unknown name in {names}; known {[v.name for v in VOCABS]}")
+    kinds = args.kinds.split(",")
+    if not set(kinds) <= set(KINDS):
+        raise SystemExit(f"--kinds: unknown kind in {kinds}; known {list(KINDS)}")
+    if min(args.split_rounds) < 1 or max(args.split_rounds) > kernels.sampling.MAX_ROUNDS:
+        raise SystemExit(f"--split-rounds: each in [1, {kernels.sampling.MAX_ROUNDS}]")
     if not torch.cuda.is_available():
         raise SystemExit("bench/sampling.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     bk.print_now(machine_description())
     rows = []
-    for vocab, num_rows, kind, spread in itertools.product(vocabs, args.rows, KINDS, SPREADS):
+    cases = itertools.product(vocabs, args.rows, kinds, SPREADS, args.split_rounds)
+    for vocab, num_rows, kind, spread, split_rounds in cases:
+        kernels.sampling.SPLIT_ROUNDS = split_rounds
         rows.append(bench_case(vocab, num_rows, kind, spread))
         r = rows[-1]
-        bk.print_now(f"{vocab.name} {num_rows} x [{kind}] spread {spread}: fused "
-                     f"{r['fused_us']:.1f} us, torch {r['torch_us']:.1f} us")  # fmt: skip
-    columns = ["vocab", "rows", "sampling", "spread", "fused_us", "kernel_us", "torch_us",
-               "x torch"]  # fmt: skip
+        bk.print_now(f"{vocab.name} {num_rows} x [{kind}] spread {spread}, split rounds "
+                     f"{split_rounds}: fused {r['fused_us']:.1f} us, kernels "
+                     f"{r['kernel_us']:.1f} us, torch {r['torch_us']:.1f} us")  # fmt: skip
+    columns = ["vocab", "rows", "sampling", "spread", "split_rounds", "fused_us", "kernel_us",
+               "torch_us", "x torch"]  # fmt: skip
     bk.print_now(markdown_table(rows, columns))
     write_json(args.out, {"benchmark": "sampling", "rows": rows})
 
