@@ -19,8 +19,9 @@ rotating copies of the logits. Random logits with a spread like a trained model'
 (normal, scale 3) and like a random-weight one's (scale 0.3): the rejection rounds
 depend on how peaked a row is.
 
---split-rounds sweeps kernels.sampling.SPLIT_ROUNDS, the rejection rounds run split over a
-row's chunks before the finishing launch takes a row still undecided, one program a row.
+--split-rounds sweeps the rejection rounds run split over a row's chunks before the
+finishing launch takes a row still undecided, one program a row (kernels.sampling's
+SPLIT_ROUNDS, or one for a launch of few logits: ONE_ROUND_LOGITS).
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ def bench_case(vocab: Vocab, rows: int, kind: str, spread: float) -> dict:
     default = torch.Generator(device=device).manual_seed(0)
     fused_fns = [lambda x=x: sample_fused(x, fused) for x in logits]
     torch_fns = [lambda x=x: sample(x, torch_batch, default) for x in logits]
+    rounds = kernels.sampling.num_split_rounds(rows, vocab.size, fused.any_top_p)
     row = {"vocab": vocab.name, "rows": rows, "sampling": kind, "spread": spread,
-           "split_rounds": kernels.sampling.SPLIT_ROUNDS}  # fmt: skip
+           "split_rounds": rounds}  # fmt: skip
     row["fused_us"] = bk.do_bench_us(fused_fns)
     row["torch_us"] = bk.do_bench_us(torch_fns)
     row["x torch"] = row["torch_us"] / row["fused_us"]
@@ -133,8 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", action="store_true", help="the host's packing, not kernels")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"a subset of {list(KINDS)}")
     parser.add_argument(
-        "--split-rounds", type=int, nargs="+", default=[kernels.sampling.SPLIT_ROUNDS],
-        help="values of kernels.sampling.SPLIT_ROUNDS to sweep",
+        "--split-rounds", type=int, nargs="+", default=[None],
+        help="split rounds to sweep, each at every size (default: kernels.sampling's rule)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.host:
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     kinds = args.kinds.split(",")
     if not set(kinds) <= set(KINDS):
         raise SystemExit(f"--kinds: unknown kind in {kinds}; known {list(KINDS)}")
-    if min(args.split_rounds) < 1 or max(args.split_rounds) > kernels.sampling.MAX_ROUNDS:
+    if any(not 1 <= r <= kernels.sampling.MAX_ROUNDS for r in args.split_rounds if r is not None):
         raise SystemExit(f"--split-rounds: each in [1, {kernels.sampling.MAX_ROUNDS}]")
     if not torch.cuda.is_available():
         raise SystemExit("bench/sampling.py needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -158,7 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     cases = itertools.product(vocabs, args.rows, kinds, SPREADS, args.split_rounds)
     for vocab, num_rows, kind, spread, split_rounds in cases:
-        kernels.sampling.SPLIT_ROUNDS = split_rounds
+        if split_rounds is not None:  # at every size: no launch takes one round for its size
+            kernels.sampling.SPLIT_ROUNDS = split_rounds
+            kernels.sampling.ONE_ROUND_LOGITS = 0
         rows.append(bench_case(vocab, num_rows, kind, spread))
         r = rows[-1]
         bk.print_now(f"{vocab.name} {num_rows} x [{kind}] spread {spread}, split rounds "

@@ -20,9 +20,10 @@ launch over (chunk, row) programs that write partials (a chunk's max, first argm
 Z; its race winner; its mass above the winner) to a workspace; the next launch's
 programs combine a row's partials again (a few hundred floats) rather than wait for a
 reduction. The first launch runs pass 1 and round 0's race in one stream. The first
-SPLIT_ROUNDS rounds run this way; a row still undecided after them (rare: round 0
-fails with the probability of drawing outside the top-p set, ~1 - top_p) takes its
-further rounds in the finishing launch, one program streaming the whole row.
+SPLIT_ROUNDS rounds run this way (one in a launch of few logits: ONE_ROUND_LOGITS); a
+row still undecided after them (rare: round 0 fails with the probability of drawing
+outside the top-p set, ~1 - top_p) takes its further rounds in the finishing launch, one
+program streaming the whole row.
 
 Each round races a superset of the top-p set with the right proportions, so an
 accepted token is distributed exactly as top-p sampling's (the top-p set is taken
@@ -69,6 +70,14 @@ from kernels.reference import sample_tokens_ref  # noqa: F401  (the torch refere
 
 MAX_ROUNDS = 64
 SPLIT_ROUNDS = 2  # rounds run split over a row's chunks; the rest (rare) by one program a row
+# A top-p launch over at most this many logits (rows x vocabulary) splits round 0 alone: the
+# second split round's two launches cost more there than the finishing program's rare
+# rounds. bench.sampling --split-rounds on an H200 (2026-11-27), top-p 0.95, kernels us
+# with one split round against two, logits of a trained model's spread: gpt2 at 1 / 2 / 4
+# / 8 rows 9.5 / 11.6 / 13.8 / 16.1 against 12.6 / 15.1 / 16.0 / 17.1, qwen3-0.6b (152K)
+# at 1 / 2 rows 13.3 / 17.1 against 15.6 / 16.8. Two rounds win from 16 rows (gpt2) and 4
+# (qwen3) up.
+ONE_ROUND_LOGITS = 1 << 18
 BLOCK = 1024  # logits per lane pass
 TARGET_PROGRAMS = 2048  # a launch's programs, about: rows x chunks (swept: BENCHMARKS.md)
 MAX_CHUNKS = 256  # a row's chunks at most (a combine reads them as one vector)
@@ -564,8 +573,8 @@ def sample_tokens(
         )  # fmt: skip
     rows = (logits, logits.stride(0), ws)
     forms = dict(BLOCK=BLOCK, FIELDS=fields, MAX_CHUNKS=MAX_CHUNKS)
-    split_rounds = SPLIT_ROUNDS if any_top_p else 1  # without a top_p, round 0 decides
-    for rnd in range(split_rounds):
+    rounds = num_split_rounds(num_rows, num_cols, any_top_p)
+    for rnd in range(rounds):
         _race_kernel[split](
             *rows, floor, temperatures, top_ps, keys, bases, num_cols, chunk, num_chunks,
             rnd, FIRST=rnd == 0, TOP_P=any_top_p, TOP_K=any_top_k, **forms,
@@ -577,11 +586,17 @@ def sample_tokens(
                 num_warps=NUM_WARPS,
             )  # fmt: skip
     _finish_kernel[(num_rows,)](
-        *rows, out, temperatures, top_ps, keys, bases, num_cols, num_chunks, split_rounds,
+        *rows, out, temperatures, top_ps, keys, bases, num_cols, num_chunks, rounds,
         TOP_P=any_top_p, **(forms | dict(BLOCK=FINISH_BLOCK)), MAX_ROUNDS=MAX_ROUNDS,
         num_warps=FINISH_WARPS,
     )  # fmt: skip
     return out
+
+
+def num_split_rounds(num_rows: int, num_cols: int, any_top_p: bool) -> int:
+    """The rejection rounds a launch runs split over the rows' chunks: without a top_p round 0
+    decides; a launch of few logits leaves its rare later rounds to the finishing program."""
+    return SPLIT_ROUNDS if any_top_p and num_rows * num_cols > ONE_ROUND_LOGITS else 1
 
 
 def chunking(num_rows: int, num_cols: int) -> tuple[int, int]:

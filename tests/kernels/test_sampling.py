@@ -94,6 +94,7 @@ def test_kernel_matches_reference_over_chunkings(split_rounds, target_programs, 
     """A row in one chunk or spread over several (ragged last), and rows decided in a
     split round or left to the finishing program: every way gives the reference's tokens."""
     monkeypatch.setattr(sampling, "SPLIT_ROUNDS", split_rounds)
+    monkeypatch.setattr(sampling, "ONE_ROUND_LOGITS", 0)  # not one round for its few logits
     monkeypatch.setattr(sampling, "TARGET_PROGRAMS", target_programs)
     gen = torch.Generator().manual_seed(split_rounds * 100 + target_programs)
     n, vocab = 10, 333
@@ -254,3 +255,14 @@ def test_reference_samples_the_renormalised_filtered_softmax(kw, support):
         want /= want.sum()
     tol = 5 * (want * (1 - want) / rows).sqrt() + 1e-12  # 5 sigma
     assert ((freq - want).abs() <= tol).all(), (freq.tolist(), want.tolist())
+
+
+def test_split_rounds_one_for_few_logits_else_the_modules():
+    """A top-p launch of few rows over a vocabulary splits round 0 alone (the rest, rare, in
+    the finishing launch); a larger one splits SPLIT_ROUNDS; without a top_p, one."""
+    assert sampling.num_split_rounds(1, 50257, True) == 1
+    assert sampling.num_split_rounds(4, 50257, True) == 1
+    assert sampling.num_split_rounds(8, 50257, True) == sampling.SPLIT_ROUNDS == 2
+    assert sampling.num_split_rounds(1, 151936, True) == 1
+    assert sampling.num_split_rounds(2, 151936, True) == 2
+    assert sampling.num_split_rounds(256, 151936, False) == 1
