@@ -91,12 +91,32 @@ class Run:
     aborted: set[int]
 
 
-def drive(engine, reqs: list[Req]) -> Run:
-    """Add, abort and step on the scenario's schedule, checking the engine's invariants and
-    the outputs' order (nothing after a request's end) at every step."""
+def offer_bad_request(engine, rng: random.Random) -> None:
+    """A request the engine must refuse with a ValueError naming the field, changing nothing:
+    an id already in flight, a token outside the vocabulary, or too long a request."""
+    four = SamplingParams(max_tokens=4)
+    bad = [
+        ("bad", [5, engine.model_config.vocab_size], four, r"prompt_token_ids\[1\]"),
+        ("bad", [5] * 8, SamplingParams(max_tokens=engine.max_model_len), "max_tokens"),
+    ]
+    if engine.requests:
+        in_flight = rng.choice(sorted(engine.requests))
+        bad.append((in_flight, [5, 6], four, f"request_id '{in_flight}' is already in flight"))
+    request_id, prompt, params, message = rng.choice(bad)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(request_id, prompt, params)
+
+
+def drive(engine, reqs: list[Req], seed: int = 0) -> Run:
+    """Add, abort and step on the scenario's schedule, with a bad request offered now and
+    then, checking the engine's invariants and the outputs' order (nothing after a
+    request's end) at every step."""
     run = Run([[] for _ in reqs], [None] * len(reqs), set())
+    rng = random.Random(seed)
     step = 0
     while step <= max(r.arrival for r in reqs) or engine.has_unfinished():
+        if rng.random() < 0.2:
+            offer_bad_request(engine, rng)
         for i, r in enumerate(reqs):
             if r.arrival == step:
                 engine.add_request(f"r{i}", r.prompt, r.params)
@@ -149,7 +169,7 @@ def compared(run: Run, reqs: list[Req]) -> list[list[int] | None]:
 def test_random_schedules_lose_nothing_and_keep_every_requests_tokens(checkpoint, case):
     path, hf_model = checkpoint
     reqs = scenario(case, hf_model)
-    run = drive(make_engine(path, **ENGINES[case]), reqs)
+    run = drive(make_engine(path, **ENGINES[case]), reqs, seed=case)
     check_run(run, reqs, hf_model)
     assert sum(r.kind == "stop" and run.reasons[i] == "stop" for i, r in enumerate(reqs)) > 0
     assert len(run.aborted) > 0
@@ -172,13 +192,13 @@ def test_gpu_random_schedules_float32_is_hfs_and_graphs_change_no_token(checkpoi
     path, hf_model = checkpoint
     reqs = scenario(case, hf_model)
     engine = make_engine(path, device="cuda", **ENGINES[case])
-    check_run(drive(engine, reqs), reqs, hf_model)
+    check_run(drive(engine, reqs, seed=case), reqs, hf_model)
     for dtype in ("float16", "bfloat16"):
         runs = []
         for graphs in (True, False):
             config = ENGINES[case] | dict(device="cuda", dtype=dtype, enable_cuda_graphs=graphs)
             engine = make_engine(path, **config)
             assert engine.runner.use_cuda_graphs == graphs
-            runs.append(drive(engine, reqs))
+            runs.append(drive(engine, reqs, seed=case))
         assert runs[0].aborted == runs[1].aborted
         assert compared(runs[0], reqs) == compared(runs[1], reqs), dtype
