@@ -89,6 +89,7 @@ class Run:
     tokens: list[list[int]]  # each request's tokens, as its outputs delivered them
     reasons: list[str | None]  # each request's finish reason (None: aborted before it)
     aborted: set[int]
+    cached_tokens: int = 0  # prompt tokens the finished requests found in the prefix cache
 
 
 def offer_bad_request(engine, rng: random.Random) -> None:
@@ -131,6 +132,7 @@ def drive(engine, reqs: list[Req], seed: int = 0) -> Run:
             run.tokens[i] += out.new_token_ids
             if out.finished:
                 run.reasons[i] = out.finish_reason
+                run.cached_tokens += out.num_cached_tokens
         engine.check_invariants()
         step += 1
         assert step < 2000, "the engine stopped making progress"
@@ -169,10 +171,13 @@ def compared(run: Run, reqs: list[Req]) -> list[list[int] | None]:
 def test_random_schedules_lose_nothing_and_keep_every_requests_tokens(checkpoint, case):
     path, hf_model = checkpoint
     reqs = scenario(case, hf_model)
-    run = drive(make_engine(path, **ENGINES[case]), reqs, seed=case)
+    engine = make_engine(path, **ENGINES[case])
+    run = drive(engine, reqs, seed=case)
     check_run(run, reqs, hf_model)
+    # What the schedules exercise: stops met, aborts in flight, cache hits, preemption.
     assert sum(r.kind == "stop" and run.reasons[i] == "stop" for i, r in enumerate(reqs)) > 0
-    assert len(run.aborted) > 0
+    assert len(run.aborted) > 0 and run.cached_tokens > 0
+    assert engine.stats().num_preempted_total > 0 or case != 0  # case 0's pool is too small
     alone = make_engine(path, **ENGINES[case])
     for i, r in enumerate(reqs):  # a seed's draws depend on the request alone
         if r.kind == "seeded" and i not in run.aborted:
