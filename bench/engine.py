@@ -180,6 +180,8 @@ def step_profile(run: EngineRun, slow_factor: float = 1.25) -> dict:
         "slow_indices": slow,
         "slow_batch": [run.decode_batch[i] for i in slow],
         "slow_finished": [run.decode_finished[i] for i in slow],
+        # each slow step's (wall, schedule, launch, wait, drain): what the mean above hides
+        "slow_steps_ms": [[1e3 * x for x in run.decode_phases_s[i]] for i in slow],
     }  # fmt: skip
 
 

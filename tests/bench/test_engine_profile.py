@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.engine import EngineRun, format_step_profile, step_profile
 
 
@@ -26,4 +28,5 @@ def test_step_profile_counts_slow_and_host_bound_steps():
     assert prof["num_steps"] == 6 and prof["num_slow"] == 1 and prof["slow_indices"] == [5]
     assert prof["num_slow_at_rollover"] == 1 and prof["num_rollover_steps"] == 2
     assert prof["num_host_bound"] == 2
+    assert prof["slow_steps_ms"] == [pytest.approx([2.0, 0.5, 1.0, 0.0, 0.5])]
     assert "2 steps host-bound" in format_step_profile(4, prof)
