@@ -14,8 +14,8 @@
 #            into the projections
 #   overlap  bench.overlap: can decode attention share the GPU with the projections (a
 #            read and a candidate attention on few programs, beside one layer's projections)
-#   sampling bench.sampling's top-p kernels at 1, 64 and 256 rows for each SPLIT_ROUNDS
-#            (default 2, the module's)
+#   sampling bench.sampling's top-p kernels at 1, 64 and 256 rows, with each of
+#            SPLIT_ROUNDS split rounds at every size (unset: kernels.sampling's rule)
 #   tests    the gpu tests of the engine and the kernels
 #   kernels  every kernel test, natively
 # Usage: PARTS="diag engine" bash bench/runs/hotpath_x1.sh OUT_DIR
@@ -69,8 +69,8 @@ for part in ${PARTS:-diag}; do
   sampling)
     # shellcheck disable=SC2086  # SPLIT_ROUNDS: a list of values
     timeout 500 python -m bench.sampling --rows 1 64 256 --kinds "T=0.8 top_p=0.95" \
-      --split-rounds ${SPLIT_ROUNDS:-2} --out "$out/sampling.json" 2>&1 | grep -v -i warning |
-      sed -n '/^| vocab/,$p' ;;
+      ${SPLIT_ROUNDS:+--split-rounds $SPLIT_ROUNDS} --out "$out/sampling.json" 2>&1 |
+      grep -v -i warning | sed -n '/^| vocab/,$p' ;;
   tests)
     timeout 300 python -m pytest -q -p no:cacheprovider -m gpu tests/replica tests/kernels \
       2>&1 | tail -4 ;;
