@@ -116,6 +116,11 @@ class LLMEngine:
         # Each running sequence fills at most one block per block_size steps, so this
         # budget keeps up with any batch while spreading a batch-wide rollover over steps.
         self._commits_per_step = 2 * -(-config.max_num_seqs // config.block_size)
+        # Sequences that ended on a sampled token keep their blocks until drain releases
+        # them, this many a step (Scheduler.finish's defer_release): a cohort of 64 ending
+        # together at 256 rows is spread over four steps' host slack instead of one
+        # step's ~1 ms (its blocks are released at once when admission or preemption needs them).
+        self._releases_per_step = -(-config.max_num_seqs // 16)
         # Start-up objects (model, graphs, tokenizer) go to the collector's permanent
         # generation, so its full passes during serving do not walk them (ITL spikes).
         gc.freeze()
@@ -259,6 +264,8 @@ class LLMEngine:
                 if (index + 1) % block_size == 0:
                     filled.append(seq)  # the block ending here is now known
         self._commit_filled_blocks()
+        # An engine with nothing left running hands everything back (it may go idle).
+        self.scheduler.release_retired(self._releases_per_step if self.scheduler.running else None)
         self._token_events.append((self.clock(), len(tokens)))
         self._num_window_tokens += len(tokens)
         return outputs
@@ -282,7 +289,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, index: int, reason: str, outputs: list) -> None:
         del seq.token_ids[index + 1 :]  # a placeholder launched after the stop
         seq.num_computed_tokens = min(seq.num_computed_tokens, index)
-        self.scheduler.finish(seq, reason)
+        self.scheduler.finish(seq, reason, defer_release=True)
         del self.requests[seq.request_id]
         self.runner.release(seq.request_id)
         outputs.append(
@@ -346,6 +353,8 @@ class LLMEngine:
     def stats(self, with_hashes: bool = True) -> ReplicaStats:
         """The replica's snapshot; with_hashes=False leaves out cached_prefix_hashes (the
         walk over up to max_prefix_hashes_in_stats blocks) for a load-only snapshot."""
+        # The snapshot shows the blocks as the next request would find them.
+        self.scheduler.release_retired()
         bm = self.block_manager
         now = self.clock()
         events = self._token_events
@@ -382,5 +391,5 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """Assert the block manager agrees with the live sequences, and the scheduler's
         running counts with its queue (tests call this)."""
-        self.block_manager.check_invariants(self.scheduler.running)
+        self.block_manager.check_invariants(self.scheduler.running + list(self.scheduler.retired))
         self.scheduler.check_invariants()

@@ -68,7 +68,8 @@ class Scheduler:
     """Decides each step which sequences run, and with how many tokens.
 
     Order of a step: (1) decode: every running sequence with one token left to
-    compute gets a slot for it, in one batched append; if blocks run short, the
+    compute gets a slot for it, in one batched append; if blocks run short,
+    retired sequences (finished, blocks not yet released) give theirs back, then the
     most recently admitted running sequence is preempted (blocks freed, hashed
     prefix kept cached, put back at the head of the queue to be recomputed)
     until the rest fit. (2) prefill: partially prefilled sequences continue,
@@ -105,6 +106,10 @@ class Scheduler:
         # the sequence is admitted, and can_allocate decides then.
         self.num_waiting_blocks = 0
         self._queued_hash_refs: dict[int, int] = {}
+        # Finished sequences whose blocks and slot are still held (finish(defer_release=
+        # True)), oldest first: release_retired hands them back a few a step, and all at
+        # once before the scheduler needs them (admission, preemption).
+        self.retired: deque[Sequence] = deque()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -157,6 +162,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> ScheduledBatch:
+        if self.retired and self.waiting:  # admission may need their slots and blocks
+            self.release_retired()
         batch = ScheduledBatch()
         batch.decode_seqs = self._schedule_decodes()
         budget = self.config.max_num_batched_tokens - len(batch.decode_seqs)
@@ -184,6 +191,10 @@ class Scheduler:
             decodes = [s for s in self.running if len(s.token_ids) < s.max_len]
         needing = bm.needing_blocks(decodes)  # most steps: none, or the rollovers
         while decodes and len(needing) > bm.num_free_blocks:
+            if self.retired:  # before anyone is preempted
+                self.release_retired()
+                needing = bm.needing_blocks(decodes)
+                continue
             victim = self.running[-1]
             self.preempt(victim)
             if victim in decodes:
@@ -246,18 +257,37 @@ class Scheduler:
         self._queued(seq)
         self.num_preempted_total += 1
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire a sequence (finished or aborted) and release its blocks."""
+    def finish(self, seq: Sequence, reason: str, defer_release: bool = False) -> None:
+        """Retire a sequence (finished or aborted) and release its blocks.
+
+        defer_release: a running sequence leaves the batch now, but keeps its blocks and
+        slot in `retired` until release_retired. The engine defers a sequence that ends
+        on a sampled token: when a cohort of requests ends on one step, releasing ~16
+        blocks each there is host work the device waits for (bench.engine's slow steps).
+        """
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self._drop_prefilling(seq)
-            self.block_manager.commit(seq)
-            self.block_manager.free(seq)
+            if defer_release:
+                self.retired.append(seq)
+            else:
+                self._release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
             self._unqueued(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def release_retired(self, limit: int | None = None) -> None:
+        """Release the blocks and slots of up to limit retired sequences (all if None),
+        oldest first; their hashed blocks stay cached, as finish leaves them."""
+        retired = self.retired
+        for _ in range(len(retired) if limit is None else min(limit, len(retired))):
+            self._release(retired.popleft())
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.commit(seq)
+        self.block_manager.free(seq)
 
     def _drop_prefilling(self, seq: Sequence) -> None:
         if self.prefilling:

@@ -155,10 +155,10 @@ def test_engine_snapshot_counts_the_queue_through_a_random_workload() -> None:
     ended_while: dict[tuple[SequenceStatus, str], int] = {}
     finish = scheduler.finish
 
-    def recording_finish(seq: Sequence, reason: str) -> None:
+    def recording_finish(seq: Sequence, reason: str, **kwargs: bool) -> None:
         key = (seq.status, "abort" if reason == "abort" else "end")
         ended_while[key] = ended_while.get(key, 0) + 1
-        finish(seq, reason)
+        finish(seq, reason, **kwargs)
 
     scheduler.finish = recording_finish
     rng = random.Random(0)
@@ -218,3 +218,96 @@ def test_waiting_blocks_leave_out_prefixes_cached_or_already_queued() -> None:
     off.add(make_seq("a", prefix + [1, 2]))
     off.add(make_seq("b", prefix + [3, 4, 5]))
     assert off.num_waiting_blocks == 3 + 3
+
+
+def test_deferred_release_holds_blocks_until_released_or_needed() -> None:
+    """finish(defer_release=True) takes a sequence out of the batch at once; its blocks and
+    slot come back with release_retired (oldest first), or all at once before the
+    scheduler admits a waiting sequence."""
+    scheduler = make_scheduler(num_blocks=8)
+    bm = scheduler.block_manager
+    a, b = make_seq("a", list(range(10, 17)), 1), make_seq("b", list(range(20, 27)), 1)
+    for seq in (a, b):
+        scheduler.add(seq)
+    step(scheduler)  # both prompts: two blocks each, a token sampled
+    free_before = bm.num_free_blocks
+    for seq in (a, b):
+        scheduler.finish(seq, "length", defer_release=True)
+    assert not scheduler.running and list(scheduler.retired) == [a, b]
+    assert bm.num_free_blocks == free_before and a.slot >= 0 and b.slot >= 0
+    bm.check_invariants(list(scheduler.retired))
+
+    scheduler.release_retired(1)
+    assert list(scheduler.retired) == [b] and a.slot == -1 and not a.block_ids
+    assert bm.num_free_blocks == free_before + 2
+    bm.check_invariants(list(scheduler.retired))
+
+    # A waiting sequence: b's blocks are back before admission, and its hashed prefix
+    # is hit from the cache.
+    c = make_seq("c", list(range(20, 28)) + [99])
+    scheduler.add(c)
+    batch = scheduler.schedule()
+    assert not scheduler.retired and b.slot == -1
+    assert batch.prefill_seqs == [c] and c.num_cached_tokens == BLOCK_SIZE
+    check(scheduler)
+
+
+def test_retired_blocks_are_released_before_anyone_is_preempted() -> None:
+    """A decode that needs a block the retired sequences hold gets it from them: nobody
+    is preempted while finished sequences still hold blocks."""
+    scheduler = make_scheduler(num_blocks=4, prefix_caching=False)
+    bm = scheduler.block_manager
+    long = make_seq("long", list(range(10, 18)), max_tokens=4)  # 8 tokens: two full blocks
+    short = make_seq("short", list(range(20, 27)), max_tokens=1)  # 7 tokens: two blocks
+    for seq in (long, short):
+        scheduler.add(seq)
+    step(scheduler)
+    scheduler.finish(short, "length", defer_release=True)
+    assert bm.num_free_blocks == 0  # long's next token starts a third block
+    batch = step(scheduler)
+    assert batch.decode_seqs == [long] and len(long.block_ids) == 3
+    assert scheduler.num_preempted_total == 0 and not scheduler.retired
+
+
+def test_engine_spreads_a_finishing_cohort_over_steps() -> None:
+    """Requests that end on one step are output on that step, while their blocks come
+    back a few a step (ceil(max_num_seqs / 16)); the snapshot and an engine with nothing
+    running release them all."""
+    engine = LLMEngine(
+        EngineConfig(
+            model="gpt2-tiny", device="cpu", max_num_seqs=32, num_blocks=64,
+            enable_cuda_graphs=False,
+        )
+    )  # fmt: skip
+    scheduler = engine.scheduler
+    prompts = [[3 + i, 5, 7, 9, 11] for i in range(12)]
+    for i, prompt in enumerate(prompts):  # ten end after 3 tokens, two after 12
+        params = SamplingParams(max_tokens=3 if i < 10 else 12, ignore_eos=True)
+        engine.add_request(f"r{i}", prompt, params)
+    ended: dict[str, int] = {}
+    retired_after: list[int] = []
+    for n in range(20):
+        for out in engine.step():
+            if out.finished:
+                ended[out.request_id] = n
+        engine.check_invariants()
+        retired_after.append(len(scheduler.retired))
+        if len(ended) == 10:
+            break
+    assert set(ended) == {f"r{i}" for i in range(10)} and len(set(ended.values())) == 1
+    assert retired_after[-1] == 10 - 2  # the finishing step released two of ten
+    engine.step()
+    engine.check_invariants()
+    assert len(scheduler.retired) == 6
+    stats = engine.stats()
+    assert not scheduler.retired
+    held = sum(len(s.block_ids) for s in scheduler.running)
+    assert [s.request_id for s in scheduler.running] == ["r10", "r11"]
+    assert stats.num_blocks_free + stats.num_blocks_cached == 64 - held
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            results[out.request_id] = out.finished
+        engine.check_invariants()
+    assert results == {"r10": True, "r11": True}
+    assert not scheduler.retired and engine.block_manager.num_free_blocks == 64
