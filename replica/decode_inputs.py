@@ -10,6 +10,8 @@ One pinned staging buffer per parity (the model runner alternates two, so a step
 copy may still be pending while the next step is filled) and one persistent device
 buffer share a byte layout:
 
+    sampling [sampling_length] int64   a sampled step's sampling parameters (the model
+                                       runner's replica.sampler.GraphSamplingInputs)
     inputs   [5, max_rows] int64       input ids (PLACEHOLDER: read token_buf),
                                        positions, table rows (slots), context lens,
                                        token_buf rows for the sampled token (OUT_SLOTS;
@@ -17,9 +19,10 @@ buffer share a byte layout:
     row_ids  [max_num_seqs + 1] int64  block-table rows that changed this step
     rows     [max_num_seqs + 1, max_blocks_per_seq] int32   their new contents
 
-upload() copies the bytes in use (the inputs, and the changed rows when there are
-any) in one copy, then scatters the rows into the device block table. The decode
-graphs read `inputs` by address, so the device buffer never moves.
+upload() copies the bytes in use (the sampling parameters on a sampled step, the
+inputs, and the changed rows when there are any) in one copy, then scatters the rows
+into the device block table. The decode and sampling graphs read their regions by
+address, so the device buffer never moves.
 
 Most decode steps run the sequences of the step before, in the same order: each has
 moved one position on, and its newest token is the PLACEHOLDER of the token that step
@@ -50,12 +53,16 @@ class DecodeInputs:
         device: torch.device,
         pin: bool,
         max_rows: int | None = None,  # query rows of the largest step; max_num_seqs if None
+        sampling_length: int = 0,  # int64s of the sampling region (a multiple of 8)
     ) -> None:
+        if sampling_length % 8:
+            raise ValueError(f"sampling_length: {sampling_length} is not a multiple of 8")
         self.max_rows = max_rows or max_num_seqs
         self.null_row = max_num_seqs
         num_rows = max_num_seqs + 1
         self._shapes = (self.max_rows, num_rows, max_blocks_per_seq)
-        self._row_ids_at = _NUM_INPUTS * 8 * self.max_rows
+        self._inputs_at = 8 * sampling_length  # 64-byte aligned, as every region after it
+        self._row_ids_at = self._inputs_at + _NUM_INPUTS * 8 * self.max_rows
         self._rows_at = self._row_ids_at + 8 * num_rows
         self._row_bytes = 4 * max_blocks_per_seq
         self._end = self._rows_at + num_rows * self._row_bytes
@@ -66,6 +73,11 @@ class DecodeInputs:
         self._host = [
             tuple(t.numpy() for t in self._views(self.staging[parity])) for parity in (0, 1)
         ]
+        # The sampling region (int64), on the device and its staging per parity.
+        self.sampling = self.device_bytes[: self._inputs_at].view(torch.int64)
+        self.sampling_staging = [
+            self.staging[parity, : self._inputs_at].view(torch.int64) for parity in (0, 1)
+        ]
         # The last fill's parity and decode sequences, when it staged no prompt chunks.
         self._last: tuple[int, list[Sequence]] | None = None
 
@@ -75,7 +87,8 @@ class DecodeInputs:
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         max_rows, num_rows, max_blocks = self._shapes
-        inputs = buf[: self._row_ids_at].view(torch.int64).view(_NUM_INPUTS, max_rows)
+        inputs = buf[self._inputs_at : self._row_ids_at].view(torch.int64)
+        inputs = inputs.view(_NUM_INPUTS, max_rows)
         row_ids = buf[self._row_ids_at : self._rows_at].view(torch.int64)
         rows = buf[self._rows_at : self._end].view(torch.int32).view(num_rows, max_blocks)
         return inputs, row_ids, rows
@@ -159,9 +172,11 @@ class DecodeInputs:
         block_table: np.ndarray | None = None,  # host [max_num_seqs + 1, max_blocks_per_seq]
         dirty_slots: Seq[int] = (),
         device_block_table: torch.Tensor | None = None,  # the same shape, on the device
+        with_sampling: bool = False,
     ) -> None:
-        """One copy of what this step needs: the staged inputs (with_inputs) and the rows
-        of dirty_slots, which then land in device_block_table. No copy if neither.
+        """One copy of what this step needs: the staged sampling parameters
+        (with_sampling, which implies with_inputs), the staged inputs (with_inputs) and
+        the rows of dirty_slots, which then land in device_block_table. No copy if none.
         Without dirty_slots the tables are not read."""
         n = len(dirty_slots)
         if n:
@@ -169,10 +184,11 @@ class DecodeInputs:
             row_ids[:n] = dirty_slots
             rows[:n] = block_table[dirty_slots]
             end = self._rows_at + n * self._row_bytes
-        elif with_inputs:
+        elif with_inputs or with_sampling:
             end = self._row_ids_at
         else:
             return
-        self.device_bytes[:end].copy_(self.staging[parity, :end], non_blocking=True)
+        start = 0 if with_sampling else self._inputs_at
+        self.device_bytes[start:end].copy_(self.staging[parity, start:end], non_blocking=True)
         if n:
             device_block_table.index_copy_(0, self._row_ids[:n], self._rows[:n])

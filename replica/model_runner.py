@@ -19,7 +19,8 @@ one pass over the weights, not a prefill forward and then a decode forward.
 
 A decode step's sampled rows (temperature, top-p, top-k) sample in a second graph,
 captured per graph size over the forward graph's logits and replayed after it; its
-parameters sit in persistent buffers too (replica.sampler.GraphSamplingInputs).
+parameters (replica.sampler.GraphSamplingInputs) ride in the step's one copy, in a
+region of the decode inputs' buffers.
 
 Steps overlap with the host: launch() enqueues a step and returns at once with
 a StepHandle. Sampled tokens stay on the device too (token_buf, one entry per
@@ -99,6 +100,14 @@ def _token_kernels(device: torch.device):
     return argmax_rows_ref, resolve_placeholders_ref
 
 
+def _completes_any(batch: ScheduledBatch) -> bool:
+    """Whether a prompt chunk of the batch reaches its sequence's last token (samples)."""
+    return any(
+        s.num_computed_tokens + n == len(s.token_ids)
+        for s, n in zip(batch.prefill_seqs, batch.prefill_lens, strict=True)
+    )
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Captured decode sizes: 1, 2, 4, 8, then steps of 16 up to max_num_seqs."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
@@ -156,14 +165,19 @@ class ModelRunner:
             graph_batch_sizes(max_rows) if self.graph_sizes and self.mixed_prefill_tokens else []
         )
         pin = device.type == "cuda"
+        # A decode or mixed forward's sampled rows: a graph per graph size and kind of
+        # sampling, replayed after the forward's; their parameters ride in the step's copy.
+        graph_sizes = self.mixed_graph_sizes + self.graph_sizes
+        sampling_rows = max(graph_sizes) if self.use_cuda_graphs else 0
         rows = self.max_num_seqs + 1  # the last row is the null row for padding
         self.block_table = torch.zeros(
             (rows, self.max_blocks_per_seq), dtype=torch.int32, device=device
         )
         # Host staging, two copies each (see the module docstring); parity picks one per step.
         self.step_inputs = DecodeInputs(
-            self.max_num_seqs, self.max_blocks_per_seq, device, pin, max_rows
-        )
+            self.max_num_seqs, self.max_blocks_per_seq, device, pin, max_rows,
+            GraphSamplingInputs.buffer_length(sampling_rows) if sampling_rows else 0,
+        )  # fmt: skip
         self.decode_inputs = self.step_inputs.inputs  # [5, max_rows] on the device
         self.token_staging = torch.zeros((2, self.max_num_seqs), dtype=torch.int64, pin_memory=pin)
         # One event per parity marks a step's tokens on the host: a step's handle is waited
@@ -177,15 +191,12 @@ class ModelRunner:
         self.step_keys = random.Random(config.seed)
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.request_generators: dict[str, torch.Generator] = {}
-        # A decode or mixed forward's sampled rows: a graph per graph size and kind of
-        # sampling, replayed after the forward's.
-        self.graph_sampling = (
-            GraphSamplingInputs(
-                max(self.mixed_graph_sizes + self.graph_sizes), self.vocab_size, device
+        self.graph_sampling: GraphSamplingInputs | None = None
+        if sampling_rows:
+            region = self.step_inputs
+            self.graph_sampling = GraphSamplingInputs(
+                sampling_rows, self.vocab_size, device, region.sampling, region.sampling_staging
             )
-            if self.fused_sampling and self.use_cuda_graphs and self.graph_sizes
-            else None
-        )
         # (mixed, size, kind): kind (top_k, top_p) one of replica.sampler.GRAPH_KINDS
         self.sampling_graphs: dict[tuple[bool, int, tuple], torch.cuda.CUDAGraph] = {}
         self.kv_cache: torch.Tensor | None = None
@@ -277,9 +288,20 @@ class ModelRunner:
             first, done = self.step_inputs.fill(self.parity, decode_seqs, padded, chunks)
         else:
             self.step_inputs.forget()
+        # A decode (or mixed) forward that alone samples, not all greedy: its sampling
+        # graph's parameters are staged now, to ride in the step's one copy.
+        graph_kind = None
+        if num_rows and not (prefill_seqs and not mixed and _completes_any(batch)):
+            graph_seqs = done + decode_seqs
+            if self._graph_samples(graph_seqs):
+                graph_kind = self.graph_sampling.stage(
+                    [s.params for s in graph_seqs], [len(s) for s in graph_seqs],
+                    self.step_keys.getrandbits(63), padded, first, self.parity,
+                )  # fmt: skip
         self.step_inputs.upload(
-            self.parity, num_rows > 0, block_table, dirty_slots, self.block_table
-        )
+            self.parity, num_rows > 0, block_table, dirty_slots, self.block_table,
+            with_sampling=graph_kind is not None,
+        )  # fmt: skip
         if batch.block_copies:
             src, dst = zip(*batch.block_copies, strict=True)
             self.backend.copy_blocks(
@@ -305,15 +327,8 @@ class ModelRunner:
         host = self.token_staging[self.parity, : len(sampled_seqs)]
         if not sampled_seqs:
             return StepHandle(host, None)
-        if len(logits) == 1 and num_rows and self._graph_samples(sampled_seqs):
-            # Only the decode (or mixed) forward samples: its graph's sampling graph.
-            positions = [len(s) for s in sampled_seqs]
-            step_key = self.step_keys.getrandbits(63)
-            params = [s.params for s in sampled_seqs]
-            kind = self.graph_sampling.upload(
-                params, positions, step_key, padded, first, self.parity
-            )
-            self.sampling_graphs[mixed, padded, kind].replay()  # into token_buf too
+        if graph_kind is not None:  # only the decode (or mixed) forward samples
+            self.sampling_graphs[mixed, padded, graph_kind].replay()  # into token_buf too
             return self._tokens_to_host(self.graph_sampling.tokens[first:num_rows], host)
         sampling = self._sampling_batch(sampled_seqs)
         return self._sample(logits, slots, greedy, sampling, host)

@@ -215,18 +215,38 @@ class GraphSamplingInputs:
     that sample nothing (padding, a mixed step's prompt chunks short of their end) are
     greedy."""
 
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_rows: int,
+        vocab_size: int,
+        device: torch.device,
+        packed: torch.Tensor | None = None,  # [buffer_length(max_rows)] int64 on the device
+        staging: list[torch.Tensor] | None = None,  # its two host copies, pinned
+    ) -> None:
+        """packed and staging: buffers a caller copies itself (ModelRunner: the decode
+        inputs' sampling region, in the step's one copy; it then calls stage, not
+        upload). Without them this allocates its own."""
         # One int64 buffer: the three int rows, then the two float32 rows (as half as many
         # int64s), each row whole 16 entries wide for a graph of max_rows.
-        length = _length(_width(max_rows))
-        self.packed = torch.zeros(length, dtype=torch.int64, device=device)
-        # Host staging, two copies (ModelRunner's parity): a step's copy may still be
-        # pending while the next step fills the other.
-        pin = device.type == "cuda"
-        self.staging = torch.zeros((2, length), dtype=torch.int64, pin_memory=pin)
+        length = self.buffer_length(max_rows)
+        if packed is None:
+            packed = torch.zeros(length, dtype=torch.int64, device=device)
+            # Host staging, two copies (ModelRunner's parity): a step's copy may still be
+            # pending while the next step fills the other.
+            pin = device.type == "cuda"
+            staging = [torch.zeros(length, dtype=torch.int64, pin_memory=pin) for _ in "01"]
+        elif staging is None or len(packed) < length or min(map(len, staging)) < length:
+            raise ValueError(f"packed, staging: {length} int64s each, and both are needed")
+        self.packed = packed
+        self.staging = staging
         self.staging_np = [copy.numpy() for copy in self.staging]
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.vocab_size = vocab_size
+
+    @staticmethod
+    def buffer_length(max_rows: int) -> int:
+        """The int64s of packed for graphs of up to max_rows rows (a multiple of 64)."""
+        return _length(_width(max_rows))
 
     def sample(self, logits: torch.Tensor, top_k: bool, top_p: bool) -> torch.Tensor:
         """What a graph of kind (top_k, top_p) captures: tokens [rows] for the last upload
@@ -249,8 +269,24 @@ class GraphSamplingInputs:
         first: int,  # params are rows [first, first + len(params))
         parity: int = 0,  # which staging copy (the step's; see __init__)
     ) -> tuple[bool, bool]:
-        """One copy from pinned memory, not waited for (as SamplingBatch.build's). Returns
-        which graph samples these rows: its kind in GRAPH_KINDS."""
+        """stage, then one copy from pinned memory, not waited for (as
+        SamplingBatch.build's). Returns stage's kind."""
+        kind = self.stage(params, positions, step_key, rows, first, parity)
+        length = _length(_width(rows))
+        self.packed[:length].copy_(self.staging[parity][:length], non_blocking=True)
+        return kind
+
+    def stage(
+        self,
+        params: list[SamplingParams],
+        positions: list[int],
+        step_key: int,
+        rows: int,
+        first: int,
+        parity: int = 0,
+    ) -> tuple[bool, bool]:
+        """upload's staging alone, for a caller whose own copy carries it. Returns which
+        graph samples these rows: its kind in GRAPH_KINDS."""
         temps, top_ps, ks, top_k, top_p = _columns(params, self.vocab_size)
         width = _width(rows)
         length = _length(width)
@@ -262,7 +298,6 @@ class GraphSamplingInputs:
         ints[1:, span] = _philox(params, positions, step_key)
         floats[0, span] = temps
         floats[1, span] = top_ps
-        self.packed[:length].copy_(self.staging[parity, :length], non_blocking=True)
         return top_k, top_k or top_p
 
 

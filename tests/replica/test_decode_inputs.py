@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from replica.decode_inputs import (
@@ -211,3 +212,26 @@ def test_decode_rows_after_launches_that_filled_none_are_read_from_their_sequenc
     assert calls == {"advanced": 2, "all": 5}  # two prefill forwards, then a's and b's rows
     while engine.has_unfinished():
         engine.step()
+
+
+def test_sampling_region_rides_in_the_same_copy_only_when_asked():
+    """A sampled step's staged sampling parameters reach the device in the step's one
+    copy (with_sampling); a greedy step's copy starts after them and leaves them alone."""
+    di = DecodeInputs(
+        max_num_seqs=4, max_blocks_per_seq=3, device=torch.device("cpu"), pin=False,
+        sampling_length=64,
+    )  # fmt: skip
+    assert di.sampling.shape == (64,) and di.inputs.data_ptr() == di.sampling.data_ptr() + 8 * 64
+    table = torch.zeros((5, 3), dtype=torch.int32)
+    di.sampling_staging[1][:] = torch.arange(64)
+    di.fill(1, [_seq([4, 5], slot=2)], num_rows=1)
+    di.upload(1, True, np.zeros((5, 3), np.int32), [], table)
+    assert (di.sampling == 0).all(), "a greedy step's copy leaves the region alone"
+    assert di.inputs[SLOTS, 0].item() == 2
+    host_table = np.arange(15, dtype=np.int32).reshape(5, 3)
+    di.fill(1, [_seq([4, 5, 6], slot=3)], num_rows=1)
+    di.upload(1, True, host_table, [3], table, with_sampling=True)
+    assert di.sampling.tolist() == list(range(64))
+    assert di.inputs[POSITIONS, 0].item() == 2 and table[3].tolist() == [9, 10, 11]
+    with pytest.raises(ValueError, match="sampling_length"):
+        DecodeInputs(4, 3, torch.device("cpu"), pin=False, sampling_length=12)

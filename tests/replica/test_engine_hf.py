@@ -430,14 +430,14 @@ def _sampling_graphs_on_and_off(path, dtype, params, monkeypatch) -> set:
     all at once and staggered (mixed steps): asserted equal. The graph kinds taken."""
     prompts = random_prompts(7, [3, 9, 17, 33, 40, 12, 5, 16])
     firsts, graphs_taken = [], []
-    upload = GraphSamplingInputs.upload
+    stage = GraphSamplingInputs.stage
 
-    def recording_upload(self, *args):
+    def recording_stage(self, *args):
         firsts.append(args[4])
-        graphs_taken.append(upload(self, *args))
+        graphs_taken.append(stage(self, *args))
         return graphs_taken[-1]
 
-    monkeypatch.setattr(GraphSamplingInputs, "upload", recording_upload)
+    monkeypatch.setattr(GraphSamplingInputs, "stage", recording_stage)
     results = []
     for graphs in (True, False):
         engine = make_engine(

@@ -228,3 +228,23 @@ def test_graph_inputs_sample_as_sample_fused_and_leave_other_rows_greedy(kind):
         tokens = inputs.sample(logits.to(device), *kind).cpu()
         want = _fused(logits[sampled], unseeded, positions=positions[1:], step_key=step_key)
         assert tokens[sampled].tolist() == want.tolist()
+
+
+def test_graph_inputs_stage_into_a_callers_buffers():
+    """With the caller's buffers (the model runner's decode-inputs region), stage writes
+    the very bytes upload would copy, and nothing reaches the device until the caller
+    copies; buffers too short for max_rows are refused, naming them."""
+    device = torch.device("cpu")
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=5), SamplingParams(temperature=1.1)]
+    own = GraphSamplingInputs(32, 100, device)
+    length = GraphSamplingInputs.buffer_length(32)
+    packed = torch.zeros(length, dtype=torch.int64)
+    staging = [torch.zeros(length, dtype=torch.int64) for _ in range(2)]
+    shared = GraphSamplingInputs(32, 100, device, packed, staging)
+    assert own.upload(params, [7, 8], 99, 24, 3, parity=1) == (False, True)
+    assert shared.stage(params, [7, 8], 99, 24, 3, parity=1) == (False, True)
+    assert (packed == 0).all() and (staging[0] == 0).all()
+    packed.copy_(staging[1])
+    assert packed.tolist() == own.packed.tolist()
+    with pytest.raises(ValueError, match="packed, staging"):
+        GraphSamplingInputs(64, 100, device, packed, staging)
