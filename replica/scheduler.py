@@ -249,8 +249,7 @@ class Scheduler:
         """Free a running sequence's blocks; it is recomputed later from its tokens."""
         self.running.remove(seq)
         self._drop_prefilling(seq)
-        self.block_manager.commit(seq)
-        self.block_manager.free(seq)
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
@@ -286,6 +285,7 @@ class Scheduler:
             self._release(retired.popleft())
 
     def _release(self, seq: Sequence) -> None:
+        """Hash what the sequence computed (so it stays cached), then free its blocks and slot."""
         self.block_manager.commit(seq)
         self.block_manager.free(seq)
 
