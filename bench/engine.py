@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import random
 import statistics
 import tempfile
@@ -50,6 +51,10 @@ class EngineRun:
     add_s: float = 0.0  # add_request for every prompt
     # The other steps (a prompt chunk in them): wall, the four phases, prompt tokens.
     other_steps: list[tuple[float, float, float, float, float, int]] = field(default_factory=list)
+    # With StepEvents, per step in the order of decode_phases_s / other_steps: its device
+    # span and the device's idle time before it, ms (NaN for a step that launched nothing).
+    decode_device_ms: list[tuple[float, float]] = field(default_factory=list)
+    other_device_ms: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def decode_step_s(self) -> list[float]:
@@ -109,17 +114,63 @@ class Sampling:
 GREEDY = Sampling()
 
 
+class StepEvents:
+    """CUDA events around each model-runner launch, for each step's device time.
+
+    A step's span runs from the stream reaching its first op to its last. Where the
+    device sat idle before the step, the span also holds the wait for the host to
+    enqueue the rest of it (its inputs' staging, its graphs); the idle time before it
+    is the gap from the previous step's last op. close() puts the runner back."""
+
+    def __init__(self, runner: replica.model_runner.ModelRunner) -> None:
+        self.runner = runner
+        self.pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        launch = runner.launch
+
+        def timed_launch(*args, **kwargs):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            handle = launch(*args, **kwargs)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pairs.append((start, end))
+            return handle
+
+        runner.launch = timed_launch  # an instance attribute over the method
+
+    def close(self) -> None:
+        del self.runner.launch
+
+    def spans_ms(self) -> list[tuple[float, float]]:
+        """(span, idle before) per launch, ms, in launch order."""
+        torch.cuda.synchronize()
+        out, previous_end = [], None
+        for start, end in self.pairs:
+            idle = previous_end.elapsed_time(start) if previous_end is not None else 0.0
+            out.append((start.elapsed_time(end), idle))
+            previous_end = end
+        return out
+
+
 def run_engine(
-    engine: LLMEngine, prompts: list[list[int]], max_new: int, sampling: Sampling = GREEDY
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    max_new: int,
+    sampling: Sampling = GREEDY,
+    step_events: bool = False,
 ) -> EngineRun:
-    """Run prompts to completion; record each pure-decode step's wall and host-side time."""
+    """Run prompts to completion; record each pure-decode step's wall and host-side time,
+    and with step_events (CUDA) each step's device time (StepEvents)."""
     run = EngineRun(len(prompts))
+    events = StepEvents(engine.runner) if step_events else None
+    launches: list[tuple[list, int | None]] = []  # per step: its list, its launch's index
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"bench-{i}", prompt, sampling.params(i, max_new))
     last = time.perf_counter()
     run.add_s = last - start
     while engine.has_unfinished():
+        num_launches = len(events.pairs) if events else 0
         outputs = engine.step()
         now = time.perf_counter()
         run.output_tokens += sum(len(o.new_token_ids) for o in outputs)
@@ -132,11 +183,21 @@ def run_engine(
             run.decode_boundary.append(timings.num_table_rows > 0)
             run.decode_batch.append(timings.num_decode_seqs)
             run.decode_finished.append(sum(o.finished for o in outputs))
+            device_list = run.decode_device_ms
         else:
             phases = (timings.schedule_s, timings.launch_s, timings.wait_s, timings.drain_s)
             run.other_steps.append((now - last, *phases, timings.num_prefill_tokens))
+            device_list = run.other_device_ms
+        if events:
+            launched = len(events.pairs) > num_launches
+            launches.append((device_list, num_launches if launched else None))
         last = now
     run.wall_s = time.perf_counter() - start
+    if events:
+        events.close()
+        spans = events.spans_ms()
+        for device_list, index in launches:
+            device_list.append(spans[index] if index is not None else (math.nan, math.nan))
     engine.check_invariants()
     return run
 
@@ -164,7 +225,7 @@ def step_profile(run: EngineRun, slow_factor: float = 1.25) -> dict:
     slow_set = set(slow)
     normal = [i for i in range(len(walls)) if i not in slow_set]
     others = run.other_steps
-    return {
+    prof = {
         "wall_ms": 1e3 * run.wall_s, "add_ms": 1e3 * run.add_s,
         "decode_total_ms": 1e3 * sum(walls), "num_other_steps": len(others),
         "other_prompt_tokens": sum(o[5] for o in others),
@@ -183,6 +244,17 @@ def step_profile(run: EngineRun, slow_factor: float = 1.25) -> dict:
         # each slow step's (wall, schedule, launch, wait, drain): what the mean above hides
         "slow_steps_ms": [[1e3 * x for x in run.decode_phases_s[i]] for i in slow],
     }  # fmt: skip
+    if run.decode_device_ms:  # StepEvents: (device span, idle before) ms
+        spans = [d[0] for d in run.decode_device_ms if not math.isnan(d[0])]
+        prof["device_p50_ms"] = percentile(spans, 50) if spans else math.nan
+        prof["slow_device_ms"] = [list(run.decode_device_ms[i]) for i in slow]
+        # each prompt step's (wall, schedule, launch, wait, drain, prompt tokens, device
+        # span, idle before), ms
+        prof["other_steps_ms"] = [
+            [1e3 * x for x in o[:5]] + [o[5], *d]
+            for o, d in zip(others, run.other_device_ms, strict=True)
+        ]
+    return prof
 
 
 def format_step_profile(batch: int, prof: dict) -> str:
@@ -211,6 +283,22 @@ def format_step_profile(batch: int, prof: dict) -> str:
         f" {prof['num_steps']} decode steps {prof['decode_total_ms']:.1f},"
         f" {prof['num_other_steps']} steps with prompt chunks ({prof['other_prompt_tokens']}"
         f" tokens) {fmt(prof['other_phases_ms'])} (totals)"
+        + (_format_device(prof) if "device_p50_ms" in prof else "")
+    )
+
+
+def _format_device(prof: dict) -> str:
+    """StepEvents' lines: the decode steps' device span, the slow ones', each prompt step's."""
+    pair = lambda d: f"{d[0]:.3f} (idle before {d[1]:.3f})"  # noqa: E731
+    prompt_steps = "; ".join(
+        f"{int(o[5])} tokens: wall {o[0]:.3f} schedule {o[1]:.3f} launch {o[2]:.3f}"
+        f" wait {o[3]:.3f} drain {o[4]:.3f}, device {pair(o[6:])}"
+        for o in prof["other_steps_ms"]
+    )
+    return (
+        f"\n  device span per decode step (CUDA events), p50 {prof['device_p50_ms']:.3f} ms;"
+        f" slow steps: {', '.join(map(pair, prof['slow_device_ms']))}"
+        f"\n  steps with prompt chunks, ms: {prompt_steps}"
     )
 
 
@@ -306,6 +394,10 @@ def main() -> None:
     parser.add_argument(
         "--no-gc", action="store_true", help="diagnostic: Python's cyclic GC off during the runs"
     )
+    parser.add_argument(
+        "--step-events", action="store_true",
+        help="CUDA events around each step's launch: its device time and the idle before it",
+    )  # fmt: skip
     parser.add_argument("--max-batched-tokens", type=int, default=None, help="prefill chunk")
     parser.add_argument(
         "--max-model-len", type=int, default=None,
@@ -333,6 +425,8 @@ def main() -> None:
         raise SystemExit(f"--temperature / --top-k / --top-p: {exc}") from None
 
     on_gpu = torch.cuda.is_available()
+    if args.step_events and not on_gpu:
+        raise SystemExit("--step-events: needs a CUDA device")
     kernels.pdl.ENABLE_PDL = not args.no_pdl
     replica.models.gpt2.FOLD_NORMS = not args.no_fold_norms
     replica.models.llama.FOLD_NORMS = not args.no_fold_norms
@@ -372,7 +466,7 @@ def main() -> None:
         rows, profiles = [], {}
         for num_seqs in args.batch:
             prompts = random_prompts(num_seqs, prompt_len, vocab, num_seqs)
-            run = run_engine(engine, prompts, max_new, sampling)
+            run = run_engine(engine, prompts, max_new, sampling, args.step_events)
             row = {
                 "batch": num_seqs,
                 "tok/s": run.tokens_per_s,
