@@ -352,9 +352,18 @@ class LLMEngine:
     # ---- stats ----------------------------------------------------------------
     def stats(self, with_hashes: bool = True) -> ReplicaStats:
         """The replica's snapshot; with_hashes=False leaves out cached_prefix_hashes (the
-        walk over up to max_prefix_hashes_in_stats blocks) for a load-only snapshot."""
-        # The snapshot shows the blocks as the next request would find them.
-        self.scheduler.release_retired()
+        walk over up to max_prefix_hashes_in_stats blocks) for a load-only snapshot.
+
+        Either shows the blocks as the next request would find them: the scheduler
+        releases retired sequences' blocks before it admits anyone. The full snapshot
+        releases them now, so that their hashes are published. The load-only one, taken
+        every few ms and on each step that ends requests (cluster.engine_loop), counts
+        the blocks they alone hold as free and leaves them to be released a few a step:
+        releasing a finishing cohort's blocks on its step is what deferring spares.
+        """
+        if with_hashes:
+            self.scheduler.release_retired()
+        retiring = self.scheduler.num_retired_blocks  # 0 once released
         bm = self.block_manager
         now = self.clock()
         events = self._token_events
@@ -367,9 +376,9 @@ class LLMEngine:
         return ReplicaStats(
             replica_id=self.config.replica_id,
             num_blocks_total=bm.num_blocks,
-            num_blocks_free=len(bm.free_blocks),
+            num_blocks_free=len(bm.free_blocks) + retiring,
             num_blocks_cached=bm.num_cached_blocks,
-            kv_usage=bm.num_used_blocks / bm.num_blocks,
+            kv_usage=(bm.num_used_blocks - retiring) / bm.num_blocks,
             num_running=len(self.scheduler.running),
             num_waiting=len(waiting),
             num_preempted_total=self.scheduler.num_preempted_total,

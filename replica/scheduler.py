@@ -110,6 +110,13 @@ class Scheduler:
         # True)), oldest first: release_retired hands them back a few a step, and all at
         # once before the scheduler needs them (admission, preemption).
         self.retired: deque[Sequence] = deque()
+        # Of the blocks retired sequences hold, those no other sequence held when each
+        # retired (_retired_sole, in retired's order): free or cached once released, as no
+        # sequence is admitted while any are retired. A load-only snapshot counts them as
+        # free (LLMEngine.stats). Blocks two retired sequences share are left out: an
+        # undercount, never more than their release gives back.
+        self._retired_sole: deque[int] = deque()
+        self.num_retired_blocks = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -142,7 +149,8 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Assert the running counts of the waiting queue (tokens, charged blocks, queued
-        hashes) equal what the queue holds (tests call this, via LLMEngine)."""
+        hashes) equal what the queue holds, and num_retired_blocks is at most what the
+        retired sequences' release frees (tests call this, via LLMEngine)."""
         waiting = self.waiting
         num_tokens = sum(len(s) for s in waiting)
         assert self.num_waiting_tokens == num_tokens, (
@@ -156,6 +164,17 @@ class Scheduler:
             for h in s.block_hashes[: s.num_queued_hashes]:
                 refs[h] = refs.get(h, 0) + 1
         assert refs == self._queued_hash_refs, "queued hash counts disagree with the queue"
+        assert len(self._retired_sole) == len(self.retired)
+        assert self.num_retired_blocks == sum(self._retired_sole)
+        holders: dict[int, int] = {}  # block -> retired sequences holding it
+        for s in self.retired:
+            for b in s.block_ids:
+                holders[b] = holders.get(b, 0) + 1
+        ref_counts = self.block_manager.ref_counts
+        freed = sum(1 for b, n in holders.items() if ref_counts[b] == n)
+        assert self.num_retired_blocks <= freed, (
+            f"num_retired_blocks {self.num_retired_blocks} > {freed} blocks their release frees"
+        )
 
     @property
     def num_unfinished(self) -> int:
@@ -268,7 +287,11 @@ class Scheduler:
             self.running.remove(seq)
             self._drop_prefilling(seq)
             if defer_release:
+                refs = self.block_manager.ref_counts
+                sole = list(map(refs.__getitem__, seq.block_ids)).count(1)
                 self.retired.append(seq)
+                self._retired_sole.append(sole)
+                self.num_retired_blocks += sole
             else:
                 self._release(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -280,9 +303,10 @@ class Scheduler:
     def release_retired(self, limit: int | None = None) -> None:
         """Release the blocks and slots of up to limit retired sequences (all if None),
         oldest first; their hashed blocks stay cached, as finish leaves them."""
-        retired = self.retired
+        retired, sole = self.retired, self._retired_sole
         for _ in range(len(retired) if limit is None else min(limit, len(retired))):
             self._release(retired.popleft())
+            self.num_retired_blocks -= sole.popleft()
 
     def _release(self, seq: Sequence) -> None:
         """Hash what the sequence computed (so it stays cached), then free its blocks and slot."""

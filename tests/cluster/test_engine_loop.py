@@ -39,3 +39,42 @@ def test_cancelled_command_future_leaves_the_loop_serving() -> None:
         engine.check_invariants()
     finally:
         loop.shutdown()
+
+
+def test_load_snapshot_of_a_finishing_step_leaves_the_cohort_retired() -> None:
+    """The load snapshot a finishing step's batches carry counts the ended requests'
+    blocks as free without releasing them there (the engine gives them back a few a
+    step), so serving keeps what deferred release spares that step."""
+    from replica.stats import ReplicaStats
+
+    engine = LLMEngine(
+        EngineConfig(model="gpt2-tiny", device="cpu", max_num_seqs=32, num_blocks=64)
+    )
+    seen: list[tuple[int, int, ReplicaStats]] = []  # (retired, held by running, load)
+
+    def deliver(caller: str, batch: StepBatch) -> None:  # on the engine thread
+        if batch.finishes and not seen:
+            held = sum(len(s.block_ids) for s in engine.scheduler.running)
+            load = ReplicaStats.from_msgpack(loop.load_stats)
+            seen.append((len(engine.scheduler.retired), held, load))
+
+    loop = EngineLoop(engine, "r0", 1.0, deliver)
+    try:
+        futures = []
+        for i in range(12):  # ten end after 3 tokens, two after 12
+            params = SamplingParams(
+                max_tokens=3 if i < 10 else 12, temperature=0.0, ignore_eos=True
+            )
+            futures.append(loop.add("c0", f"r{i}", [3 + i, 5, 7, 9, 11], params))
+        for future in futures:
+            future.result(timeout=5)
+        deadline_s = time.monotonic() + 20
+        while engine.has_unfinished() and time.monotonic() < deadline_s:
+            time.sleep(0.02)
+        assert loop.is_alive and not engine.has_unfinished()
+    finally:
+        loop.shutdown()
+    (retired, held, load) = seen[0]
+    assert retired == 10 - 2  # the finishing step's drain released two of ten
+    assert load.num_blocks_free + load.num_blocks_cached == 64 - held
+    engine.check_invariants()

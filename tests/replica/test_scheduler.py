@@ -252,6 +252,50 @@ def test_deferred_release_holds_blocks_until_released_or_needed() -> None:
     check(scheduler)
 
 
+def test_retired_block_count_leaves_out_blocks_others_hold() -> None:
+    """num_retired_blocks counts the blocks a retired sequence alone holds: what its
+    release frees. A block it shares with a running sequence, or with another retired
+    one, is left out; never more than the release gives back."""
+    scheduler = make_scheduler(num_blocks=16)
+    bm = scheduler.block_manager
+    prefix = list(range(10, 18))  # two full blocks
+    a = make_seq("a", prefix + [1, 2, 3], 1)  # three blocks
+    scheduler.add(a)
+    step(scheduler)
+    b = make_seq("b", prefix + [4, 5, 6], 1)  # shares a's two prefix blocks
+    c = make_seq("c", prefix + [7], 1)
+    scheduler.add(b)
+    scheduler.add(c)
+    step(scheduler)
+    assert b.block_ids[:2] == a.block_ids[:2] == c.block_ids[:2]
+    scheduler.finish(a, "length", defer_release=True)
+    assert scheduler.num_retired_blocks == 1  # its last block alone
+    scheduler.finish(b, "length", defer_release=True)
+    assert scheduler.num_retired_blocks == 2  # + b's own last block
+    scheduler.check_invariants()
+    bm.check_invariants(scheduler.running + list(scheduler.retired))
+    used = bm.num_used_blocks
+    scheduler.release_retired()
+    assert bm.num_used_blocks == used - 2 and scheduler.num_retired_blocks == 0
+    # A prefix two retired sequences share is freed by their release, uncounted before.
+    scheduler.finish(c, "length", defer_release=True)
+    d = make_seq("d", list(range(40, 48)) + [1], 1)
+    scheduler.add(d)
+    step(scheduler)  # c's blocks come back before d is admitted
+    e = make_seq("e", list(range(40, 48)) + [2], 1)
+    scheduler.add(e)
+    step(scheduler)
+    assert e.block_ids[:2] == d.block_ids[:2]
+    for seq in (d, e):
+        scheduler.finish(seq, "length", defer_release=True)
+    scheduler.check_invariants()
+    bm.check_invariants(scheduler.running + list(scheduler.retired))
+    assert scheduler.num_retired_blocks == 2  # each its last block; the shared two not
+    used = bm.num_used_blocks
+    scheduler.release_retired()
+    assert bm.num_used_blocks == used - 4 and scheduler.num_retired_blocks == 0
+
+
 def test_retired_blocks_are_released_before_anyone_is_preempted() -> None:
     """A decode that needs a block the retired sequences hold gets it from them: nobody
     is preempted while finished sequences still hold blocks."""
@@ -299,11 +343,17 @@ def test_engine_spreads_a_finishing_cohort_over_steps() -> None:
     engine.step()
     engine.check_invariants()
     assert len(scheduler.retired) == 6
+    # The load-only snapshot counts their blocks as free and leaves them retired; the
+    # full one releases them, with the same room.
+    load = engine.stats(with_hashes=False)
+    assert len(scheduler.retired) == 6 and scheduler.num_retired_blocks > 0
     stats = engine.stats()
     assert not scheduler.retired
     held = sum(len(s.block_ids) for s in scheduler.running)
     assert [s.request_id for s in scheduler.running] == ["r10", "r11"]
     assert stats.num_blocks_free + stats.num_blocks_cached == 64 - held
+    assert load.num_blocks_free + load.num_blocks_cached == 64 - held
+    assert load.kv_usage == stats.kv_usage == held / 64
     results = {}
     while engine.has_unfinished():
         for out in engine.step():
