@@ -35,9 +35,15 @@ def prefix_block_hashes(
     a block on the CPU box)."""
     num_blocks = len(token_ids) // block_size
     packed = array("q", token_ids[: num_blocks * block_size]).tobytes()
+    return packed_block_hashes(packed, block_size, parent_hash)
+
+
+def packed_block_hashes(packed: bytes, block_size: int, parent_hash: int = ROOT_HASH) -> list[int]:
+    """prefix_block_hashes of token ids already packed as int64s (a trailing partial
+    block is ignored)."""
     step = 8 * block_size
     hashes = []
-    for start in range(0, num_blocks * step, step):
+    for start in range(0, len(packed) - step + 1, step):
         parent_hash = _hash_packed(parent_hash, packed[start : start + step])
         hashes.append(parent_hash)
     return hashes

@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 import time
 
-from replica.hashing import ROOT_HASH, prefix_block_hashes
+import numpy as np
+
+from replica.hashing import ROOT_HASH, packed_block_hashes, prefix_block_hashes
 from replica.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # a sampled token still on its way from the device
@@ -28,6 +30,7 @@ class Sequence:
     __slots__ = (
         "request_id",
         "token_ids",
+        "prompt_ids",
         "num_prompt_tokens",
         "params",
         "status",
@@ -60,6 +63,9 @@ class Sequence:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # The prompt once more as int64s (it never changes): a prefill step's inputs and the
+        # prompt's block hashes take slices of it, with no conversion from Python ints.
+        self.prompt_ids = np.fromiter(self.token_ids, np.int64, self.num_prompt_tokens)
         self.params = params
         self.eos_token_id = eos_token_id
         self.status = SequenceStatus.WAITING
@@ -118,5 +124,10 @@ class Sequence:
         start = len(hashes) * block_size
         if end - start >= block_size:
             parent = hashes[-1] if hashes else ROOT_HASH
-            hashes += prefix_block_hashes(self.token_ids[start:end], block_size, parent)
+            if end <= self.num_prompt_tokens:
+                hashes += packed_block_hashes(
+                    self.prompt_ids[start:end].tobytes(), block_size, parent
+                )
+            else:
+                hashes += prefix_block_hashes(self.token_ids[start:end], block_size, parent)
         return hashes

@@ -14,7 +14,7 @@ from kernels import prefill_attention
 from replica.attention import TorchAttention
 from replica.prefill_inputs import PrefillInputs, prefill_token_buckets
 from replica.sampling_params import SamplingParams
-from replica.sequence import Sequence
+from replica.sequence import PLACEHOLDER, Sequence
 from replica.triton_attention import TritonAttention
 from tests.kernels.kernel_helpers import TOL, bits, random_block_table
 
@@ -75,6 +75,25 @@ def test_fill_layout():
     # head_dim 64 over fp16 has no long tile: no long list, whatever the contexts.
     assert inputs.long_q == 0 and v["long_work"].shape == (0, 2)
     assert inputs.metadata(step.bucket, torch.zeros(1, 1)).prefill_long_work is None
+
+
+def test_fill_ids_from_prompts_and_generated_tokens():
+    """A chunk within its prompt is read from the prompt's int64 copy; one past it (a
+    recomputed sequence, a decode row whose token is a PLACEHOLDER) from token_ids."""
+    seqs, _ = _seqs([(0, 4, 4), (2, 6, 5), (0, 3, 3), (3, 1, 3)])
+    seqs[1].token_ids += [7, 8, 9]  # preempted after 3 sampled tokens: recomputed whole
+    seqs[3].token_ids.append(PLACEHOLDER)  # a decode row riding in the prefill forward
+    lens = [4, 6, 3, 1]
+    inputs = PrefillInputs(
+        64, MAX_SEQS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, torch.float16, MAX_SEQS,
+        torch.device("cpu"), True,
+    )  # fmt: skip
+    inputs.fill(*_seqs([(0, 30, 30)]), parity=0)  # a longer step first: its ids are cleared
+    step = inputs.fill(seqs, lens, parity=0)
+    ids = inputs.device_views(step.bucket)["ids"]
+    assert ids[:14].tolist() == [100, 101, 102, 103, 103, 104, 105, 7, 8, 9, 102, 103, 104, -1]
+    assert ids[14:].eq(0).all()
+    assert [s.request_id for s in step.done] == ["r0", "r1", "r2", "r3"]
 
 
 def test_fill_long_list():

@@ -38,3 +38,8 @@ def test_sequence_hashes_extend_as_tokens_arrive():
     seq.token_ids += tokens[20:]
     assert seq.full_block_hashes(16, 35) == chain(tokens[:35], 16)  # bounded: 2 blocks
     assert seq.full_block_hashes(16) == chain(tokens, 16)
+    # Within the prompt the hashes come from its int64 copy, from any block on.
+    long = Sequence("p", tokens, SamplingParams(max_tokens=4), eos_token_id=None)
+    assert long.full_block_hashes(16, 20) == chain(tokens[:20], 16)
+    assert long.full_block_hashes(16) == chain(tokens, 16)
+    assert long.prompt_ids.tolist() == tokens
