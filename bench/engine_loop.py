@@ -1,0 +1,165 @@
+"""A burst through a Serve replica's engine thread (cluster.engine_loop.EngineLoop), beside
+the same burst stepped on the bare engine.
+
+    python -m bench.engine_loop --model gpt2 --dtype float16 --batch 256 --reps 3
+
+Each rep runs --batch prompts (--prompt-len tokens, --max-new new tokens, greedy,
+ignore_eos) to the end twice: stepping the LLMEngine in a plain loop, as bench.engine
+does, and through an EngineLoop, which steps it on its own thread and, as a replica
+does, takes a load snapshot (LLMEngine.stats(with_hashes=False)) every
+LOAD_STATS_PERIOD_S and on each step that ends requests, a full one every
+stats_period_s, and fans each step's outputs out per caller (to a no-op here). A step's
+wall runs from its engine.step() to the next, so the loop's own work after a step is in
+it. Printed per mode: the run's wall, the decode steps' mean and p99 wall, and the mean
+wall of the decode steps that ended requests (where each ended request's blocks are
+given back: Scheduler.retired).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import torch
+
+from bench.common import machine_description, write_json
+from bench.engine import random_prompts
+from cluster.config import ClusterConfig
+from cluster.engine_loop import EngineLoop
+from replica import EngineConfig, LLMEngine, SamplingParams
+
+
+class StepClock:
+    """Wraps engine.step: each step's start, whether it ran decode rows alone, and how
+    many requests it ended."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.starts: list[float] = []
+        self.decode_only: list[bool] = []
+        self.ended: list[int] = []
+        step = engine.step
+
+        def timed_step():
+            self.starts.append(time.perf_counter())
+            outputs = step()
+            t = engine.last_step
+            self.decode_only.append(bool(t.num_decode_seqs and not t.num_prefill_tokens))
+            self.ended.append(sum(o.finished for o in outputs))
+            return outputs
+
+        engine.step = timed_step
+        self._engine, self._step = engine, step
+
+    def close(self, end: float) -> dict:
+        """Per-step walls (each step's start to the next's, the last to end), summarized."""
+        del self._engine.step  # the instance attribute: back to the class's step
+        bounds = self.starts[1:] + [end]
+        walls = [1e3 * (b - a) for a, b in zip(self.starts, bounds, strict=True)]
+        decode = [w for w, d in zip(walls, self.decode_only, strict=True) if d]
+        ending = [w for w, d, n in zip(walls, self.decode_only, self.ended, strict=True) if d and n]
+        return {
+            "steps": len(walls),
+            "decode_mean_ms": statistics.fmean(decode),
+            "decode_p99_ms": sorted(decode)[int(0.99 * (len(decode) - 1))],
+            "ending_steps": len(ending),
+            "ending_mean_ms": statistics.fmean(ending) if ending else float("nan"),
+        }
+
+
+def run_bare(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str):
+    clock = StepClock(engine)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    end = time.perf_counter()
+    return {"wall_ms": 1e3 * (end - start), **clock.close(end)}
+
+
+def run_loop(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    tag: str,
+    stats_period_s: float,
+):
+    done, remaining = threading.Event(), [len(prompts)]
+
+    def deliver(caller_id, batch) -> None:  # on the engine thread
+        remaining[0] -= len(batch.finishes)
+        if remaining[0] == 0:
+            done.set()
+
+    clock = StepClock(engine)
+    loop = EngineLoop(engine, "bench", stats_period_s, deliver)
+    try:
+        start = time.perf_counter()
+        futures = [
+            loop.add("caller", f"{tag}-{i}", prompt, params) for i, prompt in enumerate(prompts)
+        ]
+        for future in futures:
+            future.result(timeout=60)
+        if not done.wait(timeout=300):
+            raise RuntimeError(f"{remaining[0]} requests did not end within 300 s")
+        end = time.perf_counter()
+    finally:
+        loop.shutdown()
+    if loop.failure:
+        raise RuntimeError(loop.failure)
+    return {"wall_ms": 1e3 * (end - start), **clock.close(end)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="preset or directory (gpt2 on GPU)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=None)
+    parser.add_argument("--max-new", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--max-batched-tokens", type=int, default=None,
+        help="EngineConfig.max_num_batched_tokens (default: the engine's)",
+    )  # fmt: skip
+    parser.add_argument("--out", default=None, help="write JSON results here")
+    args = parser.parse_args()
+    on_gpu = torch.cuda.is_available()
+    model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
+    prompt_len = args.prompt_len or (128 if on_gpu else 16)
+    max_new = args.max_new or (128 if on_gpu else 8)
+    budget = {"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}
+    engine = LLMEngine(
+        EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.batch,
+                     max_model_len=prompt_len + max_new, **budget)
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    stats_period_s = ClusterConfig(model=model).stats_period_s
+    run_bare(engine, random_prompts(args.batch, prompt_len, vocab, 99), params, "warm")
+    rows = []
+    for rep in range(args.reps):
+        prompts = random_prompts(args.batch, prompt_len, vocab, rep)
+        for mode in ("bare", "engine loop"):
+            if mode == "bare":
+                result = run_bare(engine, prompts, params, f"b{rep}")
+            else:
+                result = run_loop(engine, prompts, params, f"l{rep}", stats_period_s)
+            rows.append({"rep": rep, "mode": mode, **result})
+            print(
+                f"rep {rep} {mode:>11}: run {result['wall_ms']:.1f} ms, decode step mean"
+                f" {result['decode_mean_ms']:.3f} p99 {result['decode_p99_ms']:.3f} ms, the"
+                f" {result['ending_steps']} that ended requests {result['ending_mean_ms']:.3f} ms",
+                flush=True,
+            )
+    write_json(
+        args.out,
+        {"machine": machine_description(), "model": model, "batch": args.batch,
+         "prompt_len": prompt_len, "max_new": max_new, "rows": rows},
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""bench.engine_loop: the same burst on the bare engine and through an EngineLoop."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from bench import engine_loop
+
+
+def test_both_modes_run_every_rep_and_time_the_steps_that_end_requests(tmp_path, monkeypatch):
+    out = tmp_path / "loop.json"
+    argv = ["engine_loop", "--batch", "6", "--prompt-len", "16", "--max-new", "5", "--reps", "2"]
+    # Two prompts a step: three cohorts, so requests end while others still decode.
+    argv += ["--max-batched-tokens", "32", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    engine_loop.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["rep"], r["mode"]) for r in rows] == [
+        (0, "bare"), (0, "engine loop"), (1, "bare"), (1, "engine loop"),
+    ]  # fmt: skip
+    for row in rows:
+        assert row["wall_ms"] > 0 and row["steps"] >= 5 + 2
+        assert row["ending_steps"] >= 1 and row["ending_mean_ms"] > 0
+        assert 0 < row["decode_mean_ms"] <= row["decode_p99_ms"]
