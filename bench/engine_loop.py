@@ -39,6 +39,7 @@ class StepClock:
         self.starts: list[float] = []
         self.decode_only: list[bool] = []
         self.ended: list[int] = []
+        self.prompt_tokens: list[int] = []
         step = engine.step
 
         def timed_step():
@@ -46,6 +47,7 @@ class StepClock:
             outputs = step()
             t = engine.last_step
             self.decode_only.append(bool(t.num_decode_seqs and not t.num_prefill_tokens))
+            self.prompt_tokens.append(t.num_prefill_tokens)
             self.ended.append(sum(o.finished for o in outputs))
             return outputs
 
@@ -65,7 +67,10 @@ class StepClock:
             "decode_p99_ms": sorted(decode)[int(0.99 * (len(decode) - 1))],
             "ending_steps": len(ending),
             "ending_mean_ms": statistics.fmean(ending) if ending else float("nan"),
-        }
+            "prompt_steps": sum(n > 0 for n in self.prompt_tokens),
+            "per_step": {"wall_ms": walls, "prompt_tokens": self.prompt_tokens,
+                         "decode_only": self.decode_only, "ended": self.ended},
+        }  # fmt: skip
 
 
 def run_bare(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str):
@@ -141,8 +146,9 @@ def main() -> None:
     run_bare(engine, random_prompts(args.batch, prompt_len, vocab, 99), params, "warm")
     rows = []
     for rep in range(args.reps):
-        prompts = random_prompts(args.batch, prompt_len, vocab, rep)
         for mode in ("bare", "engine loop"):
+            # Prompts of their own (the same ones would be prefix-cache hits the second time).
+            prompts = random_prompts(args.batch, prompt_len, vocab, 2 * rep + (mode != "bare"))
             if mode == "bare":
                 result = run_bare(engine, prompts, params, f"b{rep}")
             else:
@@ -151,7 +157,8 @@ def main() -> None:
             print(
                 f"rep {rep} {mode:>11}: run {result['wall_ms']:.1f} ms, decode step mean"
                 f" {result['decode_mean_ms']:.3f} p99 {result['decode_p99_ms']:.3f} ms, the"
-                f" {result['ending_steps']} that ended requests {result['ending_mean_ms']:.3f} ms",
+                f" {result['ending_steps']} that ended requests {result['ending_mean_ms']:.3f} ms;"
+                f" {result['prompt_steps']} steps with prompt tokens",
                 flush=True,
             )
     write_json(

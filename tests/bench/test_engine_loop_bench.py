@@ -10,9 +10,9 @@ from bench import engine_loop
 
 def test_both_modes_run_every_rep_and_time_the_steps_that_end_requests(tmp_path, monkeypatch):
     out = tmp_path / "loop.json"
-    argv = ["engine_loop", "--batch", "6", "--prompt-len", "16", "--max-new", "5", "--reps", "2"]
+    argv = ["engine_loop", "--batch", "6", "--prompt-len", "40", "--max-new", "5", "--reps", "2"]
     # Two prompts a step: three cohorts, so requests end while others still decode.
-    argv += ["--max-batched-tokens", "32", "--out", str(out)]
+    argv += ["--max-batched-tokens", "80", "--out", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     engine_loop.main()
     rows = json.loads(out.read_text())["rows"]
@@ -23,3 +23,5 @@ def test_both_modes_run_every_rep_and_time_the_steps_that_end_requests(tmp_path,
         assert row["wall_ms"] > 0 and row["steps"] >= 5 + 2
         assert row["ending_steps"] >= 1 and row["ending_mean_ms"] > 0
         assert 0 < row["decode_mean_ms"] <= row["decode_p99_ms"]
+        # No prefix-cache hits from the other mode's run: every prompt token is computed.
+        assert sum(row["per_step"]["prompt_tokens"]) == 6 * 40
