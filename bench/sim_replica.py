@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from bench.sim_model import CostModel
 from bench.sim_workload import Workload
-from replica.hashing import summarize
+from replica.hashing import SUMMARY_STRIDE, summarize
 from replica.scheduler import charge_queued, release_queued
 from replica.stats import ReplicaStats
 
@@ -380,6 +380,7 @@ class SimReplica:
             hashes = tuple(
                 summarize(
                     reversed(self.resident),
+                    (h for h in reversed(self.resident) if h % SUMMARY_STRIDE == 0),
                     len(self.resident),
                     self.config.max_prefix_hashes_in_stats,
                 )  # fmt: skip

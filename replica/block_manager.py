@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from replica.config import CacheConfig
-from replica.hashing import summarize
+from replica.hashing import SUMMARY_STRIDE, summarize
 from replica.sequence import Sequence
 
 
@@ -44,6 +44,9 @@ class BlockManager:
         self.ref_counts = [0] * self.num_blocks
         self.block_hash: list[int | None] = [None] * self.num_blocks
         self.hash_to_block: OrderedDict[int, int] = OrderedDict()  # most recently used last
+        # The hashes of hash_to_block that are multiples of SUMMARY_STRIDE, in its order:
+        # the older part of recent_hashes' summary, read without walking the cache.
+        self.sampled_hashes: OrderedDict[int, None] = OrderedDict()
         self.free_blocks: deque[int] = deque(range(self.num_blocks))
         self.cached_blocks: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
@@ -192,6 +195,8 @@ class BlockManager:
             if self.block_hash[block] is None and h not in self.hash_to_block:
                 self.block_hash[block] = h
                 self.hash_to_block[h] = block
+                if h % SUMMARY_STRIDE == 0:
+                    self.sampled_hashes[h] = None
         seq.num_committed_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
@@ -228,7 +233,10 @@ class BlockManager:
     def recent_hashes(self, limit: int) -> list[int]:
         """Hashes of resident full blocks, most recently used first: all of the newest, a
         sample of the older ones (replica.hashing.summarize), at most limit."""
-        return summarize(reversed(self.hash_to_block), len(self.hash_to_block), limit)
+        return summarize(
+            reversed(self.hash_to_block), reversed(self.sampled_hashes),
+            len(self.hash_to_block), limit,
+        )  # fmt: skip
 
     def check_invariants(self, live: Iterable[Sequence]) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent with `live` sequences."""
@@ -253,6 +261,8 @@ class BlockManager:
         for h, b in self.hash_to_block.items():
             assert self.block_hash[b] == h, f"hash map disagrees for block {b}"
         assert sum(h is not None for h in self.block_hash) == len(self.hash_to_block)
+        sampled = [h for h in self.hash_to_block if h % SUMMARY_STRIDE == 0]
+        assert list(self.sampled_hashes) == sampled, "sampled_hashes disagrees with the cache"
         assert not slots & set(self.free_slots), "a live slot is also free"
 
     # ---- internals ------------------------------------------------------------
@@ -263,13 +273,18 @@ class BlockManager:
         h = self.block_hash[block]
         if h is not None:
             self.hash_to_block.move_to_end(h)
+            if h % SUMMARY_STRIDE == 0:
+                self.sampled_hashes.move_to_end(h)
 
     def _fresh_block(self) -> int:
         if self.free_blocks:
             block = self.free_blocks.popleft()
         else:
             block, _ = self.cached_blocks.popitem(last=False)  # evict the LRU cached block
-            del self.hash_to_block[self.block_hash[block]]
+            h = self.block_hash[block]
+            del self.hash_to_block[h]
+            if h % SUMMARY_STRIDE == 0:
+                del self.sampled_hashes[h]
             self.block_hash[block] = None
         self.ref_counts[block] = 1
         return block

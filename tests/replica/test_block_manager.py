@@ -87,6 +87,33 @@ def test_summary_of_a_full_cache_thins_the_older_blocks():
     assert summary[8:] == [h for h in older if h % SUMMARY_STRIDE == 0][: 16 - 8]
 
 
+def thinned(newest_first: list[int], limit: int) -> list[int]:
+    """recent_hashes' rule over the whole cache, newest first."""
+    if len(newest_first) <= limit:
+        return newest_first
+    dense = newest_first[: limit // 2]
+    older = [h for h in newest_first[limit // 2 :] if h % SUMMARY_STRIDE == 0]
+    return dense + older[: limit - len(dense)]
+
+
+def test_summary_follows_reuse_and_eviction():
+    """Hits move a chain to the newest end and evictions drop the oldest blocks; the
+    summary is always the rule applied to the cache as it is (sampled_hashes kept in its
+    order: check_invariants)."""
+    bm = make_manager(num_blocks=96, max_num_seqs=4)
+    chains = [[1000 * c + t for t in range(33)] for c in range(40)]  # 8 full blocks each
+    for step, c in enumerate([*range(12), 3, 0, 7, *range(12, 40), 20, 5]):
+        seq = make_seq(chains[c], f"s{step}")
+        bm.allocate(seq)  # a chain seen before is a hit: its blocks become the newest
+        compute_all(bm, seq)
+        bm.free(seq)
+        bm.check_invariants([])
+        newest_first = list(reversed(bm.hash_to_block))
+        for limit in (1, 16, 40, 64, 200):
+            assert bm.recent_hashes(limit) == thinned(newest_first, limit)
+    assert len(bm.hash_to_block) < 40 * 8  # evictions happened
+
+
 def test_whole_prompt_hit_still_leaves_the_last_token_to_compute():
     bm = make_manager()
     a = make_seq(range(8), "a")

@@ -6,7 +6,13 @@ import random
 
 import pytest
 
-from replica.hashing import ROOT_HASH, hash_block, prefix_block_hashes
+from replica.hashing import (
+    ROOT_HASH,
+    SUMMARY_STRIDE,
+    hash_block,
+    prefix_block_hashes,
+    summarize,
+)
 from replica.sampling_params import SamplingParams
 from replica.sequence import Sequence
 
@@ -43,3 +49,18 @@ def test_sequence_hashes_extend_as_tokens_arrive():
     assert long.full_block_hashes(16, 20) == chain(tokens[:20], 16)
     assert long.full_block_hashes(16) == chain(tokens, 16)
     assert long.prompt_ids.tolist() == tokens
+
+
+@pytest.mark.parametrize("num_hashes", [0, 5, 16, 17, 100, 3000])
+@pytest.mark.parametrize("limit", [1, 16, 64])
+def test_summarize_keeps_the_newest_half_then_the_older_multiples_of_the_stride(num_hashes, limit):
+    rng = random.Random(num_hashes * 131 + limit)
+    newest_first = [rng.randrange(2**64) for _ in range(num_hashes)]
+    sampled = [h for h in newest_first if h % SUMMARY_STRIDE == 0]
+    summary = summarize(iter(newest_first), iter(sampled), num_hashes, limit)
+    if num_hashes <= limit:
+        assert summary == newest_first
+    else:
+        dense = newest_first[: limit // 2]
+        older = [h for h in newest_first[limit // 2 :] if h % SUMMARY_STRIDE == 0]
+        assert summary == dense + older[: limit - len(dense)]

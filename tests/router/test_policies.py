@@ -105,7 +105,7 @@ def test_prefix_picks_longest_cached_prefix(now_s: float) -> None:
 
 def test_prefix_match_is_the_deepest_published_block(now_s: float) -> None:
     # Chained hashes: publishing block i means having computed blocks 0..i, so a summary
-    # that leaves out a chain's head (capped or thinned, replica.hashing.summarize) still
+    # that leaves out a chain's head (capped or thinned, BlockManager.recent_hashes) still
     # matches it to its deepest published block.
     tokens = list(range(80))
     hashes = prefix_block_hashes(tokens, 16)
