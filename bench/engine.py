@@ -366,6 +366,11 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hf", action="store_true", help="also measure transformers generate")
+    parser.add_argument(
+        "--repeat", type=int, default=1,
+        help="runs per batch size, each with prompts of its own, HF's beside each engine run;"
+        " the table shows the engine's median run and HF's median rate",
+    )  # fmt: skip
     parser.add_argument("--itl-batch", type=int, default=0, help="ITL run: batch size")
     parser.add_argument("--itl-steps", type=int, default=1024)
     parser.add_argument("--no-cuda-graphs", action="store_true")
@@ -423,6 +428,8 @@ def main() -> None:
         sampling.params(0, 1)  # bad values fail here, before a model loads
     except ValueError as exc:
         raise SystemExit(f"--temperature / --top-k / --top-p: {exc}") from None
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat: must be at least 1, got {args.repeat}")
 
     on_gpu = torch.cuda.is_available()
     if args.step_events and not on_gpu:
@@ -465,8 +472,14 @@ def main() -> None:
         run_engine(engine, random_prompts(min(4, max_num_seqs), prompt_len, vocab, 99), 8, sampling)
         rows, profiles = [], {}
         for num_seqs in args.batch:
-            prompts = random_prompts(num_seqs, prompt_len, vocab, num_seqs)
-            run = run_engine(engine, prompts, max_new, sampling, args.step_events)
+            runs, hf_rates = [], []
+            for r in range(args.repeat):
+                # Prompts of its own each time: the same ones would be prefix-cache hits.
+                prompts = random_prompts(num_seqs, prompt_len, vocab, num_seqs + 1000 * r)
+                runs.append(run_engine(engine, prompts, max_new, sampling, args.step_events))
+                if hf is not None:
+                    hf_rates.append(run_hf(hf, prompts, max_new, engine.device, sampling))
+            run = sorted(runs, key=lambda x: x.tokens_per_s)[len(runs) // 2]  # the median
             row = {
                 "batch": num_seqs,
                 "tok/s": run.tokens_per_s,
@@ -485,8 +498,11 @@ def main() -> None:
                 )
                 row |= {"roofline tok/s": roof, "% roofline": 100 * run.decode_tokens_per_s / roof}
             if hf is not None:
-                row["HF tok/s"] = run_hf(hf, prompts, max_new, engine.device, sampling)
+                row["HF tok/s"] = statistics.median(hf_rates)
                 row["x HF"] = run.tokens_per_s / row["HF tok/s"]
+            if args.repeat > 1:
+                row["tok/s runs"] = [x.tokens_per_s for x in runs]
+                row["HF tok/s runs"] = hf_rates
             rows.append(row)
         itl = None
         if args.itl_batch:
@@ -512,6 +528,12 @@ def main() -> None:
           f" engine_start={start_s:.2f} s"
           + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else ""))  # fmt: skip
     print(markdown_table(rows, [c for c in columns if any(c in r for r in rows)]))
+    for row in rows:
+        if "tok/s runs" in row:
+            runs = ", ".join(f"{x:.3g}" for x in row["tok/s runs"])
+            hf_runs = ", ".join(f"{x:.3g}" for x in row["HF tok/s runs"])
+            print(f"batch {row['batch']} runs (the table: the medians): tok/s {runs}"
+                  + (f"; HF tok/s {hf_runs}" if hf_runs else ""))  # fmt: skip
     for num_seqs, prof in profiles.items():
         if prof:
             print(format_step_profile(num_seqs, prof))

@@ -3,7 +3,8 @@
 # the engine table with its peers. Parts (PARTS, default "diag"):
 #   diag     bench.engine gpt2 fp16 at 256 (step spread: slow steps and their phases) and
 #            bench.profile_step's timeline of 20 engine steps (GPU busy share, idle gaps)
-#   engine   bench.engine gpt2 fp16, batch 1 and 256, with HF and the ITL runs (REPEAT)
+#   engine   bench.engine gpt2 fp16, batch 1 and 256, with HF and the ITL runs (REPEAT); each
+#            batch size RUNS times (default 3), the table the median run
 #   ab       bench.engine gpt2 fp16 at 256 with each EXTRA_AB flag, then without (REPEAT)
 #   itl      bench.engine gpt2 fp16 ITL runs at batch 64 with each ITL_AB flag (default
 #            --mixed-prefill-tokens=0), then without (REPEAT)
@@ -27,7 +28,7 @@ engine() {  # model, dtype, name, extra bench.engine args
   shift 3
   echo "== bench.engine $model $name $*"
   timeout 300 python -m bench.engine --model "$model" --dtype "$dtype" "$@" \
-    --out "$out/engine_${model}_$name.json" 2>&1 | grep -v -i warning | tail -14
+    --out "$out/engine_${model}_$name.json" 2>&1 | grep -v -i warning | tail -17
 }
 for part in ${PARTS:-diag}; do
   case $part in
@@ -39,7 +40,7 @@ for part in ${PARTS:-diag}; do
       2>&1 | grep -v -i warning | sed -n '/steady decode/,$p' | head -60 ;;
   engine)
     for rep in $(seq "${REPEAT:-1}"); do
-      engine gpt2 float16 "r$rep" --batch 1 256 --hf --itl-batch 64
+      engine gpt2 float16 "r$rep" --batch 1 256 --hf --itl-batch 64 --repeat "${RUNS:-3}"
     done ;;
   ab)
     for rep in $(seq "${REPEAT:-1}"); do
@@ -56,7 +57,7 @@ for part in ${PARTS:-diag}; do
       done
     done ;;
   qwen3)
-    engine qwen3-0.6b bfloat16 hf --batch 1 256 --hf --itl-batch 64 ;;
+    engine qwen3-0.6b bfloat16 hf --batch 1 256 --hf --itl-batch 64 --repeat "${RUNS:-3}" ;;
   tune)
     timeout 300 python -m bench.kernels --tune --shapes "${TUNE_SHAPES:-gpt2}" \
       --tune-cases "${TUNE_CASES:-256x192,64x528}" --out "$out/tune.json" 2>&1 | grep -v -i warning | sed -n '/best config/,$p' ;;

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.engine import GREEDY, Sampling, random_prompts, run_engine
 from replica import EngineConfig, LLMEngine
 
@@ -29,3 +31,34 @@ def test_a_sampled_run_emits_every_token():
     prompts = random_prompts(4, 6, engine.model_config.vocab_size, 1)
     run = run_engine(engine, prompts, 5, Sampling(temperature=1.0, top_p=0.9, seeded=True))
     assert run.output_tokens == 4 * 5 and run.decode_tokens == 4 * 4
+
+
+def test_repeat_reports_the_median_run_and_every_run(tmp_path, monkeypatch, capsys):
+    """--repeat N: N runs per batch size on prompts of their own (no prefix-cache hits
+    between them); the row is the median run, and the JSON keeps every run's rate."""
+    import json
+    import sys
+
+    from bench import engine as bench_engine
+
+    seen: list[list[list[int]]] = []
+    real_run = bench_engine.run_engine
+
+    def recording_run(engine, prompts, *args, **kwargs):
+        seen.append(prompts)
+        return real_run(engine, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(bench_engine, "run_engine", recording_run)
+    out = tmp_path / "engine.json"
+    argv = ["engine", "--batch", "3", "--prompt-len", "20", "--max-new", "4", "--repeat", "3"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
+    bench_engine.main()
+    timed = seen[1:]  # after the warm-up run
+    assert len(timed) == 3 and len({tuple(map(tuple, p)) for p in timed}) == 3
+    (row,) = json.loads(out.read_text())["rows"]
+    rates = row["tok/s runs"]
+    assert len(rates) == 3 and row["tok/s"] == sorted(rates)[1] and row["HF tok/s runs"] == []
+    assert "batch 3 runs (the table: the medians): tok/s" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", [*argv[:-1], "0"])
+    with pytest.raises(SystemExit, match="--repeat"):
+        bench_engine.main()
