@@ -58,8 +58,8 @@ def summarize(
     limit of its num_hashes resident blocks. newest_first gives every resident block's
     hash, most recently used first; sampled_newest_first those of them that are
     multiples of SUMMARY_STRIDE, in the same order (BlockManager keeps them apart, so no
-    walk goes past the newest limit // 2: walking ~16K hashes took ~1 ms of a replica's
-    engine thread per full snapshot).
+    walk goes past the newest limit // 2: walking up to ~17K hashes made a replica's engine
+    thread stall every full snapshot, BENCHMARKS.md "A Serve replica's engine thread").
 
     All of them when they fit. Else the newest limit // 2 in full, then the older sampled
     ones. Routers match a prompt at the deepest block a replica publishes
