@@ -413,6 +413,10 @@ def main() -> None:
         help="prompt tokens a decode step takes as extra rows (EngineConfig's; 0: never)",
     )  # fmt: skip
     parser.add_argument(
+        "--deep-overlap-rows", type=int, default=None,
+        help="rows from which a step stays in flight two deep (EngineConfig's; 0: never)",
+    )  # fmt: skip
+    parser.add_argument(
         "--temperature", type=float, default=0.0,
         help="sample at this temperature (0: greedy); HF's peer samples the same way",
     )  # fmt: skip
@@ -462,6 +466,8 @@ def main() -> None:
                    if args.max_batched_tokens else {}),
                 **({"mixed_prefill_tokens": args.mixed_prefill_tokens}
                    if args.mixed_prefill_tokens is not None else {}),
+                **({"deep_overlap_rows": args.deep_overlap_rows}
+                   if args.deep_overlap_rows is not None else {}),
             )
         )  # fmt: skip
         start_s = time.perf_counter() - start  # weights, KV cache, graph capture
@@ -524,6 +530,7 @@ def main() -> None:
           f" fused_append={getattr(engine.runner.backend, 'fuse_decode_append', False)}"
           f" decode_in_prefill={engine.runner.decode_in_prefill}"
           f" mixed_prefill_tokens={engine.config.mixed_prefill_tokens}"
+          f" deep_overlap_rows={engine.config.deep_overlap_rows}"
           f" sampling={sampling}"
           f" engine_start={start_s:.2f} s"
           + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else ""))  # fmt: skip

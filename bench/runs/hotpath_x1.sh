@@ -5,7 +5,8 @@
 #            bench.profile_step's timeline of 20 engine steps (GPU busy share, idle gaps)
 #   engine   bench.engine gpt2 fp16, batch 1 and 256, with HF and the ITL runs (REPEAT); each
 #            batch size RUNS times (default 3), the table the median run
-#   ab       bench.engine gpt2 fp16 at 256 with each EXTRA_AB flag, then without (REPEAT)
+#   ab       bench.engine gpt2 fp16 at 256 with each EXTRA_AB flag, then without (REPEAT),
+#            each with AB_ARGS (e.g. "--hf --repeat 3")
 #   itl      bench.engine gpt2 fp16 ITL runs at batch 64 with each ITL_AB flag (default
 #            --mixed-prefill-tokens=0), then without (REPEAT)
 #   qwen3    bench.engine qwen3-0.6b bf16 with HF and the ITL runs
@@ -45,8 +46,10 @@ for part in ${PARTS:-diag}; do
   ab)
     for rep in $(seq "${REPEAT:-1}"); do
       for flag in ${EXTRA_AB:-}; do
-        engine gpt2 float16 "ab${flag}_r$rep" --batch 256 "$flag"
-        engine gpt2 float16 "ab_default_r$rep" --batch 256
+        # shellcheck disable=SC2086  # AB_ARGS: a list of arguments
+        engine gpt2 float16 "ab${flag}_r$rep" --batch 256 "$flag" ${AB_ARGS:-}
+        # shellcheck disable=SC2086
+        engine gpt2 float16 "ab_default_r$rep" --batch 256 ${AB_ARGS:-}
       done
     done ;;
   itl)
@@ -73,7 +76,7 @@ for part in ${PARTS:-diag}; do
       ${SPLIT_ROUNDS:+--split-rounds $SPLIT_ROUNDS} --out "$out/sampling.json" 2>&1 |
       grep -v -i warning | sed -n '/^| vocab/,$p' ;;
   tests)
-    timeout 300 python -m pytest -q -p no:cacheprovider -m gpu tests/replica tests/kernels \
+    timeout 420 python -m pytest -q -p no:cacheprovider -m gpu tests/replica tests/kernels \
       2>&1 | tail -4 ;;
   kernels)
     timeout 400 python -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -4 ;;
