@@ -13,6 +13,7 @@ the measured copy bandwidth). Requests decode greedily unless --temperature is g
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import math
 import random
@@ -42,17 +43,20 @@ class EngineRun:
     output_tokens: int = 0
     wall_s: float = 0.0
     decode_tokens: int = 0
-    # Per pure-decode step: (wall, schedule, launch, wait, drain) seconds, and whether some
-    # block-table row changed in it (a block rollover, in these runs).
+    # Per step() that collects pure-decode steps (run_engine): (wall, schedule, launch, wait,
+    # drain) seconds, and whether some block-table row changed in them (a block rollover,
+    # in these runs).
     decode_phases_s: list[tuple[float, float, float, float, float]] = field(default_factory=list)
     decode_boundary: list[bool] = field(default_factory=list)
-    decode_batch: list[int] = field(default_factory=list)  # sequences in the step
+    decode_batch: list[int] = field(default_factory=list)  # sequences in the collected step
     decode_finished: list[int] = field(default_factory=list)  # requests its outputs finished
     add_s: float = 0.0  # add_request for every prompt
-    # The other steps (a prompt chunk in them): wall, the four phases, prompt tokens.
+    # The other step() calls (collecting a step with a prompt chunk in it, or none): wall,
+    # the four phases, the prompt tokens of the steps collected.
     other_steps: list[tuple[float, float, float, float, float, int]] = field(default_factory=list)
-    # With StepEvents, per step in the order of decode_phases_s / other_steps: its device
-    # span and the device's idle time before it, ms (NaN for a step that launched nothing).
+    # With StepEvents, per call in the order of decode_phases_s / other_steps: the device
+    # span of the step it collects and the device's idle time before it, ms (NaN for a
+    # call that collects nothing).
     decode_device_ms: list[tuple[float, float]] = field(default_factory=list)
     other_device_ms: list[tuple[float, float]] = field(default_factory=list)
 
@@ -158,12 +162,25 @@ def run_engine(
     max_new: int,
     sampling: Sampling = GREEDY,
     step_events: bool = False,
+    host_delay_s: float = 0.0,
 ) -> EngineRun:
-    """Run prompts to completion; record each pure-decode step's wall and host-side time,
-    and with step_events (CUDA) each step's device time (StepEvents)."""
+    """Run prompts to completion; record the wall and host-side time of each step() that
+    collects pure-decode steps, and with step_events (CUDA) each step's device time
+    (StepEvents).
+
+    A step() waits for the step it collects, launched one or two calls before
+    (LLMEngine.step), so its wall is that step's device time when the device sets the
+    pace: a call counts as a decode step by the step it collects, not by the one it
+    launches (the call that launches the first decode step waits for a prompt step).
+
+    host_delay_s: a busy wait after each step(), the host work a slower host's Python
+    would add (what the engine's overlap has to absorb)."""
     run = EngineRun(len(prompts))
     events = StepEvents(engine.runner) if step_events else None
-    launches: list[tuple[list, int | None]] = []  # per step: its list, its launch's index
+    launches: list[tuple[list, int | None]] = []  # per call: its list, its step's launch index
+    # Launched steps not yet collected, oldest first: (prompt tokens, decode sequences,
+    # block-table rows changed, launch index with StepEvents).
+    pending: collections.deque[tuple[int, int, bool, int | None]] = collections.deque()
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"bench-{i}", prompt, sampling.params(i, max_new))
@@ -172,25 +189,30 @@ def run_engine(
     while engine.has_unfinished():
         num_launches = len(events.pairs) if events else 0
         outputs = engine.step()
+        if host_delay_s:
+            until = time.perf_counter() + host_delay_s
+            while time.perf_counter() < until:
+                pass
         now = time.perf_counter()
         run.output_tokens += sum(len(o.new_token_ids) for o in outputs)
-        timings = engine.last_step
-        if timings.num_decode_seqs and not timings.num_prefill_tokens:
-            run.decode_tokens += timings.num_decode_seqs
-            run.decode_phases_s.append(
-                (now - last, timings.schedule_s, timings.launch_s, timings.wait_s, timings.drain_s)
-            )
-            run.decode_boundary.append(timings.num_table_rows > 0)
-            run.decode_batch.append(timings.num_decode_seqs)
+        t = engine.last_step
+        if t.num_prefill_tokens or t.num_decode_seqs:  # it launched a step
+            index = num_launches if events else None
+            pending.append((t.num_prefill_tokens, t.num_decode_seqs, t.num_table_rows > 0, index))
+        collected = [pending.popleft() for _ in range(len(pending) - len(engine.in_flight))]
+        phases = (t.schedule_s, t.launch_s, t.wait_s, t.drain_s)
+        if collected and not any(c[0] for c in collected):
+            run.decode_tokens += sum(c[1] for c in collected)
+            run.decode_phases_s.append((now - last, *phases))
+            run.decode_boundary.append(any(c[2] for c in collected))
+            run.decode_batch.append(collected[0][1])
             run.decode_finished.append(sum(o.finished for o in outputs))
             device_list = run.decode_device_ms
         else:
-            phases = (timings.schedule_s, timings.launch_s, timings.wait_s, timings.drain_s)
-            run.other_steps.append((now - last, *phases, timings.num_prefill_tokens))
+            run.other_steps.append((now - last, *phases, sum(c[0] for c in collected)))
             device_list = run.other_device_ms
         if events:
-            launched = len(events.pairs) > num_launches
-            launches.append((device_list, num_launches if launched else None))
+            launches.append((device_list, collected[0][3] if collected else None))
         last = now
     run.wall_s = time.perf_counter() - start
     if events:
@@ -413,6 +435,10 @@ def main() -> None:
         help="prompt tokens a decode step takes as extra rows (EngineConfig's; 0: never)",
     )  # fmt: skip
     parser.add_argument(
+        "--host-delay-ms", type=float, default=0.0,
+        help="busy-wait this long after each step(), as a slower host would (run_engine)",
+    )  # fmt: skip
+    parser.add_argument(
         "--deep-overlap-rows", type=int, default=None,
         help="rows from which a step stays in flight two deep (EngineConfig's; 0: never)",
     )  # fmt: skip
@@ -482,7 +508,12 @@ def main() -> None:
             for r in range(args.repeat):
                 # Prompts of its own each time: the same ones would be prefix-cache hits.
                 prompts = random_prompts(num_seqs, prompt_len, vocab, num_seqs + 1000 * r)
-                runs.append(run_engine(engine, prompts, max_new, sampling, args.step_events))
+                runs.append(
+                    run_engine(
+                        engine, prompts, max_new, sampling, args.step_events,
+                        args.host_delay_ms / 1e3,
+                    )
+                )  # fmt: skip
                 if hf is not None:
                     hf_rates.append(run_hf(hf, prompts, max_new, engine.device, sampling))
             run = sorted(runs, key=lambda x: x.tokens_per_s)[len(runs) // 2]  # the median
@@ -531,6 +562,7 @@ def main() -> None:
           f" decode_in_prefill={engine.runner.decode_in_prefill}"
           f" mixed_prefill_tokens={engine.config.mixed_prefill_tokens}"
           f" deep_overlap_rows={engine.config.deep_overlap_rows}"
+          f" host_delay_ms={args.host_delay_ms}"
           f" sampling={sampling}"
           f" engine_start={start_s:.2f} s"
           + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else ""))  # fmt: skip
