@@ -156,6 +156,26 @@ class StepEvents:
         return out
 
 
+class CollectedSteps:
+    """Which launched steps each step() collects: LLMEngine keeps one or two in flight,
+    and a call's wall is mostly its wait for the step it collects. after_step() returns
+    them as (prompt tokens, decode sequences, block-table rows changed, tag), oldest first."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.pending: collections.deque[tuple[int, int, bool, object]] = collections.deque()
+
+    def after_step(self, tag: object = None) -> list[tuple[int, int, bool, object]]:
+        """Call after each step(); tag marks the step it launched, if any."""
+        t = self.engine.last_step
+        if t.num_prefill_tokens or t.num_decode_seqs:  # it launched a step
+            self.pending.append(
+                (t.num_prefill_tokens, t.num_decode_seqs, t.num_table_rows > 0, tag)
+            )
+        num_collected = len(self.pending) - len(self.engine.in_flight)
+        return [self.pending.popleft() for _ in range(num_collected)]
+
+
 def run_engine(
     engine: LLMEngine,
     prompts: list[list[int]],
@@ -178,9 +198,7 @@ def run_engine(
     run = EngineRun(len(prompts))
     events = StepEvents(engine.runner) if step_events else None
     launches: list[tuple[list, int | None]] = []  # per call: its list, its step's launch index
-    # Launched steps not yet collected, oldest first: (prompt tokens, decode sequences,
-    # block-table rows changed, launch index with StepEvents).
-    pending: collections.deque[tuple[int, int, bool, int | None]] = collections.deque()
+    steps = CollectedSteps(engine)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"bench-{i}", prompt, sampling.params(i, max_new))
@@ -196,10 +214,7 @@ def run_engine(
         now = time.perf_counter()
         run.output_tokens += sum(len(o.new_token_ids) for o in outputs)
         t = engine.last_step
-        if t.num_prefill_tokens or t.num_decode_seqs:  # it launched a step
-            index = num_launches if events else None
-            pending.append((t.num_prefill_tokens, t.num_decode_seqs, t.num_table_rows > 0, index))
-        collected = [pending.popleft() for _ in range(len(pending) - len(engine.in_flight))]
+        collected = steps.after_step(num_launches if events else None)  # its launch index
         phases = (t.schedule_s, t.launch_s, t.wait_s, t.drain_s)
         if collected and not any(c[0] for c in collected):
             run.decode_tokens += sum(c[1] for c in collected)

@@ -25,15 +25,15 @@ import time
 import torch
 
 from bench.common import machine_description, write_json
-from bench.engine import random_prompts
+from bench.engine import CollectedSteps, random_prompts
 from cluster.config import ClusterConfig
 from cluster.engine_loop import EngineLoop
 from replica import EngineConfig, LLMEngine, SamplingParams
 
 
 class StepClock:
-    """Wraps engine.step: each step's start, whether it ran decode rows alone, and how
-    many requests it ended."""
+    """Wraps engine.step: each step's start, whether the steps it collected ran decode
+    rows alone (bench.engine.CollectedSteps), and how many requests it ended."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.starts: list[float] = []
@@ -41,13 +41,14 @@ class StepClock:
         self.ended: list[int] = []
         self.prompt_tokens: list[int] = []
         step = engine.step
+        steps = CollectedSteps(engine)
 
         def timed_step():
             self.starts.append(time.perf_counter())
             outputs = step()
-            t = engine.last_step
-            self.decode_only.append(bool(t.num_decode_seqs and not t.num_prefill_tokens))
-            self.prompt_tokens.append(t.num_prefill_tokens)
+            collected = steps.after_step()
+            self.decode_only.append(bool(collected) and not any(c[0] for c in collected))
+            self.prompt_tokens.append(sum(c[0] for c in collected))
             self.ended.append(sum(o.finished for o in outputs))
             return outputs
 
@@ -129,16 +130,22 @@ def main() -> None:
         "--max-batched-tokens", type=int, default=None,
         help="EngineConfig.max_num_batched_tokens (default: the engine's)",
     )  # fmt: skip
+    parser.add_argument(
+        "--deep-overlap-rows", type=int, default=None,
+        help="rows from which a step stays in flight two deep (EngineConfig's; 0: never)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available()
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)
     max_new = args.max_new or (128 if on_gpu else 8)
-    budget = {"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}
+    extra = {"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}
+    if args.deep_overlap_rows is not None:
+        extra["deep_overlap_rows"] = args.deep_overlap_rows
     engine = LLMEngine(
         EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.batch,
-                     max_model_len=prompt_len + max_new, **budget)
+                     max_model_len=prompt_len + max_new, **extra)
     )  # fmt: skip
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     vocab = engine.model_config.vocab_size
@@ -164,7 +171,8 @@ def main() -> None:
     write_json(
         args.out,
         {"machine": machine_description(), "model": model, "batch": args.batch,
-         "prompt_len": prompt_len, "max_new": max_new, "rows": rows},
+         "prompt_len": prompt_len, "max_new": max_new,
+         "deep_overlap_rows": engine.config.deep_overlap_rows, "rows": rows},
     )  # fmt: skip
 
 
