@@ -125,9 +125,6 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         # Launched steps whose tokens are not drained yet, oldest first (at most two).
         self.in_flight: deque[InFlightStep] = deque()
-        # EngineConfig.deep_overlap_rows; an attribute, so a benchmark can set it between
-        # runs of one engine (bench.deep_overlap alternates it).
-        self.deep_overlap_rows = config.deep_overlap_rows
         self.last_step: StepTimings | None = None
         self._token_events: deque[tuple[float, int]] = deque()  # (time_s, tokens) per step
         self.clock = time.monotonic  # of the tokens_per_s window; tests inject their own
@@ -235,7 +232,7 @@ class LLMEngine:
         depth = 0  # nothing launched: collect every step in flight
         if launched is not None:
             self.in_flight.append(launched)
-            rows = self.deep_overlap_rows
+            rows = self.config.deep_overlap_rows
             depth = 2 if rows and len(launched.seqs) >= rows else 1
         outputs: list[RequestOutput] = []
         wait_s = drain_s = 0.0
