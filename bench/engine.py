@@ -157,9 +157,10 @@ class StepEvents:
 
 
 class CollectedSteps:
-    """Which launched steps each step() collects: LLMEngine keeps one or two in flight,
-    and a call's wall is mostly its wait for the step it collects. after_step() returns
-    them as (prompt tokens, decode sequences, block-table rows changed, tag), oldest first."""
+    """Which launched step each step() collects: LLMEngine keeps one in flight, and a
+    call's wall is mostly its wait for the step it collects. after_step() returns what it
+    collected (none, one, or, from a call that launches nothing, the last) as (prompt
+    tokens, decode sequences, block-table rows changed, tag)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -172,7 +173,7 @@ class CollectedSteps:
             self.pending.append(
                 (t.num_prefill_tokens, t.num_decode_seqs, t.num_table_rows > 0, tag)
             )
-        num_collected = len(self.pending) - len(self.engine.in_flight)
+        num_collected = len(self.pending) - (self.engine.in_flight is not None)
         return [self.pending.popleft() for _ in range(num_collected)]
 
 
@@ -188,10 +189,10 @@ def run_engine(
     collects pure-decode steps, and with step_events (CUDA) each step's device time
     (StepEvents).
 
-    A step() waits for the step it collects, launched one or two calls before
-    (LLMEngine.step), so its wall is that step's device time when the device sets the
-    pace: a call counts as a decode step by the step it collects, not by the one it
-    launches (the call that launches the first decode step waits for a prompt step).
+    A step() waits for the step it collects, launched by the call before (LLMEngine.step),
+    so its wall is that step's device time when the device sets the pace: a call counts
+    as a decode step by the step it collects, not by the one it launches (the call that
+    launches the first decode step waits for the last prompt step).
 
     host_delay_s: a busy wait after each step(), the host work a slower host's Python
     would add (what the engine's overlap has to absorb)."""
@@ -454,10 +455,6 @@ def main() -> None:
         help="busy-wait this long after each step(), as a slower host would (run_engine)",
     )  # fmt: skip
     parser.add_argument(
-        "--deep-overlap-rows", type=int, default=None,
-        help="rows from which a step stays in flight two deep (EngineConfig's; 0: never)",
-    )  # fmt: skip
-    parser.add_argument(
         "--temperature", type=float, default=0.0,
         help="sample at this temperature (0: greedy); HF's peer samples the same way",
     )  # fmt: skip
@@ -507,8 +504,6 @@ def main() -> None:
                    if args.max_batched_tokens else {}),
                 **({"mixed_prefill_tokens": args.mixed_prefill_tokens}
                    if args.mixed_prefill_tokens is not None else {}),
-                **({"deep_overlap_rows": args.deep_overlap_rows}
-                   if args.deep_overlap_rows is not None else {}),
             )
         )  # fmt: skip
         start_s = time.perf_counter() - start  # weights, KV cache, graph capture
@@ -576,7 +571,6 @@ def main() -> None:
           f" fused_append={getattr(engine.runner.backend, 'fuse_decode_append', False)}"
           f" decode_in_prefill={engine.runner.decode_in_prefill}"
           f" mixed_prefill_tokens={engine.config.mixed_prefill_tokens}"
-          f" deep_overlap_rows={engine.config.deep_overlap_rows}"
           f" host_delay_ms={args.host_delay_ms}"
           f" sampling={sampling}"
           f" engine_start={start_s:.2f} s"

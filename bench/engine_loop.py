@@ -130,10 +130,6 @@ def main() -> None:
         "--max-batched-tokens", type=int, default=None,
         help="EngineConfig.max_num_batched_tokens (default: the engine's)",
     )  # fmt: skip
-    parser.add_argument(
-        "--deep-overlap-rows", type=int, default=None,
-        help="rows from which a step stays in flight two deep (EngineConfig's; 0: never)",
-    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available()
@@ -141,8 +137,6 @@ def main() -> None:
     prompt_len = args.prompt_len or (128 if on_gpu else 16)
     max_new = args.max_new or (128 if on_gpu else 8)
     extra = {"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}
-    if args.deep_overlap_rows is not None:
-        extra["deep_overlap_rows"] = args.deep_overlap_rows
     engine = LLMEngine(
         EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.batch,
                      max_model_len=prompt_len + max_new, **extra)
@@ -171,8 +165,7 @@ def main() -> None:
     write_json(
         args.out,
         {"machine": machine_description(), "model": model, "batch": args.batch,
-         "prompt_len": prompt_len, "max_new": max_new,
-         "deep_overlap_rows": engine.config.deep_overlap_rows, "rows": rows},
+         "prompt_len": prompt_len, "max_new": max_new, "rows": rows},
     )  # fmt: skip
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from replica.config import CacheConfig
 from replica.hashing import SUMMARY_STRIDE, summarize
-from replica.sequence import PLACEHOLDER, Sequence
+from replica.sequence import Sequence
 
 
 class BlockManager:
@@ -183,21 +183,13 @@ class BlockManager:
         self._write_row(child, 0)
 
     def commit(self, seq: Sequence) -> None:
-        """Register the hashes of blocks whose KV is now fully computed and whose tokens
-        the host knows: with two steps in flight, a computed position may hold a token
-        still on its way from the device (LLMEngine)."""
+        """Register the hashes of blocks whose KV is now fully computed."""
         if not self.enable_prefix_caching:
             return
-        num_tokens = seq.num_computed_tokens
-        num_full = num_tokens // self.block_size
+        num_full = seq.num_computed_tokens // self.block_size
         if num_full <= seq.num_committed_blocks:
             return
-        if seq.token_ids[num_tokens - 1] == PLACEHOLDER:
-            num_tokens = min(num_tokens, seq.num_known_tokens)
-            num_full = num_tokens // self.block_size
-            if num_full <= seq.num_committed_blocks:
-                return
-        hashes = seq.full_block_hashes(self.block_size, num_tokens)
+        hashes = seq.full_block_hashes(self.block_size, seq.num_computed_tokens)
         for index in range(seq.num_committed_blocks, num_full):
             block, h = seq.block_ids[index], hashes[index]
             if self.block_hash[block] is None and h not in self.hash_to_block:

@@ -63,9 +63,6 @@ class EngineConfig:
     +-448; kernels.kv_quant), which halves a block's bytes: twice the blocks in the
     same memory, and half the bytes a decode step's attention reads. On CUDA it
     needs compute capability 8.9 or later (Ada, Hopper).
-    deep_overlap_rows: a step that samples at least this many rows stays in flight
-    two deep (LLMEngine.step): the host has two device steps to prepare the next
-    launch, for one step's delay of those rows' tokens; 0 keeps one step in flight.
     """
 
     model: str = "gpt2-tiny"
@@ -86,7 +83,6 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     replica_id: str = "replica-0"
     max_prefix_hashes_in_stats: int = 2048
-    deep_overlap_rows: int = 128
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -114,10 +110,9 @@ class EngineConfig:
         if not self.cpu_kv_cache_gb > 0:
             raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb!r}")
         _positive_int("max_prefix_hashes_in_stats", self.max_prefix_hashes_in_stats)
-        for name in ("mixed_prefill_tokens", "deep_overlap_rows"):
-            m = getattr(self, name)
-            if not isinstance(m, int) or isinstance(m, bool) or m < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {m!r}")
+        m = self.mixed_prefill_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"mixed_prefill_tokens must be an integer >= 0, got {m!r}")
         for name in ("enable_prefix_caching", "enable_cuda_graphs", "enable_triton_linear"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -6,10 +6,9 @@ runner's mixed_prefill_tokens). Row order: the chunks' tokens that sample
 nothing, then the last token of each chunk that completes its prompt, then the
 decode sequences, then padding; the rows that sample are one contiguous range.
 
-STAGING_COPIES pinned staging buffers (the model runner's parity picks one per step,
-in turn: a step's copy may still be pending while the next two steps are filled, as
-the engine keeps up to two steps in flight) and one persistent device buffer share a
-byte layout:
+One pinned staging buffer per parity (the model runner alternates two, so a step's
+copy may still be pending while the next step is filled) and one persistent device
+buffer share a byte layout:
 
     sampling [sampling_length] int64   a sampled step's sampling parameters (the model
                                        runner's replica.sampler.GraphSamplingInputs)
@@ -27,7 +26,7 @@ address, so the device buffer never moves.
 
 Most decode steps run the sequences of the step before, in the same order: each has
 moved one position on, and its newest token is the PLACEHOLDER of the token that step
-sampled. fill() then stages them from that step's rows in a few numpy passes
+sampled. fill() then stages them from the other parity's rows in a few numpy passes
 instead of reading every sequence: 11-28 us against 47-78 at 256 rows on an H200's
 host (bench.step_pieces). The runner calls forget() after a launch that filled no
 decode rows, so "the step before" is always the launch just before this one.
@@ -44,9 +43,6 @@ from replica.sequence import PLACEHOLDER, Sequence
 
 INPUT_IDS, POSITIONS, SLOTS, CONTEXT_LENS, OUT_SLOTS = range(5)
 _NUM_INPUTS = 5
-# Host staging copies, used in turn: step k's staging is step k - 3's, whose tokens the
-# engine has waited for (at most two steps in flight: LLMEngine.step), so its copy is done.
-STAGING_COPIES = 3
 
 
 class DecodeInputs:
@@ -71,18 +67,16 @@ class DecodeInputs:
         self._row_bytes = 4 * max_blocks_per_seq
         self._end = self._rows_at + num_rows * self._row_bytes
         num_bytes = -(-self._end // 64) * 64  # each parity's staging starts 64-byte aligned
-        self.staging = torch.zeros((STAGING_COPIES, num_bytes), dtype=torch.uint8, pin_memory=pin)
+        self.staging = torch.zeros((2, num_bytes), dtype=torch.uint8, pin_memory=pin)
         self.device_bytes = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
         self.inputs, self._row_ids, self._rows = self._views(self.device_bytes)
         self._host = [
-            tuple(t.numpy() for t in self._views(self.staging[parity]))
-            for parity in range(STAGING_COPIES)
+            tuple(t.numpy() for t in self._views(self.staging[parity])) for parity in (0, 1)
         ]
         # The sampling region (int64), on the device and its staging per parity.
         self.sampling = self.device_bytes[: self._inputs_at].view(torch.int64)
         self.sampling_staging = [
-            self.staging[parity, : self._inputs_at].view(torch.int64)
-            for parity in range(STAGING_COPIES)
+            self.staging[parity, : self._inputs_at].view(torch.int64) for parity in (0, 1)
         ]
         # The last fill's parity and decode sequences, when it staged no prompt chunks.
         self._last: tuple[int, list[Sequence]] | None = None
@@ -115,7 +109,7 @@ class DecodeInputs:
         """
         last, self._last = self._last, (None if chunks else (parity, seqs))
         if not chunks and last is not None and last[0] != parity and last[1] == seqs:
-            self._advance(parity, last[0], len(seqs), num_rows)
+            self._advance(parity, len(seqs), num_rows)
             return 0, []
         ids, positions, slots = [], [], []
         done, last_rows = [], []
@@ -147,10 +141,10 @@ class DecodeInputs:
             self.fill_padding(parity, n, num_rows)
         return first, done
 
-    def _advance(self, parity: int, last_parity: int, n: int, num_rows: int) -> None:
-        """Stage the last fill's n decode rows (staged at last_parity), each one position
-        on, with its token the PLACEHOLDER of the one that step samples."""
-        host, before = self._host[parity][0], self._host[last_parity][0]
+    def _advance(self, parity: int, n: int, num_rows: int) -> None:
+        """Stage the other parity's n decode rows, each one position on, with its token
+        the PLACEHOLDER of the one that step samples."""
+        host, before = self._host[parity][0], self._host[parity ^ 1][0]
         host[INPUT_IDS, :n] = PLACEHOLDER
         np.add(before[POSITIONS, :n], 1, out=host[POSITIONS, :n])
         np.add(host[POSITIONS, :n], 1, out=host[CONTEXT_LENS, :n])

@@ -48,24 +48,6 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _TOKENS_PER_S_WINDOW_S = 2.0
 
 
-def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """One output per request, in order of first appearance: the tokens of each request's
-    outputs joined, its end (if any) from the last."""
-    merged: dict[str, RequestOutput] = {}
-    for out in outputs:
-        first = merged.get(out.request_id)
-        if first is None:
-            merged[out.request_id] = out
-            continue
-        first.new_token_ids = first.new_token_ids + out.new_token_ids
-        first.finished, first.finish_reason = out.finished, out.finish_reason
-        first.num_prompt_tokens, first.num_cached_tokens = (
-            out.num_prompt_tokens,
-            out.num_cached_tokens,
-        )
-    return list(merged.values())
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -123,8 +105,7 @@ class LLMEngine:
         )
         self.tokenizer = load_tokenizer(config.model)
         self.requests: dict[str, Sequence] = {}
-        # Launched steps whose tokens are not drained yet, oldest first (at most two).
-        self.in_flight: deque[InFlightStep] = deque()
+        self.in_flight: InFlightStep | None = None
         self.last_step: StepTimings | None = None
         self._token_events: deque[tuple[float, int]] = deque()  # (time_s, tokens) per step
         self.clock = time.monotonic  # of the tokens_per_s window; tests inject their own
@@ -216,39 +197,22 @@ class LLMEngine:
         """Schedule and launch the next step, then collect the one before it.
 
         The device runs step N while the host schedules N + 1 and turns N - 1's
-        tokens into outputs. A step that samples deep_overlap_rows rows or more is
-        left two deep: the host collects N - 2, not N - 1, so it has two device steps,
-        not one, to prepare the next launch, and a slow host step (a cohort finishing,
-        the Python of 256 rows on a slower CPU) no longer leaves the device idle. The
-        cost: those rows' tokens come out a step later. A request that stops on a
-        sampled stop token is seen one or two steps late; the tokens sampled for it
-        after the stop are discarded.
+        tokens into outputs. A request that stops on a sampled stop token is
+        seen one step late; that step's token for it is discarded.
         """
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         launched = self.launch(batch)
         t2 = time.perf_counter()
-        depth = 0  # nothing launched: collect every step in flight
-        if launched is not None:
-            self.in_flight.append(launched)
-            rows = self.config.deep_overlap_rows
-            depth = 2 if rows and len(launched.seqs) >= rows else 1
-        outputs: list[RequestOutput] = []
-        wait_s = drain_s = 0.0
-        num_drained = 0
-        while len(self.in_flight) > depth:
-            t3 = time.perf_counter()
-            self.in_flight[0].handle.wait()
-            t4 = time.perf_counter()
-            outputs += self.drain()
-            num_drained += 1
-            wait_s += t4 - t3
-            drain_s += time.perf_counter() - t4
-        if num_drained > 1:  # from two deep to one, or to none: one output per request
-            outputs = merge_outputs(outputs)
+        if self.in_flight is not None:
+            self.in_flight.handle.wait()
+        t3 = time.perf_counter()
+        outputs = self.drain()
+        t4 = time.perf_counter()
+        self.in_flight = launched
         self.last_step = StepTimings(
-            t1 - t0, t2 - t1, wait_s, drain_s, sum(batch.prefill_lens), len(batch.decode_seqs),
+            t1 - t0, t2 - t1, t3 - t2, t4 - t3, sum(batch.prefill_lens), len(batch.decode_seqs),
             launched.num_table_rows if launched else 0,
         )  # fmt: skip
         return outputs
@@ -279,10 +243,10 @@ class LLMEngine:
         return InFlightStep(sampled, indices, handle, len(dirty_slots))
 
     def drain(self) -> list[RequestOutput]:
-        """Wait for the oldest in-flight step's tokens; fill placeholders, stop, emit deltas."""
-        if not self.in_flight:
+        """Wait for the in-flight step's tokens; fill placeholders, stop, emit deltas."""
+        step, self.in_flight = self.in_flight, None
+        if step is None:
             return []
-        step = self.in_flight.popleft()
         tokens = step.handle.wait()
         block_size = self.block_manager.block_size
         outputs = []
@@ -323,10 +287,9 @@ class LLMEngine:
                 bm.commit(seq)
 
     def _finish(self, seq: Sequence, index: int, reason: str, outputs: list) -> None:
-        # First, while a waiting (preempted) sequence still has the length it was queued with.
-        self.scheduler.finish(seq, reason, defer_release=True)
-        del seq.token_ids[index + 1 :]  # placeholders launched after the stop
+        del seq.token_ids[index + 1 :]  # a placeholder launched after the stop
         seq.num_computed_tokens = min(seq.num_computed_tokens, index)
+        self.scheduler.finish(seq, reason, defer_release=True)
         del self.requests[seq.request_id]
         self.runner.release(seq.request_id)
         outputs.append(

@@ -26,9 +26,8 @@ Steps overlap with the host: launch() enqueues a step and returns at once with
 a StepHandle. Sampled tokens stay on the device too (token_buf, one entry per
 table row), so the next step's decode reads a token the host has not seen yet
 (a PLACEHOLDER on the host side) straight from token_buf. Host staging buffers
-(inputs and sampled tokens) have STAGING_COPIES copies, used in turn, so a step's
-are never overwritten while its copies may be pending or its tokens not yet read:
-the engine keeps at most two steps in flight.
+alternate between two copies, so a step's inputs are never overwritten while
+its copies may still be pending.
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ from replica.decode_inputs import (
     OUT_SLOTS,
     POSITIONS,
     SLOTS,
-    STAGING_COPIES,
     DecodeInputs,
 )
 from replica.models import ModelConfig, load_model
@@ -175,19 +173,16 @@ class ModelRunner:
         self.block_table = torch.zeros(
             (rows, self.max_blocks_per_seq), dtype=torch.int32, device=device
         )
-        # Host staging, STAGING_COPIES each (see the module docstring); parity picks one a
-        # step, in turn.
+        # Host staging, two copies each (see the module docstring); parity picks one per step.
         self.step_inputs = DecodeInputs(
             self.max_num_seqs, self.max_blocks_per_seq, device, pin, max_rows,
             GraphSamplingInputs.buffer_length(sampling_rows) if sampling_rows else 0,
         )  # fmt: skip
         self.decode_inputs = self.step_inputs.inputs  # [5, max_rows] on the device
-        self.token_staging = torch.zeros(
-            (STAGING_COPIES, self.max_num_seqs), dtype=torch.int64, pin_memory=pin
-        )
+        self.token_staging = torch.zeros((2, self.max_num_seqs), dtype=torch.int64, pin_memory=pin)
         # One event per parity marks a step's tokens on the host: a step's handle is waited
-        # on before the third step after it records its parity's event again (LLMEngine.step).
-        self.token_events = [torch.cuda.Event() for _ in range(STAGING_COPIES)] if pin else []
+        # on before the step after next records its parity's event again (LLMEngine.step).
+        self.token_events = [torch.cuda.Event() for _ in range(2)] if pin else []
         self.parity = 0
         self.token_buf = torch.zeros(rows, dtype=torch.int64, device=device)  # last token per slot
         # Sampling (replica.sampler): kernels.sampling on CUDA, with Philox keys (a request's
@@ -273,7 +268,7 @@ class ModelRunner:
         reaches their last token, then every decode sequence. A decode
         sequence's last token may be a PLACEHOLDER: it is read from token_buf.
         """
-        self.parity = (self.parity + 1) % STAGING_COPIES
+        self.parity ^= 1
         num_prefill = sum(batch.prefill_lens)
         mixed = 0 < num_prefill <= self.mixed_prefill_tokens
         prefill_seqs, prefill_lens = batch.prefill_seqs, batch.prefill_lens

@@ -10,7 +10,7 @@ Layout of the int64 buffer (fixed offsets, sized for the largest bucket):
 input ids, positions and table rows per token; table row, context length,
 start position, cu_seqlens, logit row and sampled slot per sequence; the
 attention work lists (chunks, short chunks and long chunks:
-kernels.prefill_attention). Host staging has STAGING_COPIES copies, used in turn (the
+kernels.prefill_attention). Host staging alternates between two copies (the
 model runner's parity), so a step's inputs are never overwritten while its copy
 may still be pending.
 """
@@ -32,7 +32,6 @@ from kernels.prefill_attention import (
     prefill_work_list,
 )
 from replica.attention import AttentionMetadata
-from replica.decode_inputs import STAGING_COPIES
 from replica.sequence import Sequence
 
 _COMPUTED, _SLOT, _TOKENS = (attrgetter(a) for a in ("num_computed_tokens", "slot", "token_ids"))
@@ -109,7 +108,7 @@ class PrefillInputs:
         self.offsets = offsets
         self.size = size
         pin = device.type == "cuda"
-        self.staging = torch.zeros((STAGING_COPIES, size), dtype=torch.int64, pin_memory=pin)
+        self.staging = torch.zeros((2, size), dtype=torch.int64, pin_memory=pin)
         self.inputs = torch.zeros(size, dtype=torch.int64, device=device)
         self._device_views: dict[PrefillBucket, dict[str, torch.Tensor]] = {}
         self._host_views: dict[tuple[int, PrefillBucket], dict[str, np.ndarray]] = {}

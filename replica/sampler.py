@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 import kernels
-from replica.decode_inputs import STAGING_COPIES
 from replica.sampling_params import SamplingParams
 
 # The sampling graphs of a decode graph size, as (top_k, top_p): temperature alone (two
@@ -222,7 +221,7 @@ class GraphSamplingInputs:
         vocab_size: int,
         device: torch.device,
         packed: torch.Tensor | None = None,  # [buffer_length(max_rows)] int64 on the device
-        staging: list[torch.Tensor] | None = None,  # its host copies, pinned
+        staging: list[torch.Tensor] | None = None,  # its two host copies, pinned
     ) -> None:
         """packed and staging: buffers a caller copies itself (ModelRunner: the decode
         inputs' sampling region, in the step's one copy; it then calls stage, not
@@ -232,13 +231,10 @@ class GraphSamplingInputs:
         length = self.buffer_length(max_rows)
         if packed is None:
             packed = torch.zeros(length, dtype=torch.int64, device=device)
-            # Host staging, one copy per ModelRunner parity: a step's copy may still be
-            # pending while the next steps fill the others.
+            # Host staging, two copies (ModelRunner's parity): a step's copy may still be
+            # pending while the next step fills the other.
             pin = device.type == "cuda"
-            staging = [
-                torch.zeros(length, dtype=torch.int64, pin_memory=pin)
-                for _ in range(STAGING_COPIES)
-            ]
+            staging = [torch.zeros(length, dtype=torch.int64, pin_memory=pin) for _ in "01"]
         elif staging is None or len(packed) < length or min(map(len, staging)) < length:
             raise ValueError(f"packed, staging: {length} int64s each, and both are needed")
         self.packed = packed

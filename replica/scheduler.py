@@ -129,8 +129,10 @@ class Scheduler:
         num_blocks = bm.blocks_needed(len(seq))
         hashes: list[int] = []
         if bm.enable_prefix_caching:
-            # A preempted sequence's newest tokens may still be on the device.
-            hashes = seq.full_block_hashes(bm.block_size, seq.num_known_tokens)
+            # A preempted sequence's newest token may still be on the device.
+            hashes = seq.full_block_hashes(
+                bm.block_size, len(seq) - (seq.token_ids[-1] == PLACEHOLDER)
+            )
             num_blocks -= charge_queued(
                 hashes, len(seq), bm.block_size, bm.hash_to_block, self._queued_hash_refs
             )
@@ -237,7 +239,7 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[i]
             if seq.token_ids[-1] == PLACEHOLDER:
-                break  # a preempted sequence waits for its in-flight tokens to come back
+                break  # a preempted sequence waits for its in-flight token to come back
             if in_progress and bm.first_uncached_hash(seq) in in_progress:
                 i += 1
                 continue

@@ -102,16 +102,6 @@ class Sequence:
         )
 
     @property
-    def num_known_tokens(self) -> int:
-        """Tokens whose values the host has: all but the trailing PLACEHOLDERs (one per
-        step in flight for this sequence, LLMEngine keeps at most two)."""
-        tokens = self.token_ids
-        n = len(tokens)
-        while n and tokens[n - 1] == PLACEHOLDER:
-            n -= 1
-        return n
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 

@@ -7,9 +7,6 @@
 #            batch size RUNS times (default 3), the table the median run
 #   ab       bench.engine gpt2 fp16 at 256 with each EXTRA_AB flag, then without (REPEAT),
 #            each with AB_ARGS (e.g. "--hf --repeat 3")
-#   deep     bench.engine gpt2 fp16 at 256, one step in flight (--deep-overlap-rows=0) and
-#            the default (two deep), alternating (REPEAT), at each host delay of DELAYS ms
-#            (default "0 0.3": a slower host's extra work per step, emulated)
 #   itl      bench.engine gpt2 fp16 ITL runs at batch 64 with each ITL_AB flag (default
 #            --mixed-prefill-tokens=0), then without (REPEAT)
 #   qwen3    bench.engine qwen3-0.6b bf16 with HF and the ITL runs
@@ -53,15 +50,6 @@ for part in ${PARTS:-diag}; do
         engine gpt2 float16 "ab${flag}_r$rep" --batch 256 "$flag" ${AB_ARGS:-}
         # shellcheck disable=SC2086
         engine gpt2 float16 "ab_default_r$rep" --batch 256 ${AB_ARGS:-}
-      done
-    done ;;
-  deep)
-    for delay in ${DELAYS:-0 0.3}; do
-      for rep in $(seq "${REPEAT:-1}"); do
-        engine gpt2 float16 "deep0_d${delay}_r$rep" --batch 256 --repeat "${RUNS:-3}" \
-          --host-delay-ms "$delay" --deep-overlap-rows 0
-        engine gpt2 float16 "deep_d${delay}_r$rep" --batch 256 --repeat "${RUNS:-3}" \
-          --host-delay-ms "$delay"
       done
     done ;;
   itl)

@@ -33,24 +33,17 @@ def test_a_sampled_run_emits_every_token():
     assert run.output_tokens == 4 * 5 and run.decode_tokens == 4 * 4
 
 
-@pytest.mark.parametrize("deep_overlap_rows", [0, 1])
-def test_calls_count_as_decode_by_the_step_they_collect(deep_overlap_rows):
-    """One step in flight or two: the decode calls account for every decode step's tokens,
-    and no call that collects a prompt step (or nothing) counts among them."""
-    engine = LLMEngine(
-        EngineConfig(
-            model="gpt2-tiny", device="cpu", max_num_seqs=4, deep_overlap_rows=deep_overlap_rows
-        )
-    )
+def test_calls_count_as_decode_by_the_step_they_collect():
+    """The decode calls account for every decode step's tokens, and no call that collects
+    a prompt step (or nothing) counts among them."""
+    engine = LLMEngine(EngineConfig(model="gpt2-tiny", device="cpu", max_num_seqs=4))
     prompts = random_prompts(4, 6, engine.model_config.vocab_size, 2)
     run = run_engine(engine, prompts, 6, GREEDY, host_delay_s=1e-4)
     assert run.output_tokens == 4 * 6 and run.decode_tokens == 4 * 5
-    # A prompt step and five decode steps in seven calls. One deep: the second call
-    # collects the prompt step, each later one a decode step. Two deep: the third collects
-    # the prompt step, the last (which launches nothing) the last two decode steps.
-    assert len(run.other_steps) == (3 if deep_overlap_rows else 2)
-    assert len(run.decode_phases_s) == (4 if deep_overlap_rows else 5)
-    assert [o[5] for o in run.other_steps] == [0] * (len(run.other_steps) - 1) + [4 * 6]
+    # A prompt step and five decode steps in seven calls: the first collects nothing, the
+    # second the prompt step, each later one a decode step (the last launches nothing).
+    assert [o[5] for o in run.other_steps] == [0, 4 * 6]
+    assert len(run.decode_phases_s) == 5
     assert min(w for w, *_ in run.decode_phases_s) >= 1e-4  # the host delay is in each wall
 
 

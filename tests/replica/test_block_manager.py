@@ -8,7 +8,7 @@ from replica.block_manager import BlockManager
 from replica.config import CacheConfig
 from replica.hashing import SUMMARY_STRIDE, prefix_block_hashes
 from replica.sampling_params import SamplingParams
-from replica.sequence import PLACEHOLDER, Sequence
+from replica.sequence import Sequence
 
 PARAMS = SamplingParams(max_tokens=8)
 
@@ -112,31 +112,6 @@ def test_summary_follows_reuse_and_eviction():
         for limit in (1, 16, 40, 64, 200):
             assert bm.recent_hashes(limit) == thinned(newest_first, limit)
     assert len(bm.hash_to_block) < 40 * 8  # evictions happened
-
-
-def test_commit_hashes_no_token_still_on_the_device():
-    """Two steps in flight: the newest computed position may hold a PLACEHOLDER (a token
-    the host has not seen). A block ending there is hashed once the token is known, as
-    the hash of its real tokens, so a later prompt with those tokens hits it."""
-    bm = make_manager()
-    seq = make_seq(range(7))
-    bm.allocate(seq)
-    compute_all(bm, seq)  # the prompt: one full block, hashed
-    seq.token_ids.append(PLACEHOLDER)  # the prefill's sample, position 7
-    seq.num_computed_tokens += 1  # a decode step with it as input, in flight
-    seq.token_ids.append(PLACEHOLDER)  # that step's sample
-    assert seq.num_known_tokens == 7
-    bm.commit(seq)  # positions 0-7 computed, 7 unknown: the second block waits
-    assert seq.num_committed_blocks == 1 and len(seq.block_hashes) == 1
-    seq.token_ids[7] = 42  # the prefill's token comes back
-    bm.commit(seq)
-    assert seq.num_committed_blocks == 2
-    assert seq.block_hashes == prefix_block_hashes([0, 1, 2, 3, 4, 5, 6, 42], 4)
-    bm.free(seq)
-    again = make_seq([0, 1, 2, 3, 4, 5, 6, 42, 9])
-    bm.allocate(again)
-    assert again.num_cached_tokens == 8
-    bm.check_invariants([again])
 
 
 def test_whole_prompt_hit_still_leaves_the_last_token_to_compute():

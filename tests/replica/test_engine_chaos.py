@@ -81,12 +81,7 @@ ENGINES = [
     # no mixed steps: every prompt chunk in the prefill forward
     dict(block_size=16, num_blocks=14, max_num_seqs=4, mixed_prefill_tokens=0),
     dict(block_size=32, num_blocks=6, max_num_seqs=8, max_num_batched_tokens=40),
-    # case 0's pool with every step two deep: two placeholders per sequence in flight when
-    # it stops, is preempted or aborted
-    dict(block_size=16, num_blocks=10, max_num_seqs=6, max_num_batched_tokens=24,
-         deep_overlap_rows=1),
-]  # fmt: skip
-SCENARIOS = [0, 1, 2, 0]  # each engine's scenario seed: the last is case 0's again
+]
 
 
 @dataclass
@@ -175,15 +170,14 @@ def compared(run: Run, reqs: list[Req]) -> list[list[int] | None]:
 @pytest.mark.parametrize("case", range(len(ENGINES)))
 def test_random_schedules_lose_nothing_and_keep_every_requests_tokens(checkpoint, case):
     path, hf_model = checkpoint
-    reqs = scenario(SCENARIOS[case], hf_model)
+    reqs = scenario(case, hf_model)
     engine = make_engine(path, **ENGINES[case])
     run = drive(engine, reqs, seed=case)
     check_run(run, reqs, hf_model)
     # What the schedules exercise: stops met, aborts in flight, cache hits, preemption.
     assert sum(r.kind == "stop" and run.reasons[i] == "stop" for i, r in enumerate(reqs)) > 0
     assert len(run.aborted) > 0 and run.cached_tokens > 0
-    if ENGINES[case]["num_blocks"] == 10:  # the pool too small for its sequences
-        assert engine.stats().num_preempted_total > 0
+    assert engine.stats().num_preempted_total > 0 or case != 0  # case 0's pool is too small
     alone = make_engine(path, **ENGINES[case])
     for i, r in enumerate(reqs):  # a seed's draws depend on the request alone
         if r.kind == "seeded" and i not in run.aborted:
@@ -201,7 +195,7 @@ def test_gpu_random_schedules_float32_is_hfs_and_graphs_change_no_token(checkpoi
     """On the GPU: in float32 every greedy request gets transformers' tokens; in float16 and
     bfloat16 greedy and seeded requests get the same tokens with CUDA graphs on and off."""
     path, hf_model = checkpoint
-    reqs = scenario(SCENARIOS[case], hf_model)
+    reqs = scenario(case, hf_model)
     engine = make_engine(path, device="cuda", **ENGINES[case])
     check_run(drive(engine, reqs, seed=case), reqs, hf_model)
     for dtype in ("float16", "bfloat16"):

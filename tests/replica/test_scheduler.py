@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from replica import EngineConfig, LLMEngine, SamplingParams
 from replica.block_manager import BlockManager
 from replica.config import CacheConfig, SchedulerConfig
@@ -144,16 +142,13 @@ def test_count_follows_preemption_for_blocks() -> None:
     assert scheduler.num_waiting_tokens == len(scheduler.waiting[0]) > 5
 
 
-@pytest.mark.parametrize("deep_overlap_rows", [128, 1])
-def test_engine_snapshot_counts_the_queue_through_a_random_workload(deep_overlap_rows) -> None:
-    """The engine's own paths: placeholders in flight when a sequence is preempted (two
-    of them when every step is two deep), stops and length ends while it waits, aborts
-    anywhere, chunks and prefix hits."""
+def test_engine_snapshot_counts_the_queue_through_a_random_workload() -> None:
+    """The engine's own paths: placeholders in flight when a sequence is preempted,
+    stops and length ends while it waits, aborts anywhere, chunks and prefix hits."""
     engine = LLMEngine(
         EngineConfig(
             model="gpt2-tiny", device="cpu", block_size=16, num_blocks=10, max_num_seqs=6,
             max_num_batched_tokens=24, enable_cuda_graphs=False,
-            deep_overlap_rows=deep_overlap_rows,
         )
     )  # fmt: skip
     scheduler = engine.scheduler
