@@ -158,23 +158,24 @@ class StepEvents:
 
 class CollectedSteps:
     """Which launched step each step() collects: LLMEngine keeps one in flight, and a
-    call's wall is mostly its wait for the step it collects. after_step() returns what it
-    collected (none, one, or, from a call that launches nothing, the last) as (prompt
-    tokens, decode sequences, block-table rows changed, tag)."""
+    call's wall is mostly its wait for the step it collects. after_step() returns that
+    step as (prompt tokens, decode sequences, block-table rows changed, tag), or None
+    (the first call collects nothing)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.pending: collections.deque[tuple[int, int, bool, object]] = collections.deque()
 
-    def after_step(self, tag: object = None) -> list[tuple[int, int, bool, object]]:
+    def after_step(self, tag: object = None) -> tuple[int, int, bool, object] | None:
         """Call after each step(); tag marks the step it launched, if any."""
         t = self.engine.last_step
         if t.num_prefill_tokens or t.num_decode_seqs:  # it launched a step
             self.pending.append(
                 (t.num_prefill_tokens, t.num_decode_seqs, t.num_table_rows > 0, tag)
             )
-        num_collected = len(self.pending) - (self.engine.in_flight is not None)
-        return [self.pending.popleft() for _ in range(num_collected)]
+        if len(self.pending) > (self.engine.in_flight is not None):
+            return self.pending.popleft()
+        return None
 
 
 def run_engine(
@@ -217,18 +218,18 @@ def run_engine(
         t = engine.last_step
         collected = steps.after_step(num_launches if events else None)  # its launch index
         phases = (t.schedule_s, t.launch_s, t.wait_s, t.drain_s)
-        if collected and not any(c[0] for c in collected):
-            run.decode_tokens += sum(c[1] for c in collected)
+        if collected and not collected[0]:  # a decode step: no prompt tokens
+            run.decode_tokens += collected[1]
             run.decode_phases_s.append((now - last, *phases))
-            run.decode_boundary.append(any(c[2] for c in collected))
-            run.decode_batch.append(collected[0][1])
+            run.decode_boundary.append(collected[2])
+            run.decode_batch.append(collected[1])
             run.decode_finished.append(sum(o.finished for o in outputs))
             device_list = run.decode_device_ms
         else:
-            run.other_steps.append((now - last, *phases, sum(c[0] for c in collected)))
+            run.other_steps.append((now - last, *phases, collected[0] if collected else 0))
             device_list = run.other_device_ms
         if events:
-            launches.append((device_list, collected[0][3] if collected else None))
+            launches.append((device_list, collected[3] if collected else None))
         last = now
     run.wall_s = time.perf_counter() - start
     if events:

@@ -32,7 +32,7 @@ from replica import EngineConfig, LLMEngine, SamplingParams
 
 
 class StepClock:
-    """Wraps engine.step: each step's start, whether the steps it collected ran decode
+    """Wraps engine.step: each step's start, whether the step it collected ran decode
     rows alone (bench.engine.CollectedSteps), and how many requests it ended."""
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -47,13 +47,13 @@ class StepClock:
             self.starts.append(time.perf_counter())
             outputs = step()
             collected = steps.after_step()
-            self.decode_only.append(bool(collected) and not any(c[0] for c in collected))
-            self.prompt_tokens.append(sum(c[0] for c in collected))
+            self.decode_only.append(collected is not None and not collected[0])
+            self.prompt_tokens.append(collected[0] if collected else 0)
             self.ended.append(sum(o.finished for o in outputs))
             return outputs
 
         engine.step = timed_step
-        self._engine, self._step = engine, step
+        self._engine = engine
 
     def close(self, end: float) -> dict:
         """Per-step walls (each step's start to the next's, the last to end), summarized."""
