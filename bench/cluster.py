@@ -45,7 +45,7 @@ from bench.common import (
     write_json,
 )
 from cluster.config import ClusterConfig
-from replica.outputs import RequestOutput
+from replica.outputs import StepOutputs
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
 
@@ -101,28 +101,21 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepOutputs:
         if self.step_s > self.host_s:
             time.sleep(self.step_s - self.host_s)
         if self.host_s > 0:
             spin_until_s = time.perf_counter() + self.host_s
             while time.perf_counter() < spin_until_s:  # pure Python: the GIL is held
                 pass
-        outputs = []
+        outputs = StepOutputs([], [], {})
         for request_id, r in list(self.requests.items())[: self.max_num_seqs]:
             r.num_generated += 1
-            finished = r.num_generated >= r.max_tokens
-            outputs.append(
-                RequestOutput(
-                    request_id,
-                    [r.num_generated % 50000],
-                    finished,
-                    "length" if finished else None,
-                    r.num_prompt_tokens,
-                )
-            )
-            if finished:
+            if r.num_generated >= r.max_tokens:
+                outputs.finishes[len(outputs)] = ("length", r.num_prompt_tokens, 0)
                 del self.requests[request_id]
+            outputs.request_ids.append(request_id)
+            outputs.token_ids.append(r.num_generated % 50000)
         return outputs
 
     def stats(self, with_hashes: bool = True) -> ReplicaStats:  # it caches nothing
@@ -160,7 +153,7 @@ class PacedEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepOutputs:
         start_s = time.perf_counter()
         outputs = self.engine.step()
         time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - start_s)))
@@ -216,7 +209,7 @@ def engine_ttft_s(config: ClusterConfig, prompts: list[list[int]], max_tokens: i
         sync()
         start_s = time.perf_counter()
         engine.add_request(f"direct-{i}", prompt, _ttft_params(max_tokens))
-        while not any(out.new_token_ids for out in engine.step()):
+        while not engine.step().token_ids:
             pass
         sync()
         times.append(time.perf_counter() - start_s)

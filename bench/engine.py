@@ -214,7 +214,7 @@ def run_engine(
             while time.perf_counter() < until:
                 pass
         now = time.perf_counter()
-        run.output_tokens += sum(len(o.new_token_ids) for o in outputs)
+        run.output_tokens += len(outputs.token_ids)  # StepOutputs: one token a row
         t = engine.last_step
         collected = steps.after_step(num_launches if events else None)  # its launch index
         phases = (t.schedule_s, t.launch_s, t.wait_s, t.drain_s)
@@ -223,7 +223,7 @@ def run_engine(
             run.decode_phases_s.append((now - last, *phases))
             run.decode_boundary.append(collected[2])
             run.decode_batch.append(collected[1])
-            run.decode_finished.append(sum(o.finished for o in outputs))
+            run.decode_finished.append(len(outputs.finishes))
             device_list = run.decode_device_ms
         else:
             run.other_steps.append((now - last, *phases, collected[0] if collected else 0))

@@ -49,7 +49,7 @@ class StepClock:
             collected = steps.after_step()
             self.decode_only.append(collected is not None and not collected[0])
             self.prompt_tokens.append(collected[0] if collected else 0)
-            self.ended.append(sum(o.finished for o in outputs))
+            self.ended.append(len(outputs.finishes))
             return outputs
 
         engine.step = timed_step

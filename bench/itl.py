@@ -79,9 +79,8 @@ def steady_itl(engine: LLMEngine, batch: int, steps: int, vocab: int) -> dict:
             sizes.append(engine.last_step.num_decode_seqs)
         last = now
         num_steps += 1
-        for out in outputs:
-            if out.finished:
-                add(lifetime)
+        for _ in outputs.finishes:
+            add(lifetime)
     for request_id in list(engine.requests):
         engine.abort(request_id)
     engine.step()  # collects the step still in flight

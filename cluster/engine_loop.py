@@ -16,13 +16,14 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.messages import ERROR_FINISH, StepBatch
 from cluster.metrics import ReplicaMetrics
+from replica.outputs import StepOutputs
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
 
@@ -227,19 +228,19 @@ class EngineLoop:
         self.load_stats = self._engine.stats(with_hashes=False).to_msgpack()
         self._load_stats_at_s = time.monotonic()
 
-    def _fan_out(self, outputs: list[Any]) -> None:
+    def _fan_out(self, outputs: Sequence[Any]) -> None:
         """One StepBatch per caller with output in this step (runs once per step, on the
-        engine thread: kept to list appends, no object per token)."""
+        engine thread: kept to list appends, no object per token). An LLMEngine's
+        StepOutputs is read by its columns, with no RequestOutput made per row."""
         now_s = time.monotonic()
         batches: dict[str, StepBatch] = {}
         tracked_by_id = self._tracked
         any_finished = False
-        for out in outputs:
-            request_id = out.request_id
+        for request_id, token_ids, finish_reason in _rows(outputs):
             tracked = tracked_by_id.get(request_id)
             if tracked is None:
                 continue  # aborted: its final delta is already sent
-            token_ids, finished = out.new_token_ids, out.finished
+            finished = finish_reason is not None
             if not token_ids and not finished:
                 continue  # e.g. a prefill chunk: nothing for the caller yet
             if tracked.first_token_s is None or finished:
@@ -250,7 +251,7 @@ class EngineLoop:
             if batch is None:
                 batch = batches[tracked.caller_id] = StepBatch()
             if finished:
-                batch.add(request_id, token_ids, out.finish_reason or "stop", first)
+                batch.add(request_id, token_ids, finish_reason, first)
                 del tracked_by_id[request_id]
                 any_finished = True
             else:
@@ -271,6 +272,23 @@ class EngineLoop:
         num_tokens = tracked.num_tokens + num_new
         if finished and num_tokens > 1 and tracked.first_token_s is not None:
             self._metrics.tpot_s.observe((now_s - tracked.first_token_s) / (num_tokens - 1))
+
+
+def _rows(outputs: Sequence[Any]) -> Iterable[tuple[str, list[int], str | None]]:
+    """(request id, new token ids, finish reason or None) per output of a step: a
+    StepOutputs by its columns, else each RequestOutput's fields (test and bench engines)."""
+    if isinstance(outputs, StepOutputs):
+        ends = outputs.finishes
+        return (
+            (request_id, [token], ends[i][0] if i in ends else None)
+            for i, (request_id, token) in enumerate(
+                zip(outputs.request_ids, outputs.token_ids, strict=True)
+            )
+        )
+    return (
+        (out.request_id, out.new_token_ids, (out.finish_reason or "stop") if out.finished else None)
+        for out in outputs
+    )
 
 
 def default_engine_factory(config: ClusterConfig, replica_id: str, num_gpus: float) -> Any:

@@ -2,7 +2,7 @@
 
 from replica.config import CacheConfig, EngineConfig, SchedulerConfig
 from replica.engine import LLMEngine
-from replica.outputs import CompletionOutput, RequestOutput
+from replica.outputs import CompletionOutput, RequestOutput, StepOutputs
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
 
@@ -15,4 +15,5 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "StepOutputs",
 ]

@@ -7,14 +7,16 @@ import time
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from operator import attrgetter
 
+import numpy as np
 import torch
 
 from replica.block_manager import BlockManager
 from replica.config import CacheConfig, EngineConfig, SchedulerConfig
 from replica.model_runner import ModelRunner, StepHandle
 from replica.models import load_model_config, load_tokenizer
-from replica.outputs import CompletionOutput, RequestOutput
+from replica.outputs import CompletionOutput, StepOutputs
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch, Scheduler
 from replica.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -23,12 +25,22 @@ from replica.stats import ReplicaStats
 
 @dataclass
 class InFlightStep:
-    """A launched step: which sequences sample, where their tokens go, and the handle."""
+    """A launched step: which sequences sample, where their tokens go, and the handle.
+
+    Columns per sampling row, for drain's checks in a few numpy passes: each sequence's
+    slot (its row of the engine's per-slot stop and length columns) and the index of its
+    placeholder in its token_ids.
+    """
 
     seqs: list[Sequence]
-    indices: list[int]  # position in each sequence's token_ids of its placeholder
+    request_ids: tuple[str, ...]
+    slots: np.ndarray  # [num_seqs] int64
+    indices: np.ndarray  # [num_seqs] int64
     handle: StepHandle
     num_table_rows: int  # block-table rows copied to the device for this step
+    # LLMEngine.num_ends + preemptions at launch: unchanged at drain, each row's sequence
+    # still runs, in the slot it had (a preempted one's slot may have a new sequence).
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,13 @@ class StepTimings:
     num_decode_seqs: int
     num_table_rows: int  # block-table rows that changed (block rollovers, admissions, frees)
 
+
+_REQUEST_ID, _SLOT, _STATUS, _TOKEN_IDS = (
+    attrgetter("request_id"), attrgetter("slot"), attrgetter("status"), attrgetter("token_ids"),
+)  # fmt: skip
+# A slot's stop column when its sequence has no stop token (no token matches it), or
+# several (their rows are checked in Python).
+_NO_STOP, _MANY_STOPS = -1, -2
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _TOKENS_PER_S_WINDOW_S = 2.0
@@ -70,7 +89,8 @@ class LLMEngine:
 
     Use generate() for blocking batch inference, or add_request / step / abort
     to drive it from a serving loop: each step() returns the new tokens of
-    every request that advanced (RequestOutput deltas, one per request).
+    every request that advanced (StepOutputs: RequestOutput deltas, one per request,
+    with their columns).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -114,13 +134,22 @@ class LLMEngine:
         # Decode blocks that filled up, hashed a few per step (_commit_filled_blocks).
         self._filled: deque[Sequence] = deque()
         # Each running sequence fills at most one block per block_size steps, so this
-        # budget keeps up with any batch while spreading a batch-wide rollover over steps.
-        self._commits_per_step = 2 * -(-config.max_num_seqs // config.block_size)
+        # budget keeps up with any batch (and works off a backlog by one a step) while
+        # spreading a batch-wide rollover evenly over the steps until the next one.
+        self._commits_per_step = -(-config.max_num_seqs // config.block_size) + 1
         # Sequences that ended on a sampled token keep their blocks until drain releases
         # them, this many a step (Scheduler.finish's defer_release): a cohort of 64 ending
         # together at 256 rows is spread over four steps' host slack instead of one
         # step's ~1 ms (its blocks are released at once when admission or preemption needs them).
         self._releases_per_step = -(-config.max_num_seqs // 16)
+        # Per slot (block-table row), what drain checks each sampled token against, set
+        # when a sequence's prompt completes in that slot: its stop token (or _NO_STOP,
+        # _MANY_STOPS), and its max_len.
+        num_slots = config.max_num_seqs + 1
+        self._slot_stop = np.full(num_slots, _NO_STOP, dtype=np.int64)
+        self._slot_max_len = np.zeros(num_slots, dtype=np.int64)
+        self.num_ends = 0  # sequences finished or aborted so far (InFlightStep.epoch)
+        self._last_launch: InFlightStep | None = None
         # Start-up objects (model, graphs, tokenizer) go to the collector's permanent
         # generation, so its full passes during serving do not walk them (ITL spikes).
         gc.freeze()
@@ -185,6 +214,7 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
+        self.num_ends += 1
         self.scheduler.finish(seq, "abort")
         self.runner.release(request_id)
         return True
@@ -193,7 +223,7 @@ class LLMEngine:
         return bool(self.requests)
 
     # ---- the loop -------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepOutputs:
         """Schedule and launch the next step, then collect the one before it.
 
         The device runs step N while the host schedules N + 1 and turns N - 1's
@@ -220,6 +250,7 @@ class LLMEngine:
     def launch(self, batch: ScheduledBatch) -> InFlightStep | None:
         """Enqueue the batch on the device and advance the host-side bookkeeping."""
         if batch.is_empty:
+            self._last_launch = None
             return None
         bm = self.block_manager
         dirty_slots = bm.take_dirty_slots()
@@ -230,45 +261,88 @@ class LLMEngine:
             bm.commit(seq)
             if seq.num_computed_tokens == len(seq.token_ids):
                 sampled.append(seq)
-        indices = []
-        for seq in sampled:
-            indices.append(len(seq.token_ids))
+        for seq in sampled:  # its first sampled token: its slot's columns for drain
+            stops = seq.stop_ids
+            self._slot_stop[seq.slot] = (
+                next(iter(stops)) if len(stops) == 1 else _MANY_STOPS if stops else _NO_STOP
+            )
+            self._slot_max_len[seq.slot] = seq.max_len
             seq.token_ids.append(PLACEHOLDER)
-        for seq in batch.decode_seqs:
+        decode_seqs = batch.decode_seqs
+        for seq in decode_seqs:
             seq.num_computed_tokens += 1
-            tokens = seq.token_ids
-            indices.append(len(tokens))
-            tokens.append(PLACEHOLDER)
-        sampled += batch.decode_seqs
-        return InFlightStep(sampled, indices, handle, len(dirty_slots))
+            seq.token_ids.append(PLACEHOLDER)
+        last, n = self._last_launch, len(sampled) + len(decode_seqs)
+        if not sampled and last is not None and last.seqs == decode_seqs:
+            # The sequences of the launch before, in its order, each one token on (most
+            # decode steps): its columns, each placeholder one further.
+            request_ids, slots, indices = last.request_ids, last.slots, last.indices + 1
+        else:
+            seqs = sampled + decode_seqs
+            request_ids = tuple(map(_REQUEST_ID, seqs))
+            slots = np.fromiter(map(_SLOT, seqs), np.int64, n)
+            indices = np.fromiter(map(len, map(_TOKEN_IDS, seqs)), np.int64, n) - 1
+        step = InFlightStep(
+            sampled + decode_seqs if sampled else decode_seqs, request_ids, slots, indices,
+            handle, len(dirty_slots), self._epoch(),
+        )  # fmt: skip
+        self._last_launch = step
+        return step
 
-    def drain(self) -> list[RequestOutput]:
-        """Wait for the in-flight step's tokens; fill placeholders, stop, emit deltas."""
+    def drain(self) -> StepOutputs:
+        """Wait for the in-flight step's tokens; fill placeholders, stop, emit deltas.
+
+        The checks run over the step's columns (InFlightStep) in numpy; Python visits
+        each row once to write its token, and again only the rows that may stop (a stop
+        token, several stop tokens, max_len) or whose block filled up.
+        """
         step, self.in_flight = self.in_flight, None
         if step is None:
-            return []
+            return StepOutputs()
         tokens = step.handle.wait()
-        block_size = self.block_manager.block_size
-        outputs = []
-        finished, filled = SequenceStatus.FINISHED, self._filled
-        for seq, index, token in zip(step.seqs, step.indices, tokens, strict=True):
-            if seq.status is finished:
-                continue  # aborted, or stopped a step ago: this token is not part of it
-            seq.token_ids[index] = token
+        seqs, request_ids, slots, indices = step.seqs, step.request_ids, step.slots, step.indices
+        finished = SequenceStatus.FINISHED
+        live = None  # all rows, unless a sequence ended or was preempted since the launch
+        if self._epoch() != step.epoch:
+            statuses = list(map(_STATUS, seqs))
+            # A finished sequence (aborted, or stopped a step ago) takes no token; a
+            # preempted one does, and is checked in Python (its slot's columns may be
+            # another sequence's now).
+            live = np.fromiter((st is not finished for st in statuses), bool, len(seqs))
+            moved = np.fromiter((st is SequenceStatus.WAITING for st in statuses), bool, len(seqs))
+        for seq, index, token in zip(seqs, indices.tolist(), tokens, strict=True):
+            if live is None or seq.status is not finished:
+                seq.token_ids[index] = token
+        token_array = np.asarray(tokens, dtype=np.int64)
+        ends_at = indices + 1
+        stop = self._slot_stop[slots]
+        check = (
+            (token_array == stop) | (stop == _MANY_STOPS) | (ends_at >= self._slot_max_len[slots])
+        )
+        filled = ends_at % self.block_manager.block_size == 0
+        if live is not None:
+            check = (check | moved) & live
+            filled &= live
+        ends: dict[int, tuple[str, int, int]] = {}
+        for i in np.flatnonzero(check).tolist():
+            seq, index, token = seqs[i], int(indices[i]), tokens[i]
             if token in seq.stop_ids:
-                self._finish(seq, index, "stop", outputs)
+                ends[i] = self._finish(seq, index, "stop")
             elif index + 1 >= seq.max_len:
-                self._finish(seq, index, "length", outputs)
-            else:
-                outputs.append(RequestOutput(seq.request_id, [token]))
-                if (index + 1) % block_size == 0:
-                    filled.append(seq)  # the block ending here is now known
+                ends[i] = self._finish(seq, index, "length")
+        for i in np.flatnonzero(filled).tolist():
+            if i not in ends:
+                self._filled.append(seqs[i])  # the block ending here is now known
         self._commit_filled_blocks()
         # An engine with nothing left running hands everything back (it may go idle).
         self.scheduler.release_retired(self._releases_per_step if self.scheduler.running else None)
         self._token_events.append((self.clock(), len(tokens)))
         self._num_window_tokens += len(tokens)
-        return outputs
+        if live is None:
+            return StepOutputs(request_ids, tokens, ends)
+        rows = np.flatnonzero(live).tolist()
+        ends = {j: ends[i] for j, i in enumerate(rows) if i in ends}
+        return StepOutputs([request_ids[i] for i in rows], [tokens[i] for i in rows], ends)
 
     def _commit_filled_blocks(self) -> None:
         """Register the hashes of decode blocks that filled up, at most _commits_per_step
@@ -286,22 +360,18 @@ class LLMEngine:
             if seq.status is SequenceStatus.RUNNING:
                 bm.commit(seq)
 
-    def _finish(self, seq: Sequence, index: int, reason: str, outputs: list) -> None:
+    def _epoch(self) -> int:
+        return self.num_ends + self.scheduler.num_preempted_total
+
+    def _finish(self, seq: Sequence, index: int, reason: str) -> tuple[str, int, int]:
+        """End a sequence on its token at index; its StepOutputs.finishes entry."""
         del seq.token_ids[index + 1 :]  # a placeholder launched after the stop
         seq.num_computed_tokens = min(seq.num_computed_tokens, index)
+        self.num_ends += 1
         self.scheduler.finish(seq, reason, defer_release=True)
         del self.requests[seq.request_id]
         self.runner.release(seq.request_id)
-        outputs.append(
-            RequestOutput(
-                seq.request_id,
-                [seq.token_ids[-1]],
-                True,
-                reason,
-                seq.num_prompt_tokens,
-                seq.num_cached_tokens,
-            )  # fmt: skip
-        )
+        return reason, seq.num_prompt_tokens, seq.num_cached_tokens
 
     # ---- offline --------------------------------------------------------------
     def generate(
@@ -336,16 +406,15 @@ class LLMEngine:
                 self.abort(request_id)
             raise ValueError(f"prompts[{len(ids)}]: {e}") from None
         tokens: dict[str, list[int]] = {i: [] for i in ids}
-        finals: dict[str, RequestOutput] = {}
+        finals: dict[str, tuple[str, int, int]] = {}  # (reason, prompt tokens, cached tokens)
         while len(finals) < len(ids):
-            for out in self.step():
-                tokens[out.request_id] += out.new_token_ids
-                if out.finished:
-                    finals[out.request_id] = out
+            outs = self.step()
+            for request_id, token in zip(outs.request_ids, outs.token_ids, strict=True):
+                tokens[request_id].append(token)
+            for i, end in outs.finishes.items():
+                finals[outs.request_ids[i]] = end
         return [
-            CompletionOutput(
-                i, list(p), tokens[i], finals[i].finish_reason, finals[i].num_cached_tokens
-            )
+            CompletionOutput(i, list(p), tokens[i], finals[i][0], finals[i][2])
             for i, p in zip(ids, prompts, strict=True)
         ]
 
