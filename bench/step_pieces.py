@@ -4,7 +4,7 @@
 
 Wraps the engine's methods with perf_counter: the scheduler's schedule, the runner's
 launch and its parts (staging the inputs, their copy, the decode forward: the graph
-replay call on CUDA, the sampling batch, the tokens' copy to the host), the engine's
+replay call on CUDA, the tokens' copy to the host), the engine's
 launch and drain. Prints each one's median over --steps decode steps per batch: where
 a step's host time goes on the machine that runs it. On CUDA it also times a bare graph
 replay call and an event's creation and record. On the CPU (gpt2-tiny) the decode
@@ -29,8 +29,7 @@ _PIECES = (  # (what to wrap, the method's name, the name printed)
     ("step_inputs", "fill", "fill"),
     ("step_inputs", "upload", "upload"),
     ("runner", "_run_decode", "decode"),  # on CUDA: the graph replay call
-    ("runner", "_sampling_batch", "sampling batch"),
-    ("runner", "_sample", "tokens to host"),
+    ("runner", "_tokens_to_host", "tokens to host"),
     ("runner", "launch", "runner.launch"),
     ("engine", "launch", "engine.launch"),
     ("engine", "drain", "drain"),

@@ -78,6 +78,7 @@ class DecodeInputs:
         self.sampling_staging = [
             self.staging[parity, : self._inputs_at].view(torch.int64) for parity in (0, 1)
         ]
+        self._views_by_copy: dict[tuple[int, int, int, int], tuple] = {}  # _upload_views
         # The last fill's parity and decode sequences, when it staged no prompt chunks.
         self._last: tuple[int, list[Sequence]] | None = None
 
@@ -189,6 +190,18 @@ class DecodeInputs:
         else:
             return
         start = 0 if with_sampling else self._inputs_at
-        self.device_bytes[start:end].copy_(self.staging[parity, start:end], non_blocking=True)
+        dst, src, row_ids, rows = self._upload_views(parity, start, end, n)
+        dst.copy_(src, non_blocking=True)
         if n:
-            device_block_table.index_copy_(0, self._row_ids[:n], self._rows[:n])
+            device_block_table.index_copy_(0, row_ids, rows)
+
+    def _upload_views(self, parity: int, start: int, end: int, n: int) -> tuple:
+        """upload's tensors: made once per shape of copy (a view is a few us of the host's
+        time, and the buffers never move)."""
+        key = (parity, start, end, n)
+        views = self._views_by_copy.get(key)
+        if views is None:
+            views = self.device_bytes[start:end], self.staging[parity, start:end]
+            views += (self._row_ids[:n], self._rows[:n])
+            self._views_by_copy[key] = views
+        return views

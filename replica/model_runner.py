@@ -185,6 +185,7 @@ class ModelRunner:
         self.token_events = [torch.cuda.Event() for _ in range(2)] if pin else []
         self.parity = 0
         self.token_buf = torch.zeros(rows, dtype=torch.int64, device=device)  # last token per slot
+        self._greedy_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         # Sampling (replica.sampler): kernels.sampling on CUDA, with Philox keys (a request's
         # seed, or one drawn here per step); torch ops and torch Generators on the CPU.
         self.fused_sampling = device.type == "cuda"
@@ -288,12 +289,16 @@ class ModelRunner:
             first, done = self.step_inputs.fill(self.parity, decode_seqs, padded, chunks)
         else:
             self.step_inputs.forget()
-        # A decode (or mixed) forward that alone samples, not all greedy: its sampling
-        # graph's parameters are staged now, to ride in the step's one copy.
-        graph_kind = None
-        if num_rows and not (prefill_seqs and not mixed and _completes_any(batch)):
+        # A decode (or mixed) forward that alone samples: all greedy, its tokens are the
+        # graph's argmax; else its sampling graph's parameters are staged now, to ride in
+        # the step's one copy.
+        prefill_forward = bool(prefill_seqs) and not mixed
+        graph_kind, decode_alone = None, False
+        if num_rows and not (prefill_forward and _completes_any(batch)):
             graph_seqs = done + decode_seqs
-            if self._graph_samples(graph_seqs):
+            decode_alone = True
+            greedy_alone = all(map(_GREEDY, graph_seqs))  # a C-level pass: 256 rows a step
+            if self.graph_sampling is not None and not greedy_alone:
                 graph_kind = self.graph_sampling.stage(
                     [s.params for s in graph_seqs], [len(s) for s in graph_seqs],
                     self.step_keys.getrandbits(63), padded, first, self.parity,
@@ -308,9 +313,14 @@ class ModelRunner:
                 self.kv_cache, torch.tensor(src, device=self.device),
                 torch.tensor(dst, device=self.device),
             )  # fmt: skip
+        if decode_alone and greedy_alone and not prefill_forward:  # most steps
+            _, decode_greedy = self._run_decode(padded, mixed)
+            if num_rows == first:
+                return StepHandle(self.token_staging[self.parity, :0], None)
+            return self._tokens_to_host(*self._greedy_rows(decode_greedy, mixed, first, num_rows))
         # Per forward that samples: its logits, token_buf rows, and argmax where it took one.
         logits, slots, greedy, sampled_seqs = [], [], [], []
-        if prefill_seqs and not mixed:
+        if prefill_forward:
             prefill_logits, prefill_done, done_slots = self._run_prefill(prefill_seqs, prefill_lens)
             if prefill_done:
                 logits.append(prefill_logits)
@@ -360,6 +370,20 @@ class ModelRunner:
                 tokens = sample(rows, sampling, self.generator)
             self.token_buf.index_copy_(0, cat(slots), tokens)
         return self._tokens_to_host(tokens, host)
+
+    def _greedy_rows(
+        self, greedy: torch.Tensor, mixed: bool, first: int, num_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A greedy decode forward's sampled rows of its argmax, and their host staging.
+        A graph's outputs never move, so their views are made once (a view is a few us
+        of the host's time, which on a slow host sets a 256-row step's pace)."""
+        key = (mixed, len(greedy), first, num_rows, self.parity)  # len: the graph's size
+        views = self._greedy_views.get(key)
+        if views is None:
+            views = greedy[first:num_rows], self.token_staging[self.parity, : num_rows - first]
+            if self.use_cuda_graphs:
+                self._greedy_views[key] = views
+        return views
 
     def _tokens_to_host(self, tokens: torch.Tensor, host: torch.Tensor) -> StepHandle:
         if self.device.type == "cpu":
@@ -547,11 +571,6 @@ class ModelRunner:
             graph.replay()
         torch.cuda.synchronize(self.device)
         return graphs, pool
-
-    def _graph_samples(self, seqs: list[Sequence]) -> bool:
-        """Whether a sampling graph samples these rows: not when they are all greedy (a
-        greedy step's tokens are its forward graph's argmax), nor without graphs."""
-        return self.graph_sampling is not None and not all(map(_GREEDY, seqs))
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         if all(map(_GREEDY, seqs)):  # a C-level pass: 256 rows a step on the hot path
