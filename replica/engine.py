@@ -27,20 +27,19 @@ from replica.stats import ReplicaStats
 class InFlightStep:
     """A launched step: which sequences sample, where their tokens go, and the handle.
 
-    Columns per sampling row, for drain's checks in a few numpy passes: each sequence's
-    slot (its row of the engine's per-slot stop and length columns) and the index of its
-    placeholder in its token_ids.
+    Columns per sampling row, taken at launch, for drain's checks in a few numpy passes:
+    the index of each sequence's placeholder in its token_ids, its stop token (or
+    _NO_STOP, _MANY_STOPS) and its max_len.
     """
 
     seqs: list[Sequence]
     request_ids: tuple[str, ...]
-    slots: np.ndarray  # [num_seqs] int64
     indices: np.ndarray  # [num_seqs] int64
+    stops: np.ndarray  # [num_seqs] int64
+    max_lens: np.ndarray  # [num_seqs] int64
     handle: StepHandle
     num_table_rows: int  # block-table rows copied to the device for this step
-    # LLMEngine.num_ends + preemptions at launch: unchanged at drain, each row's sequence
-    # still runs, in the slot it had (a preempted one's slot may have a new sequence).
-    epoch: int
+    num_ends: int  # LLMEngine.num_ends at launch: unchanged at drain, every row still runs
 
 
 @dataclass(frozen=True)
@@ -56,8 +55,8 @@ class StepTimings:
     num_table_rows: int  # block-table rows that changed (block rollovers, admissions, frees)
 
 
-_REQUEST_ID, _SLOT, _STATUS, _TOKEN_IDS = (
-    attrgetter("request_id"), attrgetter("slot"), attrgetter("status"), attrgetter("token_ids"),
+_REQUEST_ID, _SLOT, _TOKEN_IDS = (
+    attrgetter("request_id"), attrgetter("slot"), attrgetter("token_ids"),
 )  # fmt: skip
 # A slot's stop column when its sequence has no stop token (no token matches it), or
 # several (their rows are checked in Python).
@@ -144,11 +143,11 @@ class LLMEngine:
         self._releases_per_step = -(-config.max_num_seqs // 16)
         # Per slot (block-table row), what drain checks each sampled token against, set
         # when a sequence's prompt completes in that slot: its stop token (or _NO_STOP,
-        # _MANY_STOPS), and its max_len.
+        # _MANY_STOPS), and its max_len. A launch takes its rows' (InFlightStep).
         num_slots = config.max_num_seqs + 1
         self._slot_stop = np.full(num_slots, _NO_STOP, dtype=np.int64)
         self._slot_max_len = np.zeros(num_slots, dtype=np.int64)
-        self.num_ends = 0  # sequences finished or aborted so far (InFlightStep.epoch)
+        self.num_ends = 0  # sequences finished or aborted so far (InFlightStep.num_ends)
         self._last_launch: InFlightStep | None = None
         # Start-up objects (model, graphs, tokenizer) go to the collector's permanent
         # generation, so its full passes during serving do not walk them (ITL spikes).
@@ -276,16 +275,19 @@ class LLMEngine:
         if not sampled and last is not None and last.seqs == decode_seqs:
             # The sequences of the launch before, in its order, each one token on (most
             # decode steps): its columns, each placeholder one further.
-            request_ids, slots, indices = last.request_ids, last.slots, last.indices + 1
+            step = InFlightStep(
+                decode_seqs, last.request_ids, last.indices + 1, last.stops, last.max_lens,
+                handle, len(dirty_slots), self.num_ends,
+            )  # fmt: skip
         else:
-            seqs = sampled + decode_seqs
-            request_ids = tuple(map(_REQUEST_ID, seqs))
+            seqs = sampled + decode_seqs if sampled else decode_seqs
             slots = np.fromiter(map(_SLOT, seqs), np.int64, n)
-            indices = np.fromiter(map(len, map(_TOKEN_IDS, seqs)), np.int64, n) - 1
-        step = InFlightStep(
-            sampled + decode_seqs if sampled else decode_seqs, request_ids, slots, indices,
-            handle, len(dirty_slots), self._epoch(),
-        )  # fmt: skip
+            step = InFlightStep(
+                seqs, tuple(map(_REQUEST_ID, seqs)),
+                np.fromiter(map(len, map(_TOKEN_IDS, seqs)), np.int64, n) - 1,
+                self._slot_stop[slots], self._slot_max_len[slots],
+                handle, len(dirty_slots), self.num_ends,
+            )  # fmt: skip
         self._last_launch = step
         return step
 
@@ -300,28 +302,24 @@ class LLMEngine:
         if step is None:
             return StepOutputs()
         tokens = step.handle.wait()
-        seqs, request_ids, slots, indices = step.seqs, step.request_ids, step.slots, step.indices
+        seqs, request_ids, indices, stops = step.seqs, step.request_ids, step.indices, step.stops
         finished = SequenceStatus.FINISHED
-        live = None  # all rows, unless a sequence ended or was preempted since the launch
-        if self._epoch() != step.epoch:
-            statuses = list(map(_STATUS, seqs))
-            # A finished sequence (aborted, or stopped a step ago) takes no token; a
-            # preempted one does, and is checked in Python (its slot's columns may be
-            # another sequence's now).
-            live = np.fromiter((st is not finished for st in statuses), bool, len(seqs))
-            moved = np.fromiter((st is SequenceStatus.WAITING for st in statuses), bool, len(seqs))
-        for seq, index, token in zip(seqs, indices.tolist(), tokens, strict=True):
-            if live is None or seq.status is not finished:
+        live = None  # all rows, unless a sequence ended since the launch
+        if self.num_ends == step.num_ends:
+            for seq, index, token in zip(seqs, indices.tolist(), tokens, strict=True):
                 seq.token_ids[index] = token
-        token_array = np.asarray(tokens, dtype=np.int64)
+        else:  # a sequence aborted, or stopped a step ago, takes no token
+            live = np.fromiter((s.status is not finished for s in seqs), bool, len(seqs))
+            for seq, index, token in zip(seqs, indices.tolist(), tokens, strict=True):
+                if seq.status is not finished:
+                    seq.token_ids[index] = token
         ends_at = indices + 1
-        stop = self._slot_stop[slots]
-        check = (
-            (token_array == stop) | (stop == _MANY_STOPS) | (ends_at >= self._slot_max_len[slots])
-        )
+        check = np.asarray(tokens, dtype=np.int64) == stops
+        check |= stops == _MANY_STOPS
+        check |= ends_at >= step.max_lens
         filled = ends_at % self.block_manager.block_size == 0
         if live is not None:
-            check = (check | moved) & live
+            check &= live
             filled &= live
         ends: dict[int, tuple[str, int, int]] = {}
         for i in np.flatnonzero(check).tolist():
@@ -359,9 +357,6 @@ class LLMEngine:
             seq = filled.popleft()
             if seq.status is SequenceStatus.RUNNING:
                 bm.commit(seq)
-
-    def _epoch(self) -> int:
-        return self.num_ends + self.scheduler.num_preempted_total
 
     def _finish(self, seq: Sequence, index: int, reason: str) -> tuple[str, int, int]:
         """End a sequence on its token at index; its StepOutputs.finishes entry."""
