@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from replica.config import CacheConfig
-from replica.hashing import SUMMARY_STRIDE, summarize
+from replica.hashing import ROOT_HASH, SUMMARY_STRIDE, hash_block, summarize
 from replica.sequence import Sequence
 
 
@@ -55,6 +55,10 @@ class BlockManager:
         )
         self.dirty_slots: set[int] = set()
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) for copy-on-write
+        # Whether a block may be shared while it still fills (only fork shares one: the
+        # prefix cache shares full blocks alone, and a decode token's block holds its new
+        # position, so it is not full). Until then, no decode token needs copy-on-write.
+        self.forked = False
         # Since start: tokens of every allocated sequence, and those found cached.
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -139,6 +143,8 @@ class BlockManager:
         (rollover), or lands in a shared one (copy-on-write). append_slots acts on these
         alone, so a scheduler passes it this list (one pass over a decode batch)."""
         size, refs = self.block_size, self.ref_counts
+        if not self.forked:  # the rollovers alone (one compare a row, 256 rows a step)
+            return [seq for seq in seqs if len(seq.token_ids) > len(seq.block_ids) * size]
         return [
             seq
             for seq in seqs
@@ -173,6 +179,7 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let child share all of parent's blocks (e.g. parallel sampling)."""
         assert child.slot < 0 and not child.block_ids and self.free_slots
+        self.forked = True
         for block in parent.block_ids:
             self.ref_counts[block] += 1
         child.block_ids = list(parent.block_ids)
@@ -186,15 +193,25 @@ class BlockManager:
         """Register the hashes of blocks whose KV is now fully computed."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        size = self.block_size
+        num_full = seq.num_computed_tokens // size
         if num_full <= seq.num_committed_blocks:
             return
-        hashes = seq.full_block_hashes(self.block_size, seq.num_computed_tokens)
+        hashes = seq.block_hashes
+        start = (num_full - 1) * size
+        if len(hashes) == num_full - 1 and start >= seq.num_prompt_tokens:
+            # One block of generated tokens (a decode block that filled up, ~16 a step at
+            # 256 rows): hashed here rather than through full_block_hashes' general pass.
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash_block(parent, seq.token_ids[start : start + size]))
+        else:
+            hashes = seq.full_block_hashes(size, seq.num_computed_tokens)
+        block_hash, hash_to_block = self.block_hash, self.hash_to_block
         for index in range(seq.num_committed_blocks, num_full):
             block, h = seq.block_ids[index], hashes[index]
-            if self.block_hash[block] is None and h not in self.hash_to_block:
-                self.block_hash[block] = h
-                self.hash_to_block[h] = block
+            if block_hash[block] is None and h not in hash_to_block:
+                block_hash[block] = h
+                hash_to_block[h] = block
                 if h % SUMMARY_STRIDE == 0:
                     self.sampled_hashes[h] = None
         seq.num_committed_blocks = num_full
@@ -251,6 +268,10 @@ class BlockManager:
                 row = self.block_table[seq.slot, : len(seq.block_ids)]
                 assert row.tolist() == seq.block_ids, f"{seq} table row {row} != {seq.block_ids}"
         assert counts == self.ref_counts, "refcounts do not match the live block tables"
+        if not self.forked:  # needing_blocks' premise: a block still filling is not shared
+            for seq in live:
+                if seq.block_ids and len(seq.token_ids) < len(seq.block_ids) * self.block_size:
+                    assert counts[seq.block_ids[-1]] == 1, f"{seq} shares a block still filling"
         free, cached = set(self.free_blocks), set(self.cached_blocks)
         assert len(free) == len(self.free_blocks) and not free & cached
         in_use = {b for b in range(self.num_blocks) if counts[b] > 0}

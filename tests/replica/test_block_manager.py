@@ -57,6 +57,29 @@ def test_prefix_hit_reuses_computed_full_blocks_only():
     bm.check_invariants([a, b])
 
 
+def test_decode_blocks_hash_as_the_whole_sequence_does_one_at_a_time_or_several():
+    """commit's one-generated-block path (a decode block that filled) gives the chained
+    hashes prefix_block_hashes gives over the whole sequence, as the general path does."""
+    bm = make_manager(num_blocks=32)
+    seqs = {n: make_seq(range(100 + n, 106 + n), f"s{n}") for n in (1, 3)}  # 6-token prompts
+    for seq in seqs.values():
+        bm.allocate(seq)
+        compute_all(bm, seq)
+    for step in range(13):  # generated tokens, committed every step or every third
+        for every, seq in seqs.items():
+            seq.token_ids.append(50 + step)
+            seq.num_computed_tokens += 1
+            bm.append_slots(bm.needing_blocks([seq]))
+            if step % every == 0:
+                bm.commit(seq)
+    for seq in seqs.values():
+        bm.commit(seq)
+        assert seq.num_committed_blocks == len(seq) // 4 == 4
+        assert seq.block_hashes == prefix_block_hashes(seq.token_ids, 4)
+        assert [bm.block_hash[b] for b in seq.block_ids[:4]] == seq.block_hashes
+    bm.check_invariants(list(seqs.values()))
+
+
 def test_prefix_cache_counters_count_admitted_and_cached_tokens():
     bm = make_manager()
     a = make_seq(range(10), "a")
