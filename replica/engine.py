@@ -142,7 +142,7 @@ class LLMEngine:
         # step's ~1 ms (its blocks are released at once when admission or preemption needs them).
         self._releases_per_step = -(-config.max_num_seqs // 16)
         # Per slot (block-table row), what drain checks each sampled token against, set
-        # when a sequence's prompt completes in that slot: its stop token (or _NO_STOP,
+        # while a sequence prefills in that slot: its stop token (or _NO_STOP,
         # _MANY_STOPS), and its max_len. A launch takes its rows' (InFlightStep).
         num_slots = config.max_num_seqs + 1
         self._slot_stop = np.full(num_slots, _NO_STOP, dtype=np.int64)
@@ -255,17 +255,21 @@ class LLMEngine:
         dirty_slots = bm.take_dirty_slots()
         handle = self.runner.launch(batch, bm.block_table, dirty_slots)
         sampled: list[Sequence] = []
+        slot_stop, slot_max_len = self._slot_stop, self._slot_max_len
         for seq, n in zip(batch.prefill_seqs, batch.prefill_lens, strict=True):
+            # Its slot's columns for drain (a sequence is in prefill_seqs on the step that
+            # admits it to its slot; its first token may be sampled by a decode row, after
+            # a chunk that stops one token short of its end).
+            stops = seq.stop_ids
+            slot_stop[seq.slot] = (
+                next(iter(stops)) if len(stops) == 1 else _MANY_STOPS if stops else _NO_STOP
+            )
+            slot_max_len[seq.slot] = seq.max_len
             seq.num_computed_tokens += n
             bm.commit(seq)
             if seq.num_computed_tokens == len(seq.token_ids):
                 sampled.append(seq)
-        for seq in sampled:  # its first sampled token: its slot's columns for drain
-            stops = seq.stop_ids
-            self._slot_stop[seq.slot] = (
-                next(iter(stops)) if len(stops) == 1 else _MANY_STOPS if stops else _NO_STOP
-            )
-            self._slot_max_len[seq.slot] = seq.max_len
+        for seq in sampled:
             seq.token_ids.append(PLACEHOLDER)
         decode_seqs = batch.decode_seqs
         for seq in decode_seqs:

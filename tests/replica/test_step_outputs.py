@@ -41,8 +41,10 @@ def engine(**overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(**(config | overrides)))
 
 
-@pytest.mark.parametrize("num_blocks", [128, 7])  # 7: a pool that preempts
-def test_every_mix_of_stop_settings_ends_where_its_request_asks(num_blocks):
+# 7 blocks: a pool that preempts; 8 tokens a step: chunked prompts, some ending one token
+# short, so that a decode row samples a request's first token
+@pytest.mark.parametrize("num_blocks, max_num_batched_tokens", [(128, 2048), (7, 2048), (7, 8)])
+def test_every_mix_of_stop_settings_ends_where_its_request_asks(num_blocks, max_num_batched_tokens):
     prompts = random_prompts(5, [9, 20, 14, 31, 5, 17, 26, 11])
     reference_engine = engine()
     eos = reference_engine.model_config.eos_token_id
@@ -63,7 +65,7 @@ def test_every_mix_of_stop_settings_ends_where_its_request_asks(num_blocks):
         else:  # eos (the model's), if it ever samples it
             params.append(SamplingParams(max_tokens=20, temperature=0.0))
     expected = [expected_run(r, p, eos) for r, p in zip(references, params, strict=True)]
-    served = engine(num_blocks=num_blocks)
+    served = engine(num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens)
     for i in range(4):  # half now, half joining the decode steps
         served.add_request(f"r{i}", prompts[i], params[i])
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
@@ -113,4 +115,24 @@ def test_an_abort_between_launch_and_drain_drops_only_that_row():
             break
     assert tokens["r0"] == references[0] and tokens["r2"] == references[2]
     assert tokens["r1"] == references[1][: len(tokens["r1"])] and len(tokens["r1"]) < 10
+    assert_no_leak(served)
+
+
+def test_a_reused_slot_checks_its_new_requests_length():
+    """A request whose prompt chunk stops one token short of its end has its first token
+    sampled by a decode row: the slot's columns must be its own by then, not those of the
+    longer request that held the slot before (which would never stop it)."""
+    served = engine(max_num_seqs=2, max_num_batched_tokens=8)
+    long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(4, [3, 4, 9, 9])  # 9 tokens: a chunk of 8, then a decode row
+    for i, (prompt, params) in enumerate(zip(prompts, [long, long, short, short], strict=True)):
+        served.add_request(f"r{i}", prompt, params)
+    counts = {f"r{i}": 0 for i in range(4)}
+    for _ in range(200):
+        for out in served.step():
+            counts[out.request_id] += 1
+        if not served.has_unfinished():
+            break
+    assert counts == {"r0": 30, "r1": 30, "r2": 3, "r3": 3}
     assert_no_leak(served)
