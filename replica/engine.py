@@ -39,7 +39,7 @@ class InFlightStep:
     max_lens: np.ndarray  # [num_seqs] int64
     handle: StepHandle
     num_table_rows: int  # block-table rows copied to the device for this step
-    num_ends: int  # LLMEngine.num_ends at launch: unchanged at drain, every row still runs
+    num_ends: int  # LLMEngine.num_ends at launch: unchanged at drain, no row's sequence ended
 
 
 @dataclass(frozen=True)
