@@ -78,3 +78,52 @@ def test_load_snapshot_of_a_finishing_step_leaves_the_cohort_retired() -> None:
     assert retired == 10 - 2  # the finishing step's drain released two of ten
     assert load.num_blocks_free + load.num_blocks_cached == 64 - held
     engine.check_invariants()
+
+
+def test_each_request_gets_its_tokens_and_finish_reason_from_the_step_columns() -> None:
+    """The fan-out reads the engine's StepOutputs columns: every token, in order, and the
+    finish reason on the last, for requests that stop on a token and on their length."""
+    engine = LLMEngine(EngineConfig(model="gpt2-tiny", device="cpu", num_blocks=64))
+    prompts = {"a": [3, 5, 7], "b": [11, 13], "c": [17, 19, 23, 29]}
+    free = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    reference = dict(
+        zip(
+            prompts,
+            (o.token_ids for o in engine.generate(list(prompts.values()), free)),
+            strict=True,
+        )
+    )
+    stop = reference["b"][2]
+    params = {
+        "a": free,
+        "b": SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]),
+        "c": SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+    }
+    b_end = reference["b"].index(stop) + 1
+    expected = {
+        "a": (reference["a"], "length"),
+        "b": (reference["b"][:b_end], "stop"),
+        "c": (reference["c"][:3], "length"),
+    }
+    delivered: list[StepBatch] = []
+    done = threading.Event()
+
+    def deliver(caller: str, batch: StepBatch) -> None:  # on the engine thread
+        delivered.append(batch)
+        if sum(len(b.finishes) for b in delivered) == len(prompts):
+            done.set()
+
+    loop = EngineLoop(engine, "r0", 0.05, deliver)
+    try:
+        for request_id, prompt in prompts.items():
+            loop.add("c0", request_id, prompt, params[request_id]).result(timeout=5)
+        assert done.wait(20)
+    finally:
+        loop.shutdown()
+    got: dict[str, tuple[list[int], str | None]] = {r: ([], None) for r in prompts}
+    for batch in delivered:
+        for delta in batch.deltas():
+            tokens, reason = got[delta.request_id]
+            assert reason is None, f"{delta.request_id} got tokens after its end"
+            got[delta.request_id] = (tokens + delta.token_ids, delta.finish_reason)
+    assert got == expected
