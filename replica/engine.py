@@ -19,7 +19,7 @@ from replica.models import load_model_config, load_tokenizer
 from replica.outputs import CompletionOutput, StepOutputs
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch, Scheduler
-from replica.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from replica.sequence import MANY_STOPS, PLACEHOLDER, Sequence, SequenceStatus
 from replica.stats import ReplicaStats
 
 
@@ -28,8 +28,8 @@ class InFlightStep:
     """A launched step: which sequences sample, where their tokens go, and the handle.
 
     Columns per sampling row, taken at launch, for drain's checks in a few numpy passes:
-    the index of each sequence's placeholder in its token_ids, its stop token (or
-    _NO_STOP, _MANY_STOPS) and its max_len.
+    the index of each sequence's placeholder in its token_ids, its stop_token and its
+    max_len.
     """
 
     seqs: list[Sequence]
@@ -55,12 +55,9 @@ class StepTimings:
     num_table_rows: int  # block-table rows that changed (block rollovers, admissions, frees)
 
 
-_REQUEST_ID, _SLOT, _TOKEN_IDS = (
-    attrgetter("request_id"), attrgetter("slot"), attrgetter("token_ids"),
-)  # fmt: skip
-# A slot's stop column when its sequence has no stop token (no token matches it), or
-# several (their rows are checked in Python).
-_NO_STOP, _MANY_STOPS = -1, -2
+_REQUEST_ID, _TOKEN_IDS, _STOP_TOKEN, _MAX_LEN = map(
+    attrgetter, ("request_id", "token_ids", "stop_token", "max_len")
+)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _TOKENS_PER_S_WINDOW_S = 2.0
@@ -141,12 +138,6 @@ class LLMEngine:
         # together at 256 rows is spread over four steps' host slack instead of one
         # step's ~1 ms (its blocks are released at once when admission or preemption needs them).
         self._releases_per_step = -(-config.max_num_seqs // 16)
-        # Per slot (block-table row), what drain checks each sampled token against, set
-        # while a sequence prefills in that slot: its stop token (or _NO_STOP,
-        # _MANY_STOPS), and its max_len. A launch takes its rows' (InFlightStep).
-        num_slots = config.max_num_seqs + 1
-        self._slot_stop = np.full(num_slots, _NO_STOP, dtype=np.int64)
-        self._slot_max_len = np.zeros(num_slots, dtype=np.int64)
         self.num_ends = 0  # sequences finished or aborted so far (InFlightStep.num_ends)
         self._last_launch: InFlightStep | None = None
         # Start-up objects (model, graphs, tokenizer) go to the collector's permanent
@@ -255,16 +246,7 @@ class LLMEngine:
         dirty_slots = bm.take_dirty_slots()
         handle = self.runner.launch(batch, bm.block_table, dirty_slots)
         sampled: list[Sequence] = []
-        slot_stop, slot_max_len = self._slot_stop, self._slot_max_len
         for seq, n in zip(batch.prefill_seqs, batch.prefill_lens, strict=True):
-            # Its slot's columns for drain (a sequence is in prefill_seqs on the step that
-            # admits it to its slot; its first token may be sampled by a decode row, after
-            # a chunk that stops one token short of its end).
-            stops = seq.stop_ids
-            slot_stop[seq.slot] = (
-                next(iter(stops)) if len(stops) == 1 else _MANY_STOPS if stops else _NO_STOP
-            )
-            slot_max_len[seq.slot] = seq.max_len
             seq.num_computed_tokens += n
             bm.commit(seq)
             if seq.num_computed_tokens == len(seq.token_ids):
@@ -285,11 +267,11 @@ class LLMEngine:
             )  # fmt: skip
         else:
             seqs = sampled + decode_seqs if sampled else decode_seqs
-            slots = np.fromiter(map(_SLOT, seqs), np.int64, n)
             step = InFlightStep(
                 seqs, tuple(map(_REQUEST_ID, seqs)),
                 np.fromiter(map(len, map(_TOKEN_IDS, seqs)), np.int64, n) - 1,
-                self._slot_stop[slots], self._slot_max_len[slots],
+                np.fromiter(map(_STOP_TOKEN, seqs), np.int64, n),
+                np.fromiter(map(_MAX_LEN, seqs), np.int64, n),
                 handle, len(dirty_slots), self.num_ends,
             )  # fmt: skip
         self._last_launch = step
@@ -319,7 +301,7 @@ class LLMEngine:
                     seq.token_ids[index] = token
         ends_at = indices + 1
         check = np.asarray(tokens, dtype=np.int64) == stops
-        check |= stops == _MANY_STOPS
+        check |= stops == MANY_STOPS
         check |= ends_at >= step.max_lens
         filled = ends_at % self.block_manager.block_size == 0
         if live is not None:

@@ -11,6 +11,9 @@ from replica.hashing import ROOT_HASH, packed_block_hashes, prefix_block_hashes
 from replica.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # a sampled token still on its way from the device
+# Sequence.stop_token when it has no stop token (no token matches it), or several (the
+# engine checks those rows in Python).
+NO_STOP, MANY_STOPS = -1, -2
 
 
 class SequenceStatus(enum.Enum):
@@ -45,6 +48,7 @@ class Sequence:
         "num_emitted_tokens",
         "eos_token_id",
         "stop_ids",
+        "stop_token",
         "greedy",
         "max_len",
         "num_queued_blocks",
@@ -87,6 +91,8 @@ class Sequence:
         if eos_token_id is not None and not params.ignore_eos:
             stops.add(eos_token_id)
         self.stop_ids = frozenset(stops)
+        # Its one stop token, for the engine's stop check over a step's rows in numpy.
+        self.stop_token = next(iter(stops)) if len(stops) == 1 else MANY_STOPS if stops else NO_STOP
         self.greedy = params.greedy  # a step of greedy sequences alone samples in its graph
         self.max_len = self.num_prompt_tokens + params.max_tokens
         if max_model_len is not None:

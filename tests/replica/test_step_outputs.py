@@ -120,7 +120,7 @@ def test_an_abort_between_launch_and_drain_drops_only_that_row():
 
 def test_a_reused_slot_checks_its_new_requests_length():
     """A request whose prompt chunk stops one token short of its end has its first token
-    sampled by a decode row: the slot's columns must be its own by then, not those of the
+    sampled by a decode row: that row is checked against its own max_len, not that of the
     longer request that held the slot before (which would never stop it)."""
     served = engine(max_num_seqs=2, max_num_batched_tokens=8)
     long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
