@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from replica.config import CacheConfig
-from replica.hashing import ROOT_HASH, SUMMARY_STRIDE, hash_block, summarize
+from replica.hashing import SUMMARY_STRIDE, summarize
 from replica.sequence import Sequence
 
 
@@ -197,15 +197,7 @@ class BlockManager:
         num_full = seq.num_computed_tokens // size
         if num_full <= seq.num_committed_blocks:
             return
-        hashes = seq.block_hashes
-        start = (num_full - 1) * size
-        if len(hashes) == num_full - 1 and start >= seq.num_prompt_tokens:
-            # One block of generated tokens (a decode block that filled up, ~16 a step at
-            # 256 rows): hashed here rather than through full_block_hashes' general pass.
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(hash_block(parent, seq.token_ids[start : start + size]))
-        else:
-            hashes = seq.full_block_hashes(size, seq.num_computed_tokens)
+        hashes = seq.full_block_hashes(size, seq.num_computed_tokens)
         block_hash, hash_to_block = self.block_hash, self.hash_to_block
         for index in range(seq.num_committed_blocks, num_full):
             block, h = seq.block_ids[index], hashes[index]

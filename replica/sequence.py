@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from replica.hashing import ROOT_HASH, packed_block_hashes, prefix_block_hashes
+from replica.hashing import ROOT_HASH, hash_block, packed_block_hashes, prefix_block_hashes
 from replica.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # a sampled token still on its way from the device
@@ -134,6 +134,10 @@ class Sequence:
                 hashes += packed_block_hashes(
                     self.prompt_ids[start:end].tobytes(), block_size, parent
                 )
+            elif end - start < 2 * block_size and start >= self.num_prompt_tokens:
+                # One block of generated tokens (a decode block that filled up, ~16 a step
+                # at 256 rows): hashed alone, without the general pass's packing loop.
+                hashes.append(hash_block(parent, self.token_ids[start : start + block_size]))
             else:
                 hashes += prefix_block_hashes(self.token_ids[start:end], block_size, parent)
         return hashes

@@ -58,8 +58,9 @@ def test_prefix_hit_reuses_computed_full_blocks_only():
 
 
 def test_decode_blocks_hash_as_the_whole_sequence_does_one_at_a_time_or_several():
-    """commit's one-generated-block path (a decode block that filled) gives the chained
-    hashes prefix_block_hashes gives over the whole sequence, as the general path does."""
+    """full_block_hashes' one-generated-block path (a decode block that filled) gives the
+    chained hashes prefix_block_hashes gives over the whole sequence, as the general path
+    does."""
     bm = make_manager(num_blocks=32)
     seqs = {n: make_seq(range(100 + n, 106 + n), f"s{n}") for n in (1, 3)}  # 6-token prompts
     for seq in seqs.values():
