@@ -14,6 +14,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -37,12 +38,14 @@ LOAD_STATS_PERIOD_S = 0.002
 Deliver = Callable[[str, StepBatch], None]
 
 
-@dataclass
+@dataclass(slots=True, eq=False)  # eq=False: `None in trackeds` compares identities, in C
 class _Tracked:
     caller_id: str
     admitted_s: float
     first_token_s: float | None = None
-    num_tokens: int = 0
+
+
+_CALLER_ID = operator.attrgetter("caller_id")
 
 
 class EngineUnavailableError(RuntimeError):
@@ -107,6 +110,9 @@ class EngineLoop:
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._tracked: dict[str, _Tracked] = {}
+        self._awaiting_first: set[str] = set()  # tracked requests with no token delivered yet
+        # Tokens delivered per tracked request, for TPOT (counted only with metrics).
+        self._num_tokens: collections.Counter[str] = collections.Counter()
         self._tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._stats = engine.stats()
         self._stats_at_s = time.monotonic()
@@ -139,6 +145,7 @@ class EngineLoop:
                 raise AbortedBeforeAdmissionError(f"request {request_id!r} was aborted")
             self._engine.add_request(request_id, prompt_token_ids, params)
             self._tracked[request_id] = _Tracked(caller_id, time.monotonic())
+            self._awaiting_first.add(request_id)
             return time.time()
 
         return self._post(command)
@@ -147,12 +154,13 @@ class EngineLoop:
         """Abort a request if it runs here (frees its blocks); the future gives a bool."""
 
         def command() -> bool:
-            tracked = self._tracked.pop(request_id, None)
+            tracked = self._tracked.get(request_id)
             if tracked is None:
                 self._tombstones[request_id] = None
                 while len(self._tombstones) > self.MAX_TOMBSTONES:
                     self._tombstones.popitem(last=False)
                 return False
+            self._untrack(request_id)
             self._engine.abort(request_id)
             batch = StepBatch()
             batch.add(request_id, [], "abort")
@@ -215,6 +223,8 @@ class EngineLoop:
     def _fail_tracked(self) -> None:
         ended = error_batches((rid, t.caller_id) for rid, t in self._tracked.items())
         self._tracked.clear()
+        self._awaiting_first.clear()
+        self._num_tokens.clear()
         for caller_id, batch in ended.items():
             self._deliver(caller_id, batch)
 
@@ -230,48 +240,100 @@ class EngineLoop:
 
     def _fan_out(self, outputs: Sequence[Any]) -> None:
         """One StepBatch per caller with output in this step (runs once per step, on the
-        engine thread: kept to list appends, no object per token). An LLMEngine's
-        StepOutputs is read by its columns, with no RequestOutput made per row."""
+        engine thread). An LLMEngine's StepOutputs goes by its columns: a caller's batch is
+        sliced from them, and only the rows that start or end a request are visited one by
+        one."""
         now_s = time.monotonic()
-        batches: dict[str, StepBatch] = {}
-        tracked_by_id = self._tracked
-        any_finished = False
-        for request_id, token_ids, finish_reason in _rows(outputs):
-            tracked = tracked_by_id.get(request_id)
-            if tracked is None:
-                continue  # aborted: its final delta is already sent
-            finished = finish_reason is not None
-            if not token_ids and not finished:
-                continue  # e.g. a prefill chunk: nothing for the caller yet
-            if tracked.first_token_s is None or finished:
-                self._observe(tracked, len(token_ids), finished, now_s)
-            first = tracked.num_tokens == 0
-            tracked.num_tokens += len(token_ids)
-            batch = batches.get(tracked.caller_id)
-            if batch is None:
-                batch = batches[tracked.caller_id] = StepBatch()
-            if finished:
-                batch.add(request_id, token_ids, finish_reason, first)
-                del tracked_by_id[request_id]
-                any_finished = True
-            else:
-                batch.add(request_id, token_ids, None, first)
+        batches = None
+        if isinstance(outputs, StepOutputs):
+            batches = self._column_batches(outputs, now_s)
+        if batches is None:
+            batches = self._row_batches(_rows(outputs), now_s)
         # Before delivering: the batch that ends requests carries the load without them.
+        any_finished = any(batch.finishes for batch in batches.values())
         if any_finished or now_s - self._load_stats_at_s >= LOAD_STATS_PERIOD_S:
             self._refresh_load_stats()
         for caller_id, batch in batches.items():
             self._deliver(caller_id, batch)
 
-    def _observe(self, tracked: _Tracked, num_new: int, finished: bool, now_s: float) -> None:
-        """TTFT at the first token, TPOT at the end (num_tokens counts before this step)."""
-        if self._metrics is None:
-            return
-        if tracked.first_token_s is None and num_new:
-            tracked.first_token_s = now_s
+    def _column_batches(self, outputs: StepOutputs, now_s: float) -> dict[str, StepBatch] | None:
+        """The step's batches from its columns (one token a row); None when a row's request
+        is no longer tracked (aborted after its step launched), which the rows path skips."""
+        request_ids, token_ids, ends = outputs.request_ids, outputs.token_ids, outputs.finishes
+        trackeds = list(map(self._tracked.get, request_ids))
+        if None in trackeds:
+            return None
+        firsts = self._awaiting_first.intersection(request_ids) if self._awaiting_first else set()
+        if self._metrics is not None:
+            self._num_tokens.update(request_ids)
+        callers = set(map(_CALLER_ID, trackeds))
+        batches: dict[str, StepBatch] = {}
+        if len(callers) == 1:  # the common case: the whole step is one caller's
+            finishes = [(i, ends[i][0]) for i in sorted(ends)]
+            rows = [1] * len(request_ids)
+            batches[callers.pop()] = StepBatch(list(request_ids), rows, list(token_ids), finishes)
+        else:
+            groups: dict[str, list[int]] = {}
+            for i, caller_id in enumerate(map(_CALLER_ID, trackeds)):
+                groups.setdefault(caller_id, []).append(i)
+            for caller_id, rows in groups.items():
+                finishes = [(k, ends[i][0]) for k, i in enumerate(rows) if i in ends]
+                batches[caller_id] = StepBatch(
+                    [request_ids[i] for i in rows], [1] * len(rows),
+                    [token_ids[i] for i in rows], finishes,
+                )  # fmt: skip
+        for batch in batches.values():
+            batch.urgent = bool(batch.finishes) or not firsts.isdisjoint(batch.request_ids)
+        for request_id in firsts:
+            self._first_token(request_id, now_s)
+        for i in ends:
+            self._finished(request_ids[i], now_s)
+        return batches
+
+    def _row_batches(
+        self, rows: Iterable[tuple[str, list[int], str | None]], now_s: float
+    ) -> dict[str, StepBatch]:
+        """The step's batches row by row: any engine's outputs (test and bench engines)."""
+        batches: dict[str, StepBatch] = {}
+        for request_id, token_ids, finish_reason in rows:
+            tracked = self._tracked.get(request_id)
+            if tracked is None:
+                continue  # aborted: its final delta is already sent
+            if not token_ids and finish_reason is None:
+                continue  # e.g. a prefill chunk: nothing for the caller yet
+            first = request_id in self._awaiting_first
+            if first and token_ids:
+                self._first_token(request_id, now_s)
+            if self._metrics is not None:
+                self._num_tokens[request_id] += len(token_ids)
+            batch = batches.get(tracked.caller_id)
+            if batch is None:
+                batch = batches[tracked.caller_id] = StepBatch()
+            batch.add(request_id, token_ids, finish_reason, first)
+            if finish_reason is not None:
+                self._finished(request_id, now_s)
+        return batches
+
+    def _first_token(self, request_id: str, now_s: float) -> None:
+        """A tracked request's first token is out: its TTFT."""
+        self._awaiting_first.discard(request_id)
+        tracked = self._tracked[request_id]
+        tracked.first_token_s = now_s
+        if self._metrics is not None:
             self._metrics.observe_ttft(now_s - tracked.admitted_s)
-        num_tokens = tracked.num_tokens + num_new
-        if finished and num_tokens > 1 and tracked.first_token_s is not None:
+
+    def _finished(self, request_id: str, now_s: float) -> None:
+        """A tracked request ended on the engine: its TPOT, and it is no longer tracked."""
+        tracked = self._tracked[request_id]
+        num_tokens = self._num_tokens[request_id]
+        self._untrack(request_id)
+        if self._metrics is not None and num_tokens > 1 and tracked.first_token_s is not None:
             self._metrics.tpot_s.observe((now_s - tracked.first_token_s) / (num_tokens - 1))
+
+    def _untrack(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+        self._awaiting_first.discard(request_id)
+        self._num_tokens.pop(request_id, None)
 
 
 def _rows(outputs: Sequence[Any]) -> Iterable[tuple[str, list[int], str | None]]:

@@ -127,3 +127,97 @@ def test_each_request_gets_its_tokens_and_finish_reason_from_the_step_columns() 
             assert reason is None, f"{delta.request_id} got tokens after its end"
             got[delta.request_id] = (tokens + delta.token_ids, delta.finish_reason)
     assert got == expected
+
+
+class _IdleEngine:
+    """Takes requests and never steps: the test drives EngineLoop._fan_out itself."""
+
+    def __init__(self) -> None:
+        from bench.cluster import FakeEngine
+
+        self._stats = FakeEngine("r0")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params) -> None:
+        pass
+
+    def abort(self, request_id: str) -> bool:
+        return True
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def stats(self, with_hashes: bool = True):
+        return self._stats.stats(with_hashes)
+
+
+class _Metrics:
+    """ReplicaMetrics' observers, counted."""
+
+    def __init__(self) -> None:
+        self.ttfts: list[float] = []
+        self.tpot_s = self
+        self.tpots: list[float] = []
+
+    def observe_ttft(self, value_s: float) -> None:
+        self.ttfts.append(value_s)
+
+    def observe(self, value_s: float) -> None:  # tpot_s.observe
+        self.tpots.append(value_s)
+
+
+def test_column_fan_out_matches_the_row_by_row_fan_out() -> None:
+    """A StepOutputs' batches sliced by caller from its columns equal those made row by
+    row from its RequestOutputs: rows, tokens, finishes' indices per caller, urgency (a
+    first token or an end), TTFT and TPOT observations, and what stays tracked. Steps
+    mix callers, first tokens, ends, and a row whose request was aborted since."""
+    import random
+
+    from replica.outputs import StepOutputs
+
+    rng = random.Random(7)
+    loops, sent, metrics = [], [], []
+    for _ in range(2):
+        got: list[tuple[str, StepBatch]] = []
+        m = _Metrics()
+        loop = EngineLoop(_IdleEngine(), "r0", 60.0, lambda c, b, got=got: got.append((c, b)), m)
+        loops.append(loop)
+        sent.append(got)
+        metrics.append(m)
+    try:
+        params = SamplingParams(max_tokens=4)
+        live: list[str] = []
+        for step in range(40):
+            for i in range(rng.randrange(3)):  # arrivals from three callers
+                request_id = f"s{step}-{i}"
+                caller = f"c{rng.randrange(3)}"
+                for loop in loops:
+                    loop.add(caller, request_id, [1], params).result(timeout=5)
+                live.append(request_id)
+            rows = rng.sample(live, k=rng.randrange(len(live) + 1))
+            ends = {i: ("stop" if i % 2 else "length", 1, 0) for i in range(len(rows))
+                    if rng.random() < 0.2}  # fmt: skip
+            if rows and step % 9 == 8:  # aborted after its step launched: skipped
+                for loop in loops:
+                    assert loop.abort(rows[0]).result(timeout=5)
+                live.remove(rows[0])
+            outputs = StepOutputs(tuple(rows), [rng.randrange(100) for _ in rows], ends)
+            for got in sent:
+                got.clear()
+            loops[0]._fan_out(outputs)  # the columns
+            loops[1]._fan_out(list(outputs))  # RequestOutputs, row by row
+            assert [(c, b.to_row(), b.urgent) for c, b in sent[0]] == [
+                (c, b.to_row(), b.urgent) for c, b in sent[1]
+            ]
+            for i in ends:
+                if rows[i] in live:
+                    live.remove(rows[i])
+            columns, by_row = loops
+            assert columns._tracked.keys() == by_row._tracked.keys() == set(live)
+            assert columns._awaiting_first == by_row._awaiting_first
+            assert columns._num_tokens == by_row._num_tokens
+            assert len(metrics[0].ttfts) == len(metrics[1].ttfts)
+            assert len(metrics[0].tpots) == len(metrics[1].tpots)
+        assert metrics[0].ttfts and metrics[0].tpots  # both were exercised
+    finally:
+        for loop in loops:
+            loop.shutdown()
