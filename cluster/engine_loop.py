@@ -14,17 +14,15 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
-import operator
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cluster.config import ClusterConfig
-from cluster.messages import ERROR_FINISH, StepBatch
+from cluster.fan_out import FanOut
+from cluster.messages import StepBatch
 from cluster.metrics import ReplicaMetrics
-from replica.outputs import StepOutputs
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
 
@@ -38,31 +36,12 @@ LOAD_STATS_PERIOD_S = 0.002
 Deliver = Callable[[str, StepBatch], None]
 
 
-@dataclass(slots=True, eq=False)  # eq=False: `None in trackeds` compares identities, in C
-class _Tracked:
-    caller_id: str
-    admitted_s: float
-    first_token_s: float | None = None
-
-
-_CALLER_ID = operator.attrgetter("caller_id")
-
-
 class EngineUnavailableError(RuntimeError):
     """The engine loop has stopped (its engine failed, or the replica is shutting down)."""
 
 
 class AbortedBeforeAdmissionError(RuntimeError):
     """The caller aborted this request id before its add reached the engine."""
-
-
-def error_batches(requests: Iterable[tuple[str, str]]) -> dict[str, StepBatch]:
-    """(request id, caller id) pairs of requests an engine failure ends: one StepBatch
-    per caller, each request finished with ERROR_FINISH and no tokens."""
-    per_caller: dict[str, StepBatch] = {}
-    for request_id, caller_id in requests:
-        per_caller.setdefault(caller_id, StepBatch()).add(request_id, [], ERROR_FINISH)
-    return per_caller
 
 
 def settle(future: concurrent.futures.Future, setter: Callable[[Any], None], value: Any) -> None:
@@ -109,14 +88,11 @@ class EngineLoop:
         self.failure: str | None = None
         self._wakeup = threading.Event()
         self._stop = threading.Event()
-        self._tracked: dict[str, _Tracked] = {}
-        self._awaiting_first: set[str] = set()  # tracked requests with no token delivered yet
-        # Tokens delivered per tracked request, for TPOT (counted only with metrics).
-        self._num_tokens: collections.Counter[str] = collections.Counter()
+        self._fan_out = FanOut(metrics)  # the engine thread's alone
         self._tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._stats = engine.stats()
         self._stats_at_s = time.monotonic()
-        # What carrier messages carry (cluster.live_stats): refreshed by _fan_out.
+        # What carrier messages carry (cluster.live_stats): refreshed by _deliver_step.
         self._refresh_load_stats()
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
         self._thread.start()
@@ -144,8 +120,7 @@ class EngineLoop:
                 del self._tombstones[request_id]
                 raise AbortedBeforeAdmissionError(f"request {request_id!r} was aborted")
             self._engine.add_request(request_id, prompt_token_ids, params)
-            self._tracked[request_id] = _Tracked(caller_id, time.monotonic())
-            self._awaiting_first.add(request_id)
+            self._fan_out.track(request_id, caller_id, time.monotonic())
             return time.time()
 
         return self._post(command)
@@ -154,17 +129,16 @@ class EngineLoop:
         """Abort a request if it runs here (frees its blocks); the future gives a bool."""
 
         def command() -> bool:
-            tracked = self._tracked.get(request_id)
-            if tracked is None:
+            caller_id = self._fan_out.untrack(request_id)
+            if caller_id is None:
                 self._tombstones[request_id] = None
                 while len(self._tombstones) > self.MAX_TOMBSTONES:
                     self._tombstones.popitem(last=False)
                 return False
-            self._untrack(request_id)
             self._engine.abort(request_id)
             batch = StepBatch()
             batch.add(request_id, [], "abort")
-            self._deliver(tracked.caller_id, batch)
+            self._deliver(caller_id, batch)
             return True
 
         return self._post(command)
@@ -197,7 +171,7 @@ class EngineLoop:
                     else:
                         settle(future, future.set_result, result)
                 if self._engine.has_unfinished():
-                    self._fan_out(self._engine.step())
+                    self._deliver_step(self._engine.step())
                 else:
                     self._wakeup.wait(timeout=self._stats_period_s)
                 if time.monotonic() - self._stats_at_s >= self._stats_period_s:
@@ -221,11 +195,7 @@ class EngineLoop:
         deliveries here, one message per pass)."""
 
     def _fail_tracked(self) -> None:
-        ended = error_batches((rid, t.caller_id) for rid, t in self._tracked.items())
-        self._tracked.clear()
-        self._awaiting_first.clear()
-        self._num_tokens.clear()
-        for caller_id, batch in ended.items():
+        for caller_id, batch in self._fan_out.fail_all().items():
             self._deliver(caller_id, batch)
 
     def _refresh_stats(self) -> None:
@@ -238,119 +208,17 @@ class EngineLoop:
         self.load_stats = self._engine.stats(with_hashes=False).to_msgpack()
         self._load_stats_at_s = time.monotonic()
 
-    def _fan_out(self, outputs: Sequence[Any]) -> None:
-        """One StepBatch per caller with output in this step (runs once per step, on the
-        engine thread). An LLMEngine's StepOutputs goes by its columns: a caller's batch is
-        sliced from them, and only the rows that start or end a request are visited one by
-        one."""
+    def _deliver_step(self, outputs: Sequence[Any]) -> None:
+        """Hand each caller its part of the step (cluster.fan_out), after refreshing the
+        load snapshot when the step ended requests: their batch carries the load
+        without them."""
         now_s = time.monotonic()
-        batches = None
-        if isinstance(outputs, StepOutputs):
-            batches = self._column_batches(outputs, now_s)
-        if batches is None:
-            batches = self._row_batches(_rows(outputs), now_s)
-        # Before delivering: the batch that ends requests carries the load without them.
+        batches = self._fan_out.step(outputs, now_s)
         any_finished = any(batch.finishes for batch in batches.values())
         if any_finished or now_s - self._load_stats_at_s >= LOAD_STATS_PERIOD_S:
             self._refresh_load_stats()
         for caller_id, batch in batches.items():
             self._deliver(caller_id, batch)
-
-    def _column_batches(self, outputs: StepOutputs, now_s: float) -> dict[str, StepBatch] | None:
-        """The step's batches from its columns (one token a row); None when a row's request
-        is no longer tracked (aborted after its step launched), which the rows path skips."""
-        request_ids, token_ids, ends = outputs.request_ids, outputs.token_ids, outputs.finishes
-        trackeds = list(map(self._tracked.get, request_ids))
-        if None in trackeds:
-            return None
-        firsts = self._awaiting_first.intersection(request_ids) if self._awaiting_first else set()
-        if self._metrics is not None:
-            self._num_tokens.update(request_ids)
-        callers = set(map(_CALLER_ID, trackeds))
-        batches: dict[str, StepBatch] = {}
-        if len(callers) == 1:  # the common case: the whole step is one caller's
-            finishes = [(i, ends[i][0]) for i in sorted(ends)]
-            rows = [1] * len(request_ids)
-            batches[callers.pop()] = StepBatch(list(request_ids), rows, list(token_ids), finishes)
-        else:
-            groups: dict[str, list[int]] = {}
-            for i, caller_id in enumerate(map(_CALLER_ID, trackeds)):
-                groups.setdefault(caller_id, []).append(i)
-            for caller_id, rows in groups.items():
-                finishes = [(k, ends[i][0]) for k, i in enumerate(rows) if i in ends]
-                batches[caller_id] = StepBatch(
-                    [request_ids[i] for i in rows], [1] * len(rows),
-                    [token_ids[i] for i in rows], finishes,
-                )  # fmt: skip
-        for batch in batches.values():
-            batch.urgent = bool(batch.finishes) or not firsts.isdisjoint(batch.request_ids)
-        for request_id in firsts:
-            self._first_token(request_id, now_s)
-        for i in ends:
-            self._finished(request_ids[i], now_s)
-        return batches
-
-    def _row_batches(
-        self, rows: Iterable[tuple[str, list[int], str | None]], now_s: float
-    ) -> dict[str, StepBatch]:
-        """The step's batches row by row: any engine's outputs (test and bench engines)."""
-        batches: dict[str, StepBatch] = {}
-        for request_id, token_ids, finish_reason in rows:
-            tracked = self._tracked.get(request_id)
-            if tracked is None:
-                continue  # aborted: its final delta is already sent
-            if not token_ids and finish_reason is None:
-                continue  # e.g. a prefill chunk: nothing for the caller yet
-            first = request_id in self._awaiting_first
-            if first and token_ids:
-                self._first_token(request_id, now_s)
-            if self._metrics is not None:
-                self._num_tokens[request_id] += len(token_ids)
-            batch = batches.get(tracked.caller_id)
-            if batch is None:
-                batch = batches[tracked.caller_id] = StepBatch()
-            batch.add(request_id, token_ids, finish_reason, first)
-            if finish_reason is not None:
-                self._finished(request_id, now_s)
-        return batches
-
-    def _first_token(self, request_id: str, now_s: float) -> None:
-        """A tracked request's first token is out: its TTFT."""
-        self._awaiting_first.discard(request_id)
-        tracked = self._tracked[request_id]
-        tracked.first_token_s = now_s
-        if self._metrics is not None:
-            self._metrics.observe_ttft(now_s - tracked.admitted_s)
-
-    def _finished(self, request_id: str, now_s: float) -> None:
-        """A tracked request ended on the engine: its TPOT, and it is no longer tracked."""
-        tracked = self._tracked[request_id]
-        num_tokens = self._num_tokens[request_id]
-        self._untrack(request_id)
-        if self._metrics is not None and num_tokens > 1 and tracked.first_token_s is not None:
-            self._metrics.tpot_s.observe((now_s - tracked.first_token_s) / (num_tokens - 1))
-
-    def _untrack(self, request_id: str) -> None:
-        self._tracked.pop(request_id, None)
-        self._awaiting_first.discard(request_id)
-        self._num_tokens.pop(request_id, None)
-
-
-def _rows(outputs: Sequence[Any]) -> Iterable[tuple[str, list[int], str | None]]:
-    """(request id, new token ids, finish reason or None) per output of a step: a
-    StepOutputs by its columns, else each RequestOutput's fields (test and bench engines)."""
-    if isinstance(outputs, StepOutputs):
-        ends = outputs.finishes
-        return (
-            (request_id, [token], ends[i][0] if i in ends else None)
-            for i, (request_id, token) in enumerate(
-                zip(outputs.request_ids, outputs.token_ids, strict=True)
-            )
-        )
-    return (
-        (out.request_id, out.new_token_ids, (out.finish_reason or "stop") if out.finished else None)
-        for out in outputs
-    )
 
 
 def default_engine_factory(config: ClusterConfig, replica_id: str, num_gpus: float) -> Any:

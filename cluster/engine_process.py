@@ -46,9 +46,9 @@ from cluster.engine_loop import (
     EngineLoop,
     EngineUnavailableError,
     engine_model_info,
-    error_batches,
     settle,
 )
+from cluster.fan_out import error_batches
 from cluster.messages import StepBatch
 from cluster.metrics import ReplicaMetrics
 from replica.sampling_params import SamplingParams
