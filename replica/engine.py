@@ -7,39 +7,19 @@ import time
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from operator import attrgetter
 
-import numpy as np
 import torch
 
 from replica.block_manager import BlockManager
 from replica.config import CacheConfig, EngineConfig, SchedulerConfig
-from replica.model_runner import ModelRunner, StepHandle
+from replica.in_flight import InFlightStep
+from replica.model_runner import ModelRunner
 from replica.models import load_model_config, load_tokenizer
 from replica.outputs import CompletionOutput, StepOutputs
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch, Scheduler
-from replica.sequence import MANY_STOPS, PLACEHOLDER, Sequence, SequenceStatus
+from replica.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from replica.stats import ReplicaStats
-
-
-@dataclass
-class InFlightStep:
-    """A launched step: which sequences sample, where their tokens go, and the handle.
-
-    Columns per sampling row, taken at launch, for drain's checks in a few numpy passes:
-    the index of each sequence's placeholder in its token_ids, its stop_token and its
-    max_len.
-    """
-
-    seqs: list[Sequence]
-    request_ids: tuple[str, ...]
-    indices: np.ndarray  # [num_seqs] int64
-    stops: np.ndarray  # [num_seqs] int64
-    max_lens: np.ndarray  # [num_seqs] int64
-    handle: StepHandle
-    num_table_rows: int  # block-table rows copied to the device for this step
-    num_ends: int  # LLMEngine.num_ends at launch: unchanged at drain, no row's sequence ended
 
 
 @dataclass(frozen=True)
@@ -54,10 +34,6 @@ class StepTimings:
     num_decode_seqs: int
     num_table_rows: int  # block-table rows that changed (block rollovers, admissions, frees)
 
-
-_REQUEST_ID, _TOKEN_IDS, _STOP_TOKEN, _MAX_LEN = map(
-    attrgetter, ("request_id", "token_ids", "stop_token", "max_len")
-)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _TOKENS_PER_S_WINDOW_S = 2.0
@@ -257,66 +233,36 @@ class LLMEngine:
         for seq in decode_seqs:
             seq.num_computed_tokens += 1
             seq.token_ids.append(PLACEHOLDER)
-        last, n = self._last_launch, len(sampled) + len(decode_seqs)
-        if not sampled and last is not None and last.seqs == decode_seqs:
-            # The sequences of the launch before, in its order, each one token on (most
-            # decode steps): its columns, each placeholder one further.
-            step = InFlightStep(
-                decode_seqs, last.request_ids, last.indices + 1, last.stops, last.max_lens,
-                handle, len(dirty_slots), self.num_ends,
-            )  # fmt: skip
-        else:
-            seqs = sampled + decode_seqs if sampled else decode_seqs
-            step = InFlightStep(
-                seqs, tuple(map(_REQUEST_ID, seqs)),
-                np.fromiter(map(len, map(_TOKEN_IDS, seqs)), np.int64, n) - 1,
-                np.fromiter(map(_STOP_TOKEN, seqs), np.int64, n),
-                np.fromiter(map(_MAX_LEN, seqs), np.int64, n),
-                handle, len(dirty_slots), self.num_ends,
-            )  # fmt: skip
-        self._last_launch = step
-        return step
+        last = None if sampled else self._last_launch  # a prompt that completes: new rows
+        self._last_launch = InFlightStep.launched(
+            sampled + decode_seqs if sampled else decode_seqs, handle, len(dirty_slots),
+            self.num_ends, last,
+        )  # fmt: skip
+        return self._last_launch
 
     def drain(self) -> StepOutputs:
         """Wait for the in-flight step's tokens; fill placeholders, stop, emit deltas.
 
-        The checks run over the step's columns (InFlightStep) in numpy; Python visits
-        each row once to write its token, and again only the rows that may stop (a stop
+        The checks run over the step's columns (replica.in_flight); Python visits each
+        row once to write its token, and again only the rows that may stop (a stop
         token, several stop tokens, max_len) or whose block filled up.
         """
         step, self.in_flight = self.in_flight, None
         if step is None:
             return StepOutputs()
         tokens = step.handle.wait()
-        seqs, request_ids, indices, stops = step.seqs, step.request_ids, step.indices, step.stops
-        finished = SequenceStatus.FINISHED
-        live = None  # all rows, unless a sequence ended since the launch
-        if self.num_ends == step.num_ends:
-            for seq, index, token in zip(seqs, indices.tolist(), tokens, strict=True):
-                seq.token_ids[index] = token
-        else:  # a sequence aborted, or stopped a step ago, takes no token
-            live = np.fromiter((s.status is not finished for s in seqs), bool, len(seqs))
-            for seq, index, token in zip(seqs, indices.tolist(), tokens, strict=True):
-                if seq.status is not finished:
-                    seq.token_ids[index] = token
-        ends_at = indices + 1
-        check = np.asarray(tokens, dtype=np.int64) == stops
-        check |= stops == MANY_STOPS
-        check |= ends_at >= step.max_lens
-        filled = ends_at % self.block_manager.block_size == 0
-        if live is not None:
-            check &= live
-            filled &= live
+        live = step.write_tokens(tokens, all_live=self.num_ends == step.num_ends)
+        may_stop, filled = step.rows_to_check(tokens, live, self.block_manager.block_size)
         ends: dict[int, tuple[str, int, int]] = {}
-        for i in np.flatnonzero(check).tolist():
-            seq, index, token = seqs[i], int(indices[i]), tokens[i]
+        for i in may_stop:
+            seq, index, token = step.seqs[i], int(step.indices[i]), tokens[i]
             if token in seq.stop_ids:
                 ends[i] = self._finish(seq, index, "stop")
             elif index + 1 >= seq.max_len:
                 ends[i] = self._finish(seq, index, "length")
-        for i in np.flatnonzero(filled).tolist():
+        for i in filled:
             if i not in ends:
-                self._filled.append(seqs[i])  # the block ending here is now known
+                self._filled.append(step.seqs[i])  # the block ending here is now known
         self._commit_filled_blocks()
         # A few a step, also when nothing is left running: releasing a whole cohort here
         # held back its last tokens (~3 ms for 256 sequences on an H200's host). An idle
@@ -325,11 +271,7 @@ class LLMEngine:
         self.scheduler.release_retired(self._releases_per_step)
         self._token_events.append((self.clock(), len(tokens)))
         self._num_window_tokens += len(tokens)
-        if live is None:
-            return StepOutputs(request_ids, tokens, ends)
-        rows = np.flatnonzero(live).tolist()
-        ends = {j: ends[i] for j, i in enumerate(rows) if i in ends}
-        return StepOutputs([request_ids[i] for i in rows], [tokens[i] for i in rows], ends)
+        return step.outputs(tokens, ends, live)
 
     def _commit_filled_blocks(self) -> None:
         """Register the hashes of decode blocks that filled up, at most _commits_per_step
