@@ -8,11 +8,12 @@ ignore_eos) to the end twice: stepping the LLMEngine in a plain loop, as bench.e
 does, and through an EngineLoop, which steps it on its own thread and, as a replica
 does, takes a load snapshot (LLMEngine.stats(with_hashes=False)) every
 LOAD_STATS_PERIOD_S and on each step that ends requests, a full one every
-stats_period_s, and fans each step's outputs out per caller (to a no-op here). A step's
-wall runs from its engine.step() to the next, so the loop's own work after a step is in
-it. Printed per mode: the run's wall, the decode steps' mean and p99 wall, and the mean
-wall of the decode steps that ended requests (where each ended request's blocks are
-given back: Scheduler.retired).
+stats_period_s, and fans each step's outputs out per caller (the requests come from
+--callers callers in turn; each delivery is a no-op here). A step's wall runs from its
+engine.step() to the next, so the loop's own work after a step is in it. Printed per
+mode: the run's wall, the decode steps' mean and p99 wall, and the mean wall of the
+decode steps that ended requests (where each ended request's blocks are given back:
+Scheduler.retired).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def run_loop(
     params: SamplingParams,
     tag: str,
     stats_period_s: float,
+    num_callers: int = 1,
 ):
     done, remaining = threading.Event(), [len(prompts)]
 
@@ -104,7 +106,8 @@ def run_loop(
     try:
         start = time.perf_counter()
         futures = [
-            loop.add("caller", f"{tag}-{i}", prompt, params) for i, prompt in enumerate(prompts)
+            loop.add(f"caller-{i % num_callers}", f"{tag}-{i}", prompt, params)
+            for i, prompt in enumerate(prompts)
         ]
         for future in futures:
             future.result(timeout=60)
@@ -130,6 +133,10 @@ def main() -> None:
         "--max-batched-tokens", type=int, default=None,
         help="EngineConfig.max_num_batched_tokens (default: the engine's)",
     )  # fmt: skip
+    parser.add_argument(
+        "--callers", type=int, default=1,
+        help="callers the requests come from, in turn (a replica fans each step out per caller)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available()
@@ -153,7 +160,7 @@ def main() -> None:
             if mode == "bare":
                 result = run_bare(engine, prompts, params, f"b{rep}")
             else:
-                result = run_loop(engine, prompts, params, f"l{rep}", stats_period_s)
+                result = run_loop(engine, prompts, params, f"l{rep}", stats_period_s, args.callers)
             rows.append({"rep": rep, "mode": mode, **result})
             print(
                 f"rep {rep} {mode:>11}: run {result['wall_ms']:.1f} ms, decode step mean"
@@ -165,7 +172,7 @@ def main() -> None:
     write_json(
         args.out,
         {"machine": machine_description(), "model": model, "batch": args.batch,
-         "prompt_len": prompt_len, "max_new": max_new, "rows": rows},
+         "prompt_len": prompt_len, "max_new": max_new, "callers": args.callers, "rows": rows},
     )  # fmt: skip
 
 
