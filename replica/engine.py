@@ -350,13 +350,16 @@ class LLMEngine:
         walk over up to max_prefix_hashes_in_stats blocks) for a load-only snapshot.
 
         Either shows the blocks as the next request would find them: the scheduler
-        releases retired sequences' blocks before it admits anyone. The full snapshot
-        releases them now, so that their hashes are published. The load-only one, taken
-        every few ms and on each step that ends requests (cluster.engine_loop), counts
-        the blocks they alone hold as free and leaves them to be released a few a step:
-        releasing a finishing cohort's blocks on its step is what deferring spares.
+        releases retired sequences' blocks before it admits anyone, so both count the
+        blocks they alone hold as free. While sequences run, retired ones are left to
+        drain, a few a step: releasing a finishing cohort's blocks at once is what
+        deferring spares, and a snapshot (the load-only one every few ms and on each step
+        that ends requests, the full one every stats_period_s: cluster.engine_loop)
+        landing on such a step undid it. The full snapshot of an idle engine releases
+        them all, which commits the hashes of their last blocks, so that it publishes
+        them; while sequences run, those wait for a later snapshot.
         """
-        if with_hashes:
+        if with_hashes and not self.scheduler.running:
             self.scheduler.release_retired()
         retiring = self.scheduler.num_retired_blocks  # 0 once released
         bm = self.block_manager

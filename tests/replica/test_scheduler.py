@@ -315,8 +315,8 @@ def test_retired_blocks_are_released_before_anyone_is_preempted() -> None:
 
 def test_engine_spreads_a_finishing_cohort_over_steps() -> None:
     """Requests that end on one step are output on that step, while their blocks come
-    back a few a step (ceil(max_num_seqs / 16)); the snapshot and an engine with nothing
-    running release them all."""
+    back a few a step (ceil(max_num_seqs / 16)); snapshots leave them while others run,
+    and an idle engine's full snapshot releases them all."""
     engine = LLMEngine(
         EngineConfig(
             model="gpt2-tiny", device="cpu", max_num_seqs=32, num_blocks=64,
@@ -343,17 +343,22 @@ def test_engine_spreads_a_finishing_cohort_over_steps() -> None:
     engine.step()
     engine.check_invariants()
     assert len(scheduler.retired) == 6
-    # The load-only snapshot counts their blocks as free and leaves them retired; the
-    # full one releases them, with the same room.
+    # While sequences run, either snapshot counts their blocks as free and leaves them
+    # retired (a full one landing on a finishing step released a whole cohort there).
     load = engine.stats(with_hashes=False)
     assert len(scheduler.retired) == 6 and scheduler.num_retired_blocks > 0
     stats = engine.stats()
-    assert not scheduler.retired
+    assert len(scheduler.retired) == 6
     held = sum(len(s.block_ids) for s in scheduler.running)
     assert [s.request_id for s in scheduler.running] == ["r10", "r11"]
     assert stats.num_blocks_free + stats.num_blocks_cached == 64 - held
     assert load.num_blocks_free + load.num_blocks_cached == 64 - held
     assert load.kv_usage == stats.kv_usage == held / 64
+    # The room the release gives is what they showed.
+    scheduler.release_retired()
+    released = engine.stats()
+    assert released.num_blocks_free + released.num_blocks_cached == 64 - held
+    assert released.kv_usage == stats.kv_usage
     results = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -361,3 +366,31 @@ def test_engine_spreads_a_finishing_cohort_over_steps() -> None:
         engine.check_invariants()
     assert results == {"r10": True, "r11": True}
     assert not scheduler.retired and engine.block_manager.num_free_blocks == 64
+
+
+def test_an_idle_engines_full_snapshot_releases_its_retired_sequences() -> None:
+    """With nothing running, the load-only snapshot leaves a finished cohort retired and
+    the full one releases it, so that the hashes of its last blocks are published."""
+    engine = LLMEngine(
+        EngineConfig(
+            model="gpt2-tiny", device="cpu", max_num_seqs=32, num_blocks=64,
+            enable_cuda_graphs=False,
+        )
+    )  # fmt: skip
+    scheduler = engine.scheduler
+    # 5 prompt + 12 new tokens: the first block fills a step before the end, and its
+    # hash waits for its turn (a few a step) past the end, which release commits.
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for i in range(10):
+        engine.add_request(f"r{i}", [3 + i, 5, 7, 9, 11], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert not scheduler.running and len(scheduler.retired) == 10 - 2
+    published = set(engine.stats(with_hashes=False).cached_prefix_hashes)
+    assert len(scheduler.retired) == 8 and not published  # the load-only one has none
+    hashes_before = set(engine.block_manager.hash_to_block)
+    stats = engine.stats()
+    assert not scheduler.retired and engine.block_manager.num_used_blocks == 0
+    last_blocks = set(engine.block_manager.hash_to_block) - hashes_before
+    assert last_blocks and last_blocks <= set(stats.cached_prefix_hashes)
+    engine.check_invariants()
