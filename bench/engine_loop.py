@@ -34,9 +34,11 @@ from replica import EngineConfig, LLMEngine, SamplingParams
 
 class StepClock:
     """Wraps engine.step: each step's start, whether the step it collected ran decode
-    rows alone (bench.engine.CollectedSteps), and how many requests it ended."""
+    rows alone (bench.engine.CollectedSteps), and how many requests it ended; and
+    engine.stats: how long each snapshot took, full and load-only apart."""
 
     def __init__(self, engine: LLMEngine) -> None:
+        self.snapshot_ms: dict[bool, list[float]] = {True: [], False: []}  # with_hashes
         self.starts: list[float] = []
         self.decode_only: list[bool] = []
         self.ended: list[int] = []
@@ -53,12 +55,22 @@ class StepClock:
             self.ended.append(len(outputs.finishes))
             return outputs
 
+        stats = engine.stats
+
+        def timed_stats(with_hashes: bool = True):
+            start = time.perf_counter()
+            snapshot = stats(with_hashes)
+            self.snapshot_ms[with_hashes].append(1e3 * (time.perf_counter() - start))
+            return snapshot
+
         engine.step = timed_step
+        engine.stats = timed_stats
         self._engine = engine
 
     def close(self, end: float) -> dict:
         """Per-step walls (each step's start to the next's, the last to end), summarized."""
-        del self._engine.step  # the instance attribute: back to the class's step
+        del self._engine.step  # the instance attributes: back to the class's methods
+        del self._engine.stats
         bounds = self.starts[1:] + [end]
         walls = [1e3 * (b - a) for a, b in zip(self.starts, bounds, strict=True)]
         decode = [w for w, d in zip(walls, self.decode_only, strict=True) if d]
@@ -70,9 +82,17 @@ class StepClock:
             "ending_steps": len(ending),
             "ending_mean_ms": statistics.fmean(ending) if ending else float("nan"),
             "prompt_steps": sum(n > 0 for n in self.prompt_tokens),
+            "full_snapshots_ms": self.snapshot_ms[True],
+            "load_snapshots_ms": self.snapshot_ms[False],
             "per_step": {"wall_ms": walls, "prompt_tokens": self.prompt_tokens,
                          "decode_only": self.decode_only, "ended": self.ended},
         }  # fmt: skip
+
+
+def _times(values_ms: list[float]) -> str:
+    if not values_ms:
+        return "0"
+    return f"{len(values_ms)} (mean {statistics.fmean(values_ms):.3f} max {max(values_ms):.3f} ms)"
 
 
 def run_bare(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str):
@@ -166,7 +186,9 @@ def main() -> None:
                 f"rep {rep} {mode:>11}: run {result['wall_ms']:.1f} ms, decode step mean"
                 f" {result['decode_mean_ms']:.3f} p99 {result['decode_p99_ms']:.3f} ms, the"
                 f" {result['ending_steps']} that ended requests {result['ending_mean_ms']:.3f} ms;"
-                f" {result['prompt_steps']} steps with prompt tokens",
+                f" {result['prompt_steps']} steps with prompt tokens;"
+                f" snapshots: {_times(result['full_snapshots_ms'])} full,"
+                f" {_times(result['load_snapshots_ms'])} load-only",
                 flush=True,
             )
     write_json(
