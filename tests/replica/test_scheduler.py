@@ -313,16 +313,20 @@ def test_retired_blocks_are_released_before_anyone_is_preempted() -> None:
     assert scheduler.num_preempted_total == 0 and not scheduler.retired
 
 
-def test_engine_spreads_a_finishing_cohort_over_steps() -> None:
-    """Requests that end on one step are output on that step, while their blocks come
-    back a few a step (ceil(max_num_seqs / 16)); snapshots leave them while others run,
-    and an idle engine's full snapshot releases them all."""
-    engine = LLMEngine(
+def _cohort_engine() -> LLMEngine:
+    """gpt2-tiny on the CPU, 32 sequences at most: retired ones come back 2 a step."""
+    return LLMEngine(
         EngineConfig(
             model="gpt2-tiny", device="cpu", max_num_seqs=32, num_blocks=64,
             enable_cuda_graphs=False,
         )
     )  # fmt: skip
+
+
+def test_engine_spreads_a_finishing_cohort_over_steps() -> None:
+    """Requests that end on one step are output on that step, while their blocks come
+    back a few a step (ceil(max_num_seqs / 16)); snapshots leave them while others run."""
+    engine = _cohort_engine()
     scheduler = engine.scheduler
     prompts = [[3 + i, 5, 7, 9, 11] for i in range(12)]
     for i, prompt in enumerate(prompts):  # ten end after 3 tokens, two after 12
@@ -371,12 +375,7 @@ def test_engine_spreads_a_finishing_cohort_over_steps() -> None:
 def test_an_idle_engines_full_snapshot_releases_its_retired_sequences() -> None:
     """With nothing running, the load-only snapshot leaves a finished cohort retired and
     the full one releases it, so that the hashes of its last blocks are published."""
-    engine = LLMEngine(
-        EngineConfig(
-            model="gpt2-tiny", device="cpu", max_num_seqs=32, num_blocks=64,
-            enable_cuda_graphs=False,
-        )
-    )  # fmt: skip
+    engine = _cohort_engine()
     scheduler = engine.scheduler
     # 5 prompt + 12 new tokens: the first block fills a step before the end, and its
     # hash waits for its turn (a few a step) past the end, which release commits.
