@@ -26,6 +26,7 @@ _ENTRY_POINTS = {
     "paged_prefill_attention": "kernels.prefill_attention",
     "resolve_placeholders": "kernels.argmax",
     "sample_tokens": "kernels.sampling",
+    "scatter_table_rows": "kernels.block_table",
 }
 
 __all__ = [*_ENTRY_POINTS, "reference"]

@@ -176,6 +176,16 @@ def copy_blocks_ref(
     kv_cache[:, :, dst.long()] = kv_cache[:, :, src.long()]
 
 
+def scatter_table_rows_ref(
+    table: torch.Tensor,  # [num_table_rows, width] int32
+    header: torch.Tensor,  # [1 + max_rows] int64: count, then the table row of each row
+    rows: torch.Tensor,  # [max_rows, width] int32
+) -> None:
+    """table[header[1 + i]] = rows[i] for i < header[0]."""
+    count = int(header[0])
+    table.index_copy_(0, header[1 : 1 + count], rows[:count])
+
+
 def argmax_rows_ref(
     x: torch.Tensor,  # [num_rows, num_cols]
     out: torch.Tensor | None = None,

@@ -16,13 +16,17 @@ buffer share a byte layout:
                                        positions, table rows (slots), context lens,
                                        token_buf rows for the sampled token (OUT_SLOTS;
                                        the null row where a row samples nothing)
-    row_ids  [max_num_seqs + 1] int64  block-table rows that changed this step
+    header   [1 + max_num_seqs + 1] int64   how many block-table rows changed this
+                                       step, then the table row each one replaces
     rows     [max_num_seqs + 1, max_blocks_per_seq] int32   their new contents
 
 upload() copies the bytes in use (the sampling parameters on a sampled step, the
-inputs, and the changed rows when there are any) in one copy, then scatters the rows
-into the device block table. The decode and sampling graphs read their regions by
-address, so the device buffer never moves.
+inputs with the header's count, and the changed rows when there are any) in one
+copy. The rows land in the device block table by scatter_table_rows (kernels.
+block_table), which a decode forward runs first, in its graph, reading the count on
+the device; upload scatters them itself (scatter=True) for a step whose first forward
+is a prefill forward. The decode and sampling graphs read their regions by address,
+so the device buffer never moves.
 
 Most decode steps run the sequences of the step before, in the same order: each has
 moved one position on, and its newest token is the PLACEHOLDER of the token that step
@@ -62,14 +66,15 @@ class DecodeInputs:
         num_rows = max_num_seqs + 1
         self._shapes = (self.max_rows, num_rows, max_blocks_per_seq)
         self._inputs_at = 8 * sampling_length  # 64-byte aligned, as every region after it
-        self._row_ids_at = self._inputs_at + _NUM_INPUTS * 8 * self.max_rows
-        self._rows_at = self._row_ids_at + 8 * num_rows
+        self._header_at = self._inputs_at + _NUM_INPUTS * 8 * self.max_rows
+        self._rows_at = self._header_at + 8 * (1 + num_rows)
         self._row_bytes = 4 * max_blocks_per_seq
         self._end = self._rows_at + num_rows * self._row_bytes
         num_bytes = -(-self._end // 64) * 64  # each parity's staging starts 64-byte aligned
         self.staging = torch.zeros((2, num_bytes), dtype=torch.uint8, pin_memory=pin)
         self.device_bytes = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
-        self.inputs, self._row_ids, self._rows = self._views(self.device_bytes)
+        # On the device, what scatter_table_rows reads (the header's count first).
+        self.inputs, self.table_header, self.table_rows = self._views(self.device_bytes)
         self._host = [
             tuple(t.numpy() for t in self._views(self.staging[parity])) for parity in (0, 1)
         ]
@@ -88,11 +93,11 @@ class DecodeInputs:
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         max_rows, num_rows, max_blocks = self._shapes
-        inputs = buf[self._inputs_at : self._row_ids_at].view(torch.int64)
+        inputs = buf[self._inputs_at : self._header_at].view(torch.int64)
         inputs = inputs.view(_NUM_INPUTS, max_rows)
-        row_ids = buf[self._row_ids_at : self._rows_at].view(torch.int64)
+        header = buf[self._header_at : self._rows_at].view(torch.int64)
         rows = buf[self._rows_at : self._end].view(torch.int32).view(num_rows, max_blocks)
-        return inputs, row_ids, rows
+        return inputs, header, rows
 
     def fill(
         self,
@@ -174,25 +179,29 @@ class DecodeInputs:
         dirty_slots: Seq[int] = (),
         device_block_table: torch.Tensor | None = None,  # the same shape, on the device
         with_sampling: bool = False,
+        scatter: bool = True,
     ) -> None:
         """One copy of what this step needs: the staged sampling parameters
-        (with_sampling, which implies with_inputs), the staged inputs (with_inputs) and
-        the rows of dirty_slots, which then land in device_block_table. No copy if none.
-        Without dirty_slots the tables are not read."""
+        (with_sampling, which implies with_inputs), the staged inputs (with_inputs) with
+        the count of dirty_slots, and the rows of dirty_slots. No copy if none. scatter:
+        the rows land in device_block_table now, else the step's decode forward puts
+        them there (scatter_table_rows, its count read on the device). Without
+        dirty_slots the tables are not read."""
         n = len(dirty_slots)
+        _, header, rows = self._host[parity]
+        header[0] = n
         if n:
-            _, row_ids, rows = self._host[parity]
-            row_ids[:n] = dirty_slots
+            header[1 : 1 + n] = dirty_slots
             rows[:n] = block_table[dirty_slots]
             end = self._rows_at + n * self._row_bytes
         elif with_inputs or with_sampling:
-            end = self._row_ids_at
+            end = self._header_at + 8  # the count: no row changed
         else:
             return
         start = 0 if with_sampling else self._inputs_at
         dst, src, row_ids, rows = self._upload_views(parity, start, end, n)
         dst.copy_(src, non_blocking=True)
-        if n:
+        if n and scatter:
             device_block_table.index_copy_(0, row_ids, rows)
 
     def _upload_views(self, parity: int, start: int, end: int, n: int) -> tuple:
@@ -202,6 +211,6 @@ class DecodeInputs:
         views = self._views_by_copy.get(key)
         if views is None:
             views = self.device_bytes[start:end], self.staging[parity, start:end]
-            views += (self._row_ids[:n], self._rows[:n])
+            views += (self.table_header[1 : 1 + n], self.table_rows[:n])
             self._views_by_copy[key] = views
         return views

@@ -2,7 +2,8 @@
 
 Decode inputs live in persistent device buffers, filled by one packed
 host-to-device copy per step that carries block-table rows too, only those
-whose sequence's blocks changed (replica.decode_inputs). On CUDA, decode runs
+whose sequence's blocks changed (replica.decode_inputs); the decode forward's first
+kernel puts them in the table (kernels.block_table). On CUDA, decode runs
 as a replay of a CUDA graph captured for the next bucketed batch size; padding
 rows point at a null table row whose blocks are all the reserved null block.
 
@@ -100,6 +101,18 @@ def _token_kernels(device: torch.device):
     return argmax_rows_ref, resolve_placeholders_ref
 
 
+def _table_scatter(device: torch.device):
+    """scatter_table_rows: a Triton kernel on CUDA (inside the decode graphs), its torch
+    reference on CPU."""
+    if device.type == "cuda":
+        from kernels.block_table import scatter_table_rows
+
+        return scatter_table_rows
+    from kernels.reference import scatter_table_rows_ref
+
+    return scatter_table_rows_ref
+
+
 def _completes_any(batch: ScheduledBatch) -> bool:
     """Whether a prompt chunk of the batch reaches its sequence's last token (samples)."""
     return any(
@@ -154,6 +167,7 @@ class ModelRunner:
         )
         self.vocab_size = self.model_config.vocab_size
         self.argmax_rows, self.resolve_placeholders = _token_kernels(device)
+        self.scatter_table_rows = _table_scatter(device)
         self.use_cuda_graphs = device.type == "cuda" and config.enable_cuda_graphs
         # On CUDA, eager decode pads to the same buckets as the graphs, so that graphs on and
         # off run identical shapes (cuBLAS tiling, split-KV choice) and give identical tokens.
@@ -303,9 +317,11 @@ class ModelRunner:
                     [s.params for s in graph_seqs], [len(s) for s in graph_seqs],
                     self.step_keys.getrandbits(63), padded, first, self.parity,
                 )  # fmt: skip
+        # The changed table rows land in the decode forward's graph, unless a prefill
+        # forward runs first (or none runs): then upload scatters them.
         self.step_inputs.upload(
             self.parity, num_rows > 0, block_table, dirty_slots, self.block_table,
-            with_sampling=graph_kind is not None,
+            with_sampling=graph_kind is not None, scatter=prefill_forward or not num_rows,
         )  # fmt: skip
         if batch.block_copies:
             src, dst = zip(*batch.block_copies, strict=True)
@@ -485,6 +501,8 @@ class ModelRunner:
         greedy batch launches nothing after the graph but the tokens' copy to the host.
         append_first: rows may share a sequence (a mixed step's prompt chunks).
         """
+        step = self.step_inputs  # the block-table rows this step changed, if upload left them
+        self.scatter_table_rows(self.block_table, step.table_header, step.table_rows)
         inputs = self.decode_inputs[:, :num_rows]
         meta = AttentionMetadata(
             is_decode=True,

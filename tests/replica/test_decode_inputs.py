@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.reference import scatter_table_rows_ref
 from replica.decode_inputs import (
     CONTEXT_LENS,
     INPUT_IDS,
@@ -53,6 +54,27 @@ def test_dirty_rows_land_in_the_table_and_parities_do_not_mix():
     di.fill(1, [_seq([9], slot=2)], num_rows=1)
     di.upload(0, True, host_table, [], table)
     assert di.inputs[SLOTS, 0].item() == 3
+
+
+def test_rows_left_to_the_forward_land_by_the_count_and_a_step_without_resets_it():
+    """scatter=False leaves the device table alone; the forward's scatter_table_rows
+    reads the copied count and rows. A later step with inputs and no changed row copies
+    a count of 0, so that a forward does not apply the older rows again."""
+    di = DecodeInputs(max_num_seqs=4, max_blocks_per_seq=3, device=torch.device("cpu"), pin=False)
+    host_table = np.arange(5 * 3, dtype=np.int32).reshape(5, 3)
+    table = torch.full((5, 3), -1, dtype=torch.int32)
+    di.fill(0, [_seq([1, 2], slot=3)], num_rows=1)
+    di.upload(0, True, host_table, [3, 0], table, scatter=False)
+    assert (table == -1).all()
+    scatter_table_rows_ref(table, di.table_header, di.table_rows)
+    assert table[[3, 0]].tolist() == host_table[[3, 0]].tolist()
+    assert (table[[1, 2, 4]] == -1).all()
+    di.fill(1, [_seq([1, 2, 3], slot=3)], num_rows=1)
+    host_table[3] = 99
+    di.upload(1, True, host_table, [], table, scatter=False)
+    assert di.table_header[0].item() == 0
+    scatter_table_rows_ref(table, di.table_header, di.table_rows)
+    assert table[3].tolist() == [9, 10, 11]  # not applied again, nor changed
 
 
 def test_upload_without_inputs_or_rows_copies_nothing():
