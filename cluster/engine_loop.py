@@ -3,9 +3,10 @@
 The engine is blocking torch code, so it runs in one background thread that owns it
 exclusively: callers (the Serve deployment's asyncio loop, cluster.engine_process's
 pipe reader) never touch the engine, they post commands (add, abort) and receive,
-once per engine step, one StepBatch per caller with requests here (see
-cluster.transport). ReplicaStats are computed by the engine thread every
-stats_period_s and cached, so a stats read answers without waiting for a step.
+once per engine step, one StepBatch per caller with requests here (cut from the step's
+outputs by cluster.fan_out; carried by cluster.transport). ReplicaStats are computed
+by the engine thread every stats_period_s and cached, so a stats read answers without
+waiting for a step.
 """
 
 from __future__ import annotations
