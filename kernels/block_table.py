@@ -17,23 +17,27 @@ import triton.language as tl
 from kernels.pdl import pdl_launch, pdl_prologue
 from kernels.reference import scatter_table_rows_ref  # noqa: F401  (re-exported)
 
-NUM_PROGRAMS = 8  # each takes every NUM_PROGRAMS-th row: a handful change per step
+NUM_PROGRAMS = 16  # along the rows: each takes tiles of ROWS rows, NUM_PROGRAMS tiles apart
+ROWS = 16  # rows of a tile: a batch in lockstep changes all its rows on one step
+MAX_BLOCK = 256  # table entries of a tile's row; a wider table gets more programs
 
 
 @triton.jit
 def _scatter_rows_kernel(
     table_ptr, header_ptr, rows_ptr, width, table_stride,
-    BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr, PDL: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_prologue(PDL)
     count = tl.load(header_ptr)
-    cols = tl.arange(0, BLOCK)
-    for i in range(tl.program_id(0), count, NUM_PROGRAMS):
-        row = tl.load(header_ptr + 1 + i)
-        for start in range(0, width, BLOCK):
-            mask = start + cols < width
-            values = tl.load(rows_ptr + i * width + start + cols, mask=mask)
-            tl.store(table_ptr + row * table_stride + start + cols, values, mask=mask)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col_mask = cols < width
+    for first in range(tl.program_id(0) * ROWS, count, NUM_PROGRAMS * ROWS):
+        i = first + tl.arange(0, ROWS)
+        row_mask = i < count
+        row = tl.load(header_ptr + 1 + i, mask=row_mask, other=0)
+        mask = row_mask[:, None] & col_mask[None, :]
+        values = tl.load(rows_ptr + i[:, None] * width + cols[None, :], mask=mask)
+        tl.store(table_ptr + row[:, None] * table_stride + cols[None, :], values, mask=mask)
 
 
 def scatter_table_rows(
@@ -45,8 +49,9 @@ def scatter_table_rows(
     width = table.shape[1]
     assert rows.shape[1] == width and rows.is_contiguous() and table.stride(1) == 1
     assert header.dtype == torch.int64 and header.shape[0] == rows.shape[0] + 1
-    block = min(triton.next_power_of_2(width), 1024)
-    _scatter_rows_kernel[(NUM_PROGRAMS,)](
+    block = min(triton.next_power_of_2(width), MAX_BLOCK)
+    _scatter_rows_kernel[(NUM_PROGRAMS, triton.cdiv(width, block))](
         table, header, rows, width, table.stride(0),
-        BLOCK=block, NUM_PROGRAMS=NUM_PROGRAMS, num_warps=1, **pdl_launch(table.device),
+        ROWS=ROWS, BLOCK=block, NUM_PROGRAMS=NUM_PROGRAMS, num_warps=4,
+        **pdl_launch(table.device),
     )  # fmt: skip

@@ -6,14 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.block_table import NUM_PROGRAMS, scatter_table_rows, scatter_table_rows_ref
+from kernels.block_table import (
+    MAX_BLOCK,
+    NUM_PROGRAMS,
+    ROWS,
+    scatter_table_rows,
+    scatter_table_rows_ref,
+)
 
 
-@pytest.mark.parametrize("width", [1, 7, 16, 1500])
-@pytest.mark.parametrize("count", [0, 1, NUM_PROGRAMS + 3])
+@pytest.mark.parametrize("width", [1, 7, 16, MAX_BLOCK + 9])
+@pytest.mark.parametrize("count", [0, 1, ROWS + 3, NUM_PROGRAMS * ROWS + 5])
 def test_scatter_matches_the_reference(width, count, device):
     gen = torch.Generator().manual_seed(width * 31 + count)
-    num_table_rows, max_rows = 2 * NUM_PROGRAMS + 5, NUM_PROGRAMS + 4
+    max_rows = NUM_PROGRAMS * ROWS + 9
+    num_table_rows = max_rows + 7
     table = torch.randint(0, 1000, (num_table_rows, width), generator=gen, dtype=torch.int32)
     rows = torch.randint(0, 1000, (max_rows, width), generator=gen, dtype=torch.int32)
     header = torch.full((1 + max_rows,), -1, dtype=torch.int64)
