@@ -89,28 +89,14 @@ class StepHandle:
         return self.tokens
 
 
-def _token_kernels(device: torch.device):
-    """(argmax_rows, resolve_placeholders): greedy sampling into token_buf, and the next
-    step's read of it. Triton kernels on CUDA, their torch references on CPU."""
+def _device_kernels(device: torch.device, *names: str) -> tuple:
+    """The kernels named: Triton kernels on CUDA (kernels' entry points), their torch
+    references on CPU (kernels.reference's <name>_ref)."""
+    import kernels
+
     if device.type == "cuda":
-        from kernels.argmax import argmax_rows, resolve_placeholders
-
-        return argmax_rows, resolve_placeholders
-    from kernels.reference import argmax_rows_ref, resolve_placeholders_ref
-
-    return argmax_rows_ref, resolve_placeholders_ref
-
-
-def _table_scatter(device: torch.device):
-    """scatter_table_rows: a Triton kernel on CUDA (inside the decode graphs), its torch
-    reference on CPU."""
-    if device.type == "cuda":
-        from kernels.block_table import scatter_table_rows
-
-        return scatter_table_rows
-    from kernels.reference import scatter_table_rows_ref
-
-    return scatter_table_rows_ref
+        return tuple(getattr(kernels, name) for name in names)
+    return tuple(getattr(kernels.reference, f"{name}_ref") for name in names)
 
 
 def _completes_any(batch: ScheduledBatch) -> bool:
@@ -166,8 +152,11 @@ class ModelRunner:
             triton_linear=config.enable_triton_linear,
         )
         self.vocab_size = self.model_config.vocab_size
-        self.argmax_rows, self.resolve_placeholders = _token_kernels(device)
-        self.scatter_table_rows = _table_scatter(device)
+        # Greedy sampling into token_buf, the next step's read of it, and the step's
+        # changed block-table rows (inside the decode graphs on CUDA).
+        self.argmax_rows, self.resolve_placeholders, self.scatter_table_rows = _device_kernels(
+            device, "argmax_rows", "resolve_placeholders", "scatter_table_rows"
+        )
         self.use_cuda_graphs = device.type == "cuda" and config.enable_cuda_graphs
         # On CUDA, eager decode pads to the same buckets as the graphs, so that graphs on and
         # off run identical shapes (cuBLAS tiling, split-KV choice) and give identical tokens.
