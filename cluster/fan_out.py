@@ -8,18 +8,11 @@ import collections
 import operator
 from collections.abc import Iterable, KeysView, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from cluster.messages import ERROR_FINISH, StepBatch
+from cluster.metrics import ReplicaMetrics
 from replica.outputs import StepOutputs
-
-
-class LatencyMetrics(Protocol):
-    """What FanOut observes (cluster.metrics.ReplicaMetrics)."""
-
-    tpot_s: Any  # a histogram: .observe(value_s)
-
-    def observe_ttft(self, value_s: float) -> None: ...
 
 
 @dataclass(slots=True)
@@ -55,7 +48,7 @@ class FanOut:
     (an abort) or fail_all. Tokens are counted per request only with metrics (TPOT).
     """
 
-    def __init__(self, metrics: LatencyMetrics | None = None) -> None:
+    def __init__(self, metrics: ReplicaMetrics | None = None) -> None:
         self._metrics = metrics
         self._tracked: dict[str, _Tracked] = {}
         self._awaiting_first: set[str] = set()  # tracked, no token delivered yet
