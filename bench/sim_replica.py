@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import islice
+
+import numpy as np
 
 from bench.sim_model import CostModel
 from bench.sim_workload import Workload
-from replica.hashing import SUMMARY_STRIDE, summarize
+from replica.hashing import summarize
 from replica.scheduler import charge_queued, release_queued
 from replica.stats import ReplicaStats
 
@@ -379,11 +383,10 @@ class SimReplica:
         if with_hashes:
             hashes = tuple(
                 summarize(
-                    reversed(self.resident),
-                    (h for h in reversed(self.resident) if h % SUMMARY_STRIDE == 0),
+                    _chunks(reversed(self.resident)),
                     len(self.resident),
                     self.config.max_prefix_hashes_in_stats,
-                )  # fmt: skip
+                )
             )
         return ReplicaStats(
             replica_id=self.replica_id,
@@ -432,3 +435,11 @@ class SimReplica:
             for h in q.queued_hashes:
                 queued[h] = queued.get(h, 0) + 1
         assert queued == self.queued_hash_refs
+
+
+def _chunks(hashes: Iterable[int], size: int = 1024) -> Iterator[np.ndarray]:
+    """hashes in arrays of size, as replica.hashing.summarize reads them (object arrays:
+    the simulator's hashes are any Python ints)."""
+    it = iter(hashes)
+    while chunk := list(islice(it, size)):
+        yield np.array(chunk, dtype=object)

@@ -8,7 +8,8 @@ from collections.abc import Iterable
 import numpy as np
 
 from replica.config import CacheConfig
-from replica.hashing import SUMMARY_STRIDE, summarize
+from replica.hash_log import HashLog
+from replica.hashing import summarize
 from replica.sequence import Sequence
 
 
@@ -44,9 +45,8 @@ class BlockManager:
         self.ref_counts = [0] * self.num_blocks
         self.block_hash: list[int | None] = [None] * self.num_blocks
         self.hash_to_block: OrderedDict[int, int] = OrderedDict()  # most recently used last
-        # The hashes of hash_to_block that are multiples of SUMMARY_STRIDE, in its order:
-        # the older part of recent_hashes' summary, read without walking the cache.
-        self.sampled_hashes: OrderedDict[int, None] = OrderedDict()
+        # hash_to_block's order again, packed: what recent_hashes reads.
+        self.hash_log = HashLog(self.num_blocks)
         self.free_blocks: deque[int] = deque(range(self.num_blocks))
         self.cached_blocks: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
@@ -123,6 +123,8 @@ class BlockManager:
         hits = self._prefix_hits(seq)
         for block in hits:
             self._take_ref(block)
+        if hits:
+            self.hash_log.touch(hits, [self.block_hash[b] for b in hits])
         seq.block_ids = hits + [
             self._fresh_block() for _ in range(self.blocks_needed(len(seq)) - len(hits))
         ]
@@ -199,13 +201,16 @@ class BlockManager:
             return
         hashes = seq.full_block_hashes(size, seq.num_computed_tokens)
         block_hash, hash_to_block = self.block_hash, self.hash_to_block
+        new_blocks, new_hashes = [], []
         for index in range(seq.num_committed_blocks, num_full):
             block, h = seq.block_ids[index], hashes[index]
             if block_hash[block] is None and h not in hash_to_block:
                 block_hash[block] = h
                 hash_to_block[h] = block
-                if h % SUMMARY_STRIDE == 0:
-                    self.sampled_hashes[h] = None
+                new_blocks.append(block)
+                new_hashes.append(h)
+        if new_blocks:
+            self.hash_log.touch(new_blocks, new_hashes)
         seq.num_committed_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
@@ -242,10 +247,7 @@ class BlockManager:
     def recent_hashes(self, limit: int) -> list[int]:
         """Hashes of resident full blocks, most recently used first: all of the newest, a
         sample of the older ones (replica.hashing.summarize), at most limit."""
-        return summarize(
-            reversed(self.hash_to_block), reversed(self.sampled_hashes),
-            len(self.hash_to_block), limit,
-        )  # fmt: skip
+        return summarize(self.hash_log.newest_first(), len(self.hash_to_block), limit)
 
     def check_invariants(self, live: Iterable[Sequence]) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent with `live` sequences."""
@@ -274,8 +276,11 @@ class BlockManager:
         for h, b in self.hash_to_block.items():
             assert self.block_hash[b] == h, f"hash map disagrees for block {b}"
         assert sum(h is not None for h in self.block_hash) == len(self.hash_to_block)
-        sampled = [h for h in self.hash_to_block if h % SUMMARY_STRIDE == 0]
-        assert list(self.sampled_hashes) == sampled, "sampled_hashes disagrees with the cache"
+        logged = [h for chunk in self.hash_log.newest_first() for h in chunk.tolist()]
+        assert logged == list(reversed(self.hash_to_block)), (
+            "hash_log disagrees with the cache's order"
+        )
+        assert self.hash_log.num_current == len(self.hash_to_block)
         assert not slots & set(self.free_slots), "a live slot is also free"
 
     # ---- internals ------------------------------------------------------------
@@ -285,9 +290,7 @@ class BlockManager:
         self.ref_counts[block] += 1
         h = self.block_hash[block]
         if h is not None:
-            self.hash_to_block.move_to_end(h)
-            if h % SUMMARY_STRIDE == 0:
-                self.sampled_hashes.move_to_end(h)
+            self.hash_to_block.move_to_end(h)  # hash_log: allocate logs its hits together
 
     def _fresh_block(self) -> int:
         if self.free_blocks:
@@ -296,8 +299,7 @@ class BlockManager:
             block, _ = self.cached_blocks.popitem(last=False)  # evict the LRU cached block
             h = self.block_hash[block]
             del self.hash_to_block[h]
-            if h % SUMMARY_STRIDE == 0:
-                del self.sampled_hashes[h]
+            self.hash_log.forget(block)
             self.block_hash[block] = None
         self.ref_counts[block] = 1
         return block

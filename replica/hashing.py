@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
-from itertools import islice
+
+import numpy as np
 
 ROOT_HASH = 0
 # Past the newest half of a summary, one resident block in this many is published
@@ -51,28 +52,36 @@ def packed_block_hashes(packed: bytes, block_size: int, parent_hash: int = ROOT_
     return hashes
 
 
-def summarize(
-    newest_first: Iterable[int], sampled_newest_first: Iterable[int], num_hashes: int, limit: int
-) -> list[int]:
+def summarize(newest_first: Iterable[np.ndarray], num_hashes: int, limit: int) -> list[int]:
     """The block hashes a replica publishes (ReplicaStats.cached_prefix_hashes): at most
     limit of its num_hashes resident blocks. newest_first gives every resident block's
-    hash, most recently used first; sampled_newest_first those of them that are
-    multiples of SUMMARY_STRIDE, in the same order (BlockManager keeps them apart, so no
-    walk goes past the newest limit // 2: walking up to ~17K hashes made a replica's engine
-    thread stall every full snapshot, BENCHMARKS.md "A Serve replica's engine thread").
+    hash, most recently used first, as integer arrays (chunks, each newest first); it is
+    read only as far as the summary needs (replica.hash_log reads its log that way, so
+    a snapshot does not walk the whole cache: walking ~2K hashes in Python objects
+    stalled a replica's engine thread every full snapshot, BENCHMARKS.md "A Serve
+    replica's engine thread" and the thirty-second session).
 
-    All of them when they fit. Else the newest limit // 2 in full, then the older sampled
-    ones. Routers match a prompt at the deepest block a replica publishes
-    (router.prefix_index), so an older chain needs only some of its blocks published:
-    the same number of hashes covers up to SUMMARY_STRIDE times as many older blocks,
-    each such match short by fewer than SUMMARY_STRIDE blocks on average. Without
-    thinning, a replica whose cache held more blocks than the limit published only its
-    newest chains, and routers found its older prefixes nowhere.
+    All of them when they fit. Else the newest limit // 2 in full, then the older ones
+    that are multiples of SUMMARY_STRIDE. Routers match a prompt at the deepest block a
+    replica publishes (router.prefix_index), so an older chain needs only some of its
+    blocks published: the same number of hashes covers up to SUMMARY_STRIDE times as
+    many older blocks, each such match short by fewer than SUMMARY_STRIDE blocks on
+    average. Without thinning, a replica whose cache held more blocks than the limit
+    published only its newest chains, and routers found its older prefixes nowhere.
     """
-    newest_first = iter(newest_first)
-    if num_hashes <= limit:
-        return list(newest_first)
-    out = list(islice(newest_first, limit // 2))
-    dense = set(out)
-    older = (h for h in sampled_newest_first if h not in dense)
-    return out + list(islice(older, limit - len(out)))
+    num_dense = limit if num_hashes <= limit else limit // 2
+    parts: list[np.ndarray] = []
+    num_out = 0
+    for chunk in newest_first:
+        if num_out < num_dense:
+            dense = chunk[: num_dense - num_out]
+            parts.append(dense)
+            num_out += len(dense)
+            chunk = chunk[len(dense) :]
+        if num_out >= num_dense and len(chunk):  # thinning: the older multiples
+            sampled = chunk[chunk % chunk.dtype.type(SUMMARY_STRIDE) == 0][: limit - num_out]
+            parts.append(sampled)
+            num_out += len(sampled)
+        if num_out >= limit:
+            break
+    return np.concatenate(parts).tolist() if parts else []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from replica.hashing import (
@@ -56,11 +57,16 @@ def test_sequence_hashes_extend_as_tokens_arrive():
 def test_summarize_keeps_the_newest_half_then_the_older_multiples_of_the_stride(num_hashes, limit):
     rng = random.Random(num_hashes * 131 + limit)
     newest_first = [rng.randrange(2**64) for _ in range(num_hashes)]
-    sampled = [h for h in newest_first if h % SUMMARY_STRIDE == 0]
-    summary = summarize(iter(newest_first), iter(sampled), num_hashes, limit)
-    if num_hashes <= limit:
-        assert summary == newest_first
-    else:
-        dense = newest_first[: limit // 2]
-        older = [h for h in newest_first[limit // 2 :] if h % SUMMARY_STRIDE == 0]
-        assert summary == dense + older[: limit - len(dense)]
+    for chunk in (1, 7, 4096):  # however the hashes come in chunks
+        chunks = (
+            np.array(newest_first[i : i + chunk], np.uint64) for i in range(0, num_hashes, chunk)
+        )
+        assert summarize(chunks, num_hashes, limit) == thinned(newest_first, limit)
+
+
+def thinned(newest_first: list[int], limit: int) -> list[int]:
+    if len(newest_first) <= limit:
+        return newest_first
+    dense = newest_first[: limit // 2]
+    older = [h for h in newest_first[limit // 2 :] if h % SUMMARY_STRIDE == 0]
+    return dense + older[: limit - len(dense)]
