@@ -11,9 +11,9 @@ LOAD_STATS_PERIOD_S and on each step that ends requests, a full one every
 stats_period_s, and fans each step's outputs out per caller (the requests come from
 --callers callers in turn; each delivery is a no-op here). A step's wall runs from its
 engine.step() to the next, so the loop's own work after a step is in it. Printed per
-mode: the run's wall, the decode steps' mean and p99 wall, and the mean wall of the
+mode: the run's wall, the decode steps' mean and p99 wall, the mean wall of the
 decode steps that ended requests (where each ended request's blocks are given back:
-Scheduler.retired).
+Scheduler.retired), and that of the decode steps whose wall holds a full snapshot.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class StepClock:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.snapshot_ms: dict[bool, list[float]] = {True: [], False: []}  # with_hashes
+        self.snapshot_steps: list[int] = []  # the step whose wall holds each full snapshot
         self.starts: list[float] = []
         self.decode_only: list[bool] = []
         self.ended: list[int] = []
@@ -61,6 +62,8 @@ class StepClock:
             start = time.perf_counter()
             snapshot = stats(with_hashes)
             self.snapshot_ms[with_hashes].append(1e3 * (time.perf_counter() - start))
+            if with_hashes and self.starts:
+                self.snapshot_steps.append(len(self.starts) - 1)
             return snapshot
 
         engine.step = timed_step
@@ -75,12 +78,15 @@ class StepClock:
         walls = [1e3 * (b - a) for a, b in zip(self.starts, bounds, strict=True)]
         decode = [w for w, d in zip(walls, self.decode_only, strict=True) if d]
         ending = [w for w, d, n in zip(walls, self.decode_only, self.ended, strict=True) if d and n]
+        snapshot = [walls[i] for i in set(self.snapshot_steps) if self.decode_only[i]]
         return {
             "steps": len(walls),
             "decode_mean_ms": statistics.fmean(decode),
             "decode_p99_ms": sorted(decode)[int(0.99 * (len(decode) - 1))],
             "ending_steps": len(ending),
             "ending_mean_ms": statistics.fmean(ending) if ending else float("nan"),
+            "snapshot_steps": len(snapshot),
+            "snapshot_step_mean_ms": statistics.fmean(snapshot) if snapshot else float("nan"),
             "prompt_steps": sum(n > 0 for n in self.prompt_tokens),
             "full_snapshots_ms": self.snapshot_ms[True],
             "load_snapshots_ms": self.snapshot_ms[False],
@@ -185,7 +191,9 @@ def main() -> None:
             print(
                 f"rep {rep} {mode:>11}: run {result['wall_ms']:.1f} ms, decode step mean"
                 f" {result['decode_mean_ms']:.3f} p99 {result['decode_p99_ms']:.3f} ms, the"
-                f" {result['ending_steps']} that ended requests {result['ending_mean_ms']:.3f} ms;"
+                f" {result['ending_steps']} that ended requests {result['ending_mean_ms']:.3f} ms,"
+                f" the {result['snapshot_steps']} with a full snapshot"
+                f" {result['snapshot_step_mean_ms']:.3f} ms;"
                 f" {result['prompt_steps']} steps with prompt tokens;"
                 f" snapshots: {_times(result['full_snapshots_ms'])} full,"
                 f" {_times(result['load_snapshots_ms'])} load-only",
