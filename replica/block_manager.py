@@ -44,8 +44,8 @@ class BlockManager:
         self.null_slot = max_num_seqs
         self.ref_counts = [0] * self.num_blocks
         self.block_hash: list[int | None] = [None] * self.num_blocks
-        self.hash_to_block: OrderedDict[int, int] = OrderedDict()  # most recently used last
-        # hash_to_block's order again, packed: what recent_hashes reads.
+        self.hash_to_block: dict[int, int] = {}
+        # The hashed blocks in most-recently-used order, packed: what recent_hashes reads.
         self.hash_log = HashLog(self.num_blocks)
         self.free_blocks: deque[int] = deque(range(self.num_blocks))
         self.cached_blocks: OrderedDict[int, None] = OrderedDict()  # LRU first
@@ -124,7 +124,7 @@ class BlockManager:
         for block in hits:
             self._take_ref(block)
         if hits:
-            self.hash_log.touch(hits, [self.block_hash[b] for b in hits])
+            self.hash_log.touch(hits, seq.block_hashes[: len(hits)])  # hits: its leading blocks
         seq.block_ids = hits + [
             self._fresh_block() for _ in range(self.blocks_needed(len(seq)) - len(hits))
         ]
@@ -277,10 +277,9 @@ class BlockManager:
             assert self.block_hash[b] == h, f"hash map disagrees for block {b}"
         assert sum(h is not None for h in self.block_hash) == len(self.hash_to_block)
         logged = [h for chunk in self.hash_log.newest_first() for h in chunk.tolist()]
-        assert logged == list(reversed(self.hash_to_block)), (
-            "hash_log disagrees with the cache's order"
-        )
-        assert self.hash_log.num_current == len(self.hash_to_block)
+        assert len(logged) == self.hash_log.num_current == len(self.hash_to_block)
+        assert set(logged) == self.hash_to_block.keys(), "hash_log disagrees with the cache"
+
         assert not slots & set(self.free_slots), "a live slot is also free"
 
     # ---- internals ------------------------------------------------------------
@@ -288,9 +287,6 @@ class BlockManager:
         if self.ref_counts[block] == 0:
             del self.cached_blocks[block]
         self.ref_counts[block] += 1
-        h = self.block_hash[block]
-        if h is not None:
-            self.hash_to_block.move_to_end(h)  # hash_log: allocate logs its hits together
 
     def _fresh_block(self) -> int:
         if self.free_blocks:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -103,7 +105,9 @@ def test_summary_of_a_full_cache_thins_the_older_blocks():
     for seq in seqs:  # seven chains of 8 blocks, the last one newest
         bm.allocate(seq)
         compute_all(bm, seq)
-    newest_first = list(reversed(bm.hash_to_block))
+    newest_first = [
+        h for seq in reversed(seqs) for h in reversed(prefix_block_hashes(seq.token_ids, 4))
+    ]
     assert bm.recent_hashes(64) == newest_first  # the whole cache fits: all of it
     summary = bm.recent_hashes(16)
     assert summary[:8] == newest_first[:8] and len(summary) <= 16
@@ -122,17 +126,24 @@ def thinned(newest_first: list[int], limit: int) -> list[int]:
 
 def test_summary_follows_reuse_and_eviction():
     """Hits move a chain to the newest end and evictions drop the oldest blocks; the
-    summary is always the rule applied to the cache as it is (sampled_hashes kept in its
-    order: check_invariants)."""
+    summary is always the rule applied to the cache as it is (recency kept here apart,
+    in an OrderedDict: a chain used again is newest, block after block)."""
     bm = make_manager(num_blocks=96, max_num_seqs=4)
     chains = [[1000 * c + t for t in range(33)] for c in range(40)]  # 8 full blocks each
+    recency: OrderedDict[int, None] = OrderedDict()  # most recently used last
     for step, c in enumerate([*range(12), 3, 0, 7, *range(12, 40), 20, 5]):
         seq = make_seq(chains[c], f"s{step}")
         bm.allocate(seq)  # a chain seen before is a hit: its blocks become the newest
         compute_all(bm, seq)
         bm.free(seq)
         bm.check_invariants([])
-        newest_first = list(reversed(bm.hash_to_block))
+        for h in prefix_block_hashes(chains[c], 4):
+            recency.pop(h, None)
+            recency[h] = None
+        for h in [h for h in recency if h not in bm.hash_to_block]:  # evicted
+            del recency[h]
+        assert recency.keys() == bm.hash_to_block.keys()
+        newest_first = list(reversed(recency))
         for limit in (1, 16, 40, 64, 200):
             assert bm.recent_hashes(limit) == thinned(newest_first, limit)
     assert len(bm.hash_to_block) < 40 * 8  # evictions happened
