@@ -19,6 +19,7 @@ Scheduler.retired), and that of the decode steps whose wall holds a full snapsho
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import threading
 import time
@@ -44,6 +45,8 @@ class StepClock:
         self.decode_only: list[bool] = []
         self.ended: list[int] = []
         self.prompt_tokens: list[int] = []
+        self.collections = [0, 0, 0]  # the collector's passes during the run, by generation
+        gc.callbacks.append(self._count_collection)
         step = engine.step
         steps = CollectedSteps(engine)
 
@@ -62,7 +65,7 @@ class StepClock:
             start = time.perf_counter()
             snapshot = stats(with_hashes)
             self.snapshot_ms[with_hashes].append(1e3 * (time.perf_counter() - start))
-            if with_hashes and self.starts:
+            if with_hashes:  # -1: before the first step
                 self.snapshot_steps.append(len(self.starts) - 1)
             return snapshot
 
@@ -70,15 +73,20 @@ class StepClock:
         engine.stats = timed_stats
         self._engine = engine
 
+    def _count_collection(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.collections[info["generation"]] += 1
+
     def close(self, end: float) -> dict:
         """Per-step walls (each step's start to the next's, the last to end), summarized."""
+        gc.callbacks.remove(self._count_collection)
         del self._engine.step  # the instance attributes: back to the class's methods
         del self._engine.stats
         bounds = self.starts[1:] + [end]
         walls = [1e3 * (b - a) for a, b in zip(self.starts, bounds, strict=True)]
         decode = [w for w, d in zip(walls, self.decode_only, strict=True) if d]
         ending = [w for w, d, n in zip(walls, self.decode_only, self.ended, strict=True) if d and n]
-        snapshot = [walls[i] for i in set(self.snapshot_steps) if self.decode_only[i]]
+        snapshot = [walls[i] for i in set(self.snapshot_steps) if i >= 0 and self.decode_only[i]]
         return {
             "steps": len(walls),
             "decode_mean_ms": statistics.fmean(decode),
@@ -89,6 +97,8 @@ class StepClock:
             "snapshot_step_mean_ms": statistics.fmean(snapshot) if snapshot else float("nan"),
             "prompt_steps": sum(n > 0 for n in self.prompt_tokens),
             "full_snapshots_ms": self.snapshot_ms[True],
+            "full_snapshot_steps": self.snapshot_steps,
+            "collections": self.collections,
             "load_snapshots_ms": self.snapshot_ms[False],
             "per_step": {"wall_ms": walls, "prompt_tokens": self.prompt_tokens,
                          "decode_only": self.decode_only, "ended": self.ended},
@@ -196,7 +206,12 @@ def main() -> None:
                 f" {result['snapshot_step_mean_ms']:.3f} ms;"
                 f" {result['prompt_steps']} steps with prompt tokens;"
                 f" snapshots: {_times(result['full_snapshots_ms'])} full,"
-                f" {_times(result['load_snapshots_ms'])} load-only",
+                f" {_times(result['load_snapshots_ms'])} load-only; full ones (step: ms) "
+                + " ".join(
+                    f"{i}: {ms:.3f}"
+                    for i, ms in zip(result["full_snapshot_steps"], result["full_snapshots_ms"])
+                )
+                + f"; gc passes by generation {result['collections']}",
                 flush=True,
             )
     write_json(
