@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import statistics
 import threading
 import time
@@ -42,6 +43,7 @@ class StepClock:
         self.snapshot_ms: dict[bool, list[float]] = {True: [], False: []}  # with_hashes
         self.snapshot_steps: list[int] = []  # the step whose wall holds each full snapshot
         self.starts: list[float] = []
+        self.begin = time.perf_counter()  # the run's start: its adds come before its first step
         self.decode_only: list[bool] = []
         self.ended: list[int] = []
         self.prompt_tokens: list[int] = []
@@ -96,6 +98,8 @@ class StepClock:
             "snapshot_steps": len(snapshot),
             "snapshot_step_mean_ms": statistics.fmean(snapshot) if snapshot else float("nan"),
             "prompt_steps": sum(n > 0 for n in self.prompt_tokens),
+            "prompt_steps_ms": sum(w for w, n in zip(walls, self.prompt_tokens, strict=True) if n),
+            "first_step_at_ms": 1e3 * (self.starts[0] - self.begin) if self.starts else math.nan,
             "full_snapshots_ms": self.snapshot_ms[True],
             "full_snapshot_steps": self.snapshot_steps,
             "collections": self.collections,
@@ -204,7 +208,9 @@ def main() -> None:
                 f" {result['ending_steps']} that ended requests {result['ending_mean_ms']:.3f} ms,"
                 f" the {result['snapshot_steps']} with a full snapshot"
                 f" {result['snapshot_step_mean_ms']:.3f} ms;"
-                f" {result['prompt_steps']} steps with prompt tokens;"
+                f" {result['prompt_steps']} steps with prompt tokens"
+                f" {result['prompt_steps_ms']:.1f} ms, the first step at"
+                f" {result['first_step_at_ms']:.1f} ms;"
                 f" snapshots: {_times(result['full_snapshots_ms'])} full,"
                 f" {_times(result['load_snapshots_ms'])} load-only; full ones (step: ms) "
                 + " ".join(
