@@ -11,6 +11,7 @@ from replica.config import CacheConfig
 from replica.hashing import SUMMARY_STRIDE, prefix_block_hashes
 from replica.sampling_params import SamplingParams
 from replica.sequence import Sequence
+from tests.replica.test_hashing import thinned
 
 PARAMS = SamplingParams(max_tokens=8)
 
@@ -113,15 +114,6 @@ def test_summary_of_a_full_cache_thins_the_older_blocks():
     assert summary[:8] == newest_first[:8] and len(summary) <= 16
     older = newest_first[8:]
     assert summary[8:] == [h for h in older if h % SUMMARY_STRIDE == 0][: 16 - 8]
-
-
-def thinned(newest_first: list[int], limit: int) -> list[int]:
-    """recent_hashes' rule over the whole cache, newest first."""
-    if len(newest_first) <= limit:
-        return newest_first
-    dense = newest_first[: limit // 2]
-    older = [h for h in newest_first[limit // 2 :] if h % SUMMARY_STRIDE == 0]
-    return dense + older[: limit - len(dense)]
 
 
 def test_summary_follows_reuse_and_eviction():
