@@ -279,7 +279,6 @@ class BlockManager:
         logged = [h for chunk in self.hash_log.newest_first() for h in chunk.tolist()]
         assert len(logged) == self.hash_log.num_current == len(self.hash_to_block)
         assert set(logged) == self.hash_to_block.keys(), "hash_log disagrees with the cache"
-
         assert not slots & set(self.free_slots), "a live slot is also free"
 
     # ---- internals ------------------------------------------------------------

@@ -4,8 +4,8 @@ A replica publishes its most recently used block hashes every stats period
 (ReplicaStats.cached_prefix_hashes, replica.hashing.summarize). Walking an OrderedDict of
 ~2K hashes for that took ~1.5 ms on an H200 host's engine thread, most of it cache misses
 on nodes and ints scattered over the heap (BENCHMARKS.md, thirty-first session), so a
-step ran late once a period. Here each use of a hashed block appends (block, hash) to two
-flat int64 arrays, and the walk reads them newest first in numpy chunks.
+step ran late once a period. Here each use of a hashed block appends its block, its hash
+and a stale flag to flat arrays, and the walk reads them newest first in numpy chunks.
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ class HashLog:
 
     def touch(self, blocks: list[int], hashes: list[int]) -> None:
         """The blocks, holding these hashes, were registered or reused (in this order):
-        they are now the newest. One call a batch (a prompt's blocks go in together):
-        ~0.2 us a block on the CPU box."""
+        they are now the newest. One call a batch (a prompt's blocks go in together)."""
         positions, stale = self.positions, self.stale
         position = len(stale)
         self.blocks.fromlist(blocks)
