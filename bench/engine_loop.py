@@ -11,9 +11,12 @@ LOAD_STATS_PERIOD_S and on each step that ends requests, a full one every
 stats_period_s, and fans each step's outputs out per caller (the requests come from
 --callers callers in turn; each delivery is a no-op here). A step's wall runs from its
 engine.step() to the next, so the loop's own work after a step is in it. Printed per
-mode: the run's wall, the decode steps' mean and p99 wall, the mean wall of the
+mode: the run's wall, the decode steps' mean, median and p99 wall, the mean wall of the
 decode steps that ended requests (where each ended request's blocks are given back:
-Scheduler.retired), and that of the decode steps whose wall holds a full snapshot.
+Scheduler.retired), and that of the decode steps whose wall holds a full snapshot;
+each beside the mean wall of the decode steps right after them. A step launches the
+next before it waits for its own, so work after a step lengthens its wall and shortens
+the next one's wait: only where the pair exceeds two plain steps did the device wait.
 """
 
 from __future__ import annotations
@@ -88,15 +91,29 @@ class StepClock:
         walls = [1e3 * (b - a) for a, b in zip(self.starts, bounds, strict=True)]
         decode = [w for w, d in zip(walls, self.decode_only, strict=True) if d]
         ending = [w for w, d, n in zip(walls, self.decode_only, self.ended, strict=True) if d and n]
-        snapshot = [walls[i] for i in set(self.snapshot_steps) if i >= 0 and self.decode_only[i]]
+        snapshot_steps = sorted({i for i in self.snapshot_steps if i >= 0 and self.decode_only[i]})
+        snapshot = [walls[i] for i in snapshot_steps]
+        # The decode step after each: when the host's slack absorbed the work, that step's
+        # wait for the device is shorter by as much, and the pair's sum is two plain steps.
+        after = [
+            walls[i + 1] for i in snapshot_steps if i + 1 < len(walls) and self.decode_only[i + 1]
+        ]
+        ending_after = [
+            walls[i + 1]
+            for i, (d, n) in enumerate(zip(self.decode_only, self.ended, strict=True))
+            if d and n and i + 1 < len(walls) and self.decode_only[i + 1]
+        ]
         return {
             "steps": len(walls),
             "decode_mean_ms": statistics.fmean(decode),
             "decode_p99_ms": sorted(decode)[int(0.99 * (len(decode) - 1))],
             "ending_steps": len(ending),
-            "ending_mean_ms": statistics.fmean(ending) if ending else float("nan"),
+            "decode_median_ms": statistics.median(decode),
+            "ending_mean_ms": _mean(ending),
+            "after_ending_mean_ms": _mean(ending_after),
             "snapshot_steps": len(snapshot),
-            "snapshot_step_mean_ms": statistics.fmean(snapshot) if snapshot else float("nan"),
+            "snapshot_step_mean_ms": _mean(snapshot),
+            "after_snapshot_mean_ms": _mean(after),
             "prompt_steps": sum(n > 0 for n in self.prompt_tokens),
             "prompt_steps_ms": sum(w for w, n in zip(walls, self.prompt_tokens, strict=True) if n),
             "first_step_at_ms": 1e3 * (self.starts[0] - self.begin) if self.starts else math.nan,
@@ -107,6 +124,10 @@ class StepClock:
             "per_step": {"wall_ms": walls, "prompt_tokens": self.prompt_tokens,
                          "decode_only": self.decode_only, "ended": self.ended},
         }  # fmt: skip
+
+
+def _mean(values_ms: list[float]) -> float:
+    return statistics.fmean(values_ms) if values_ms else math.nan
 
 
 def _times(values_ms: list[float]) -> str:
@@ -204,10 +225,13 @@ def main() -> None:
             rows.append({"rep": rep, "mode": mode, **result})
             print(
                 f"rep {rep} {mode:>11}: run {result['wall_ms']:.1f} ms, decode step mean"
-                f" {result['decode_mean_ms']:.3f} p99 {result['decode_p99_ms']:.3f} ms, the"
-                f" {result['ending_steps']} that ended requests {result['ending_mean_ms']:.3f} ms,"
+                f" {result['decode_mean_ms']:.3f} median {result['decode_median_ms']:.3f}"
+                f" p99 {result['decode_p99_ms']:.3f} ms, the"
+                f" {result['ending_steps']} that ended requests {result['ending_mean_ms']:.3f} ms"
+                f" (the steps after them {result['after_ending_mean_ms']:.3f}),"
                 f" the {result['snapshot_steps']} with a full snapshot"
-                f" {result['snapshot_step_mean_ms']:.3f} ms;"
+                f" {result['snapshot_step_mean_ms']:.3f} ms"
+                f" (the steps after them {result['after_snapshot_mean_ms']:.3f});"
                 f" {result['prompt_steps']} steps with prompt tokens"
                 f" {result['prompt_steps_ms']:.1f} ms, the first step at"
                 f" {result['first_step_at_ms']:.1f} ms;"

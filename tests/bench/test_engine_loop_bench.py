@@ -29,5 +29,13 @@ def test_both_modes_run_every_rep_and_time_the_steps_that_end_requests(tmp_path,
         assert row["decode_mean_ms"] == pytest.approx(sum(decode) / len(decode))
         # p99 of a few steps is the next to largest (nearest rank): the mean may pass it
         assert 0 < min(decode) <= row["decode_p99_ms"] <= max(decode)
+        assert min(decode) <= row["decode_median_ms"] <= max(decode)
+        # The decode steps right after those that ended requests (cohorts end mid-run).
+        ending = [
+            i for i, (d, n) in enumerate(zip(steps["decode_only"], steps["ended"])) if d and n
+        ]
+        walls, decode_only = steps["wall_ms"], steps["decode_only"]
+        after = [walls[i + 1] for i in ending if i + 1 < len(walls) and decode_only[i + 1]]
+        assert after and row["after_ending_mean_ms"] == pytest.approx(sum(after) / len(after))
         # No prefix-cache hits from the other mode's run: every prompt token is computed.
         assert sum(row["per_step"]["prompt_tokens"]) == 6 * 40
