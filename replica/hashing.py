@@ -18,6 +18,7 @@ ROOT_HASH = 0
 # Past the newest half of a summary, one resident block in this many is published
 # (summarize): those whose hash is a multiple of it.
 SUMMARY_STRIDE = 8
+assert SUMMARY_STRIDE & (SUMMARY_STRIDE - 1) == 0, "summarize masks by SUMMARY_STRIDE - 1"
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -79,7 +80,9 @@ def summarize(newest_first: Iterable[np.ndarray], num_hashes: int, limit: int) -
             num_out += len(dense)
             chunk = chunk[len(dense) :]
         if num_out >= num_dense and len(chunk):  # thinning: the older multiples
-            sampled = chunk[chunk % chunk.dtype.type(SUMMARY_STRIDE) == 0][: limit - num_out]
+            # A multiple of the stride by a mask: uint64 modulo is ~3x slower in numpy.
+            multiples = (chunk & chunk.dtype.type(SUMMARY_STRIDE - 1)) == 0
+            sampled = chunk[multiples][: limit - num_out]
             parts.append(sampled)
             num_out += len(sampled)
         if num_out >= limit:
