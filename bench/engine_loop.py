@@ -11,11 +11,12 @@ LOAD_STATS_PERIOD_S and on each step that ends requests, a full one every
 stats_period_s, and fans each step's outputs out per caller (the requests come from
 --callers callers in turn; each delivery is a no-op here). A step's wall runs from its
 engine.step() to the next, so the loop's own work after a step is in it. Printed per
-mode: the run's wall, the decode steps' mean, median and p99 wall, the mean wall of the
-decode steps that ended requests (where each ended request's blocks are given back:
-Scheduler.retired), and that of the decode steps whose wall holds a full snapshot;
-each beside the mean wall of the decode steps right after them. A step launches the
-next before it waits for its own, so work after a step lengthens its wall and shortens
+mode: the run's wall, each request's first token from the burst's start (when step()
+returns it, or when the loop delivers it), the decode steps' mean, median and p99 wall,
+the mean wall of the decode steps that ended requests (where each ended request's blocks
+are given back: Scheduler.retired), and that of the decode steps whose wall holds a full
+snapshot; each beside the mean wall of the decode steps right after them. A step launches
+the next before it waits for its own, so work after a step lengthens its wall and shortens
 the next one's wait: only where the pair exceeds two plain steps did the device wait.
 """
 
@@ -136,15 +137,29 @@ def _times(values_ms: list[float]) -> str:
     return f"{len(values_ms)} (mean {statistics.fmean(values_ms):.3f} max {max(values_ms):.3f} ms)"
 
 
+def first_tokens_ms(first_s: dict[str, float], start: float) -> dict:
+    """Each request's first token, from the burst's start (its first add), in ms."""
+    ttft = sorted(1e3 * (t - start) for t in first_s.values())
+    return {
+        "ttft_p50_ms": ttft[len(ttft) // 2],
+        "ttft_p99_ms": ttft[int(0.99 * (len(ttft) - 1))],
+        "ttft_max_ms": ttft[-1],
+    }
+
+
 def run_bare(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str):
     clock = StepClock(engine)
+    first_s: dict[str, float] = {}
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
     while engine.has_unfinished():
-        engine.step()
+        request_ids = engine.step().request_ids
+        now = time.perf_counter()
+        for request_id in request_ids:
+            first_s.setdefault(request_id, now)
     end = time.perf_counter()
-    return {"wall_ms": 1e3 * (end - start), **clock.close(end)}
+    return {"wall_ms": 1e3 * (end - start), **first_tokens_ms(first_s, start), **clock.close(end)}
 
 
 def run_loop(
@@ -156,8 +171,12 @@ def run_loop(
     num_callers: int = 1,
 ):
     done, remaining = threading.Event(), [len(prompts)]
+    first_s: dict[str, float] = {}
 
     def deliver(caller_id, batch) -> None:  # on the engine thread
+        now = time.perf_counter()
+        for request_id in batch.request_ids:
+            first_s.setdefault(request_id, now)
         remaining[0] -= len(batch.finishes)
         if remaining[0] == 0:
             done.set()
@@ -179,7 +198,7 @@ def run_loop(
         loop.shutdown()
     if loop.failure:
         raise RuntimeError(loop.failure)
-    return {"wall_ms": 1e3 * (end - start), **clock.close(end)}
+    return {"wall_ms": 1e3 * (end - start), **first_tokens_ms(first_s, start), **clock.close(end)}
 
 
 def main() -> None:
@@ -224,7 +243,9 @@ def main() -> None:
                 result = run_loop(engine, prompts, params, f"l{rep}", stats_period_s, args.callers)
             rows.append({"rep": rep, "mode": mode, **result})
             print(
-                f"rep {rep} {mode:>11}: run {result['wall_ms']:.1f} ms, decode step mean"
+                f"rep {rep} {mode:>11}: run {result['wall_ms']:.1f} ms, TTFT from the burst's"
+                f" start p50 {result['ttft_p50_ms']:.1f} p99 {result['ttft_p99_ms']:.1f} max"
+                f" {result['ttft_max_ms']:.1f} ms, decode step mean"
                 f" {result['decode_mean_ms']:.3f} median {result['decode_median_ms']:.3f}"
                 f" p99 {result['decode_p99_ms']:.3f} ms, the"
                 f" {result['ending_steps']} that ended requests {result['ending_mean_ms']:.3f} ms"

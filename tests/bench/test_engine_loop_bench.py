@@ -23,6 +23,8 @@ def test_both_modes_run_every_rep_and_time_the_steps_that_end_requests(tmp_path,
     ]  # fmt: skip
     for row in rows:
         assert row["wall_ms"] > 0 and row["steps"] >= 5 + 2
+        # First tokens come in three cohorts, the last before the run ends.
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] <= row["ttft_max_ms"] < row["wall_ms"]
         assert row["ending_steps"] >= 1 and row["ending_mean_ms"] > 0
         steps = row["per_step"]
         decode = [w for w, d in zip(steps["wall_ms"], steps["decode_only"], strict=True) if d]
