@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 # Carrier messages carry the replica's load (cluster.live_stats) as of a step at most
 # this long ago, or of the last step that ended a request.
 LOAD_STATS_PERIOD_S = 0.002
+# While the engine has work, a pass runs posted commands for at most this long before it
+# steps again (the rest wait for the next pass, in order). A burst of adds (~30 us each
+# on an H200 host) then has its first prompts on the device within about this long,
+# instead of after the whole burst, and running requests' next token is not held
+# behind it.
+COMMAND_SLICE_S = 0.001
 
 # (caller_id, what one step produced for that caller), called on the engine thread
 Deliver = Callable[[str, StepBatch], None]
@@ -163,14 +169,7 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self._wakeup.clear()
-                while self._commands:
-                    command, future = self._commands.popleft()
-                    try:
-                        result = command()
-                    except Exception as exc:  # handed to the awaiting coroutine
-                        settle(future, future.set_exception, exc)
-                    else:
-                        settle(future, future.set_result, result)
+                self._run_commands()
                 if self._engine.has_unfinished():
                     self._deliver_step(self._engine.step())
                 else:
@@ -190,6 +189,22 @@ class EngineLoop:
                 error = EngineUnavailableError(self.failure or "shutting down")
                 settle(future, future.set_exception, error)
             self._end_iteration()
+
+    def _run_commands(self) -> None:
+        """Run posted commands in order: every one when the engine is idle; while it has
+        work, until COMMAND_SLICE_S has passed (at least one command)."""
+        commands, has_unfinished = self._commands, self._engine.has_unfinished
+        end_s = time.monotonic() + COMMAND_SLICE_S
+        while commands:
+            command, future = commands.popleft()
+            try:
+                result = command()
+            except Exception as exc:  # handed to the awaiting coroutine
+                settle(future, future.set_exception, exc)
+            else:
+                settle(future, future.set_result, result)
+            if time.monotonic() >= end_s and has_unfinished():
+                return
 
     def _end_iteration(self) -> None:
         """After each pass of commands and step (cluster.engine_process ships its

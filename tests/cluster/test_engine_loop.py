@@ -127,3 +127,52 @@ def test_each_request_gets_its_tokens_and_finish_reason_from_the_step_columns() 
             assert reason is None, f"{delta.request_id} got tokens after its end"
             got[delta.request_id] = (tokens + delta.token_ids, delta.finish_reason)
     assert got == expected
+
+
+def test_a_burst_of_adds_is_taken_in_slices_between_steps() -> None:
+    """While the engine has work, a pass runs commands for at most COMMAND_SLICE_S: a
+    burst's first prompts are stepped before the whole burst is added, every add still
+    runs in the order posted, and every request ends."""
+    from cluster import engine_loop
+
+    engine = LLMEngine(EngineConfig(model="gpt2-tiny", device="cpu", num_blocks=256))
+    events: list[str] = []
+    gate = threading.Event()
+    original_add, original_step = engine.add_request, engine.step
+
+    def slow_add(request_id, *args, **kwargs):
+        if request_id == "r0":
+            gate.wait(5)  # holds the loop until the whole burst is posted
+        time.sleep(engine_loop.COMMAND_SLICE_S / 3)  # at most three adds a slice
+        events.append(request_id)
+        return original_add(request_id, *args, **kwargs)
+
+    def step():
+        events.append("step")
+        return original_step()
+
+    engine.add_request, engine.step = slow_add, step
+    ended = threading.Event()
+    finishes: list[str] = []
+
+    def deliver(caller: str, batch: StepBatch) -> None:  # on the engine thread
+        finishes.extend(batch.request_ids[i] for i, _ in batch.finishes)
+        if len(finishes) == 12:
+            ended.set()
+
+    loop = EngineLoop(engine, "r0", 1.0, deliver)
+    try:
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        futures = [loop.add("c0", f"r{i}", [3 + i, 5, 7], params) for i in range(12)]
+        gate.set()
+        for future in futures:
+            future.result(timeout=5)
+        assert ended.wait(20)
+    finally:
+        loop.shutdown()
+    adds = [e for e in events if e != "step"]
+    assert adds == [f"r{i}" for i in range(12)]  # in the order posted
+    assert events.index("step") < events.index("r11")  # stepped within the burst
+    assert events.index("step") <= 3  # after one slice: at most three adds
+    assert sorted(finishes) == sorted(adds)
+    engine.check_invariants()
