@@ -101,6 +101,9 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def device_busy(self) -> bool:
+        return False  # its step's time passes within step()
+
     def step(self) -> StepOutputs:
         if self.step_s > self.host_s:
             time.sleep(self.step_s - self.host_s)

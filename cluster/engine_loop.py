@@ -32,11 +32,12 @@ logger = logging.getLogger(__name__)
 # Carrier messages carry the replica's load (cluster.live_stats) as of a step at most
 # this long ago, or of the last step that ended a request.
 LOAD_STATS_PERIOD_S = 0.002
-# While the engine has work, a pass runs posted commands for at most this long before it
-# steps again (the rest wait for the next pass, in order). A burst of adds (~30 us each
-# on an H200 host) then has its first prompts on the device within about this long,
-# instead of after the whole burst, and running requests' next token is not held
-# behind it.
+# While the engine has work, a pass runs posted commands for this long, and on until the
+# device has finished the step in flight, before it steps again (the rest wait for the
+# next pass, in order). A burst of adds (~30 us each on an H200 host) then has its first
+# prompts on the device after about this long instead of after the whole burst, the rest
+# are added in the shadow of the device's steps, and running requests' next token is
+# not held behind the burst.
 COMMAND_SLICE_S = 0.001
 
 # (caller_id, what one step produced for that caller), called on the engine thread
@@ -192,8 +193,9 @@ class EngineLoop:
 
     def _run_commands(self) -> None:
         """Run posted commands in order: every one when the engine is idle; while it has
-        work, until COMMAND_SLICE_S has passed (at least one command)."""
-        commands, has_unfinished = self._commands, self._engine.has_unfinished
+        work, until COMMAND_SLICE_S has passed and the device is done with the step in
+        flight (at least one command)."""
+        engine, commands = self._engine, self._commands
         end_s = time.monotonic() + COMMAND_SLICE_S
         while commands:
             command, future = commands.popleft()
@@ -203,7 +205,7 @@ class EngineLoop:
                 settle(future, future.set_exception, exc)
             else:
                 settle(future, future.set_result, result)
-            if time.monotonic() >= end_s and has_unfinished():
+            if time.monotonic() >= end_s and engine.has_unfinished() and not engine.device_busy():
                 return
 
     def _end_iteration(self) -> None:

@@ -188,6 +188,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def device_busy(self) -> bool:
+        """Whether the device is still running the step in flight: the host's time until
+        the next step() waits is free (cluster.engine_loop runs posted commands in it)."""
+        return self.in_flight is not None and self.in_flight.handle.running()
+
     # ---- the loop -------------------------------------------------------------
     def step(self) -> StepOutputs:
         """Schedule and launch the next step, then collect the one before it.

@@ -81,6 +81,11 @@ class StepHandle:
         self.event = event
         self.tokens: list[int] | None = None
 
+    def running(self) -> bool:
+        """Whether the device has yet to finish the step (never on the CPU, where the step
+        ran within its launch)."""
+        return self.tokens is None and self.event is not None and not self.event.query()
+
     def wait(self) -> list[int]:
         if self.tokens is None:
             if self.event is not None:

@@ -129,10 +129,9 @@ def test_each_request_gets_its_tokens_and_finish_reason_from_the_step_columns() 
     assert got == expected
 
 
-def test_a_burst_of_adds_is_taken_in_slices_between_steps() -> None:
-    """While the engine has work, a pass runs commands for at most COMMAND_SLICE_S: a
-    burst's first prompts are stepped before the whole burst is added, every add still
-    runs in the order posted, and every request ends."""
+def _burst_through_a_loop(device_busy=None) -> list[str]:
+    """Post twelve adds to an EngineLoop at once (each add taking a third of a slice) and
+    run them to the end: the engine thread's adds and steps, in order."""
     from cluster import engine_loop
 
     engine = LLMEngine(EngineConfig(model="gpt2-tiny", device="cpu", num_blocks=256))
@@ -143,7 +142,7 @@ def test_a_burst_of_adds_is_taken_in_slices_between_steps() -> None:
     def slow_add(request_id, *args, **kwargs):
         if request_id == "r0":
             gate.wait(5)  # holds the loop until the whole burst is posted
-        time.sleep(engine_loop.COMMAND_SLICE_S / 3)  # at most three adds a slice
+        time.sleep(engine_loop.COMMAND_SLICE_S / 3)
         events.append(request_id)
         return original_add(request_id, *args, **kwargs)
 
@@ -152,6 +151,8 @@ def test_a_burst_of_adds_is_taken_in_slices_between_steps() -> None:
         return original_step()
 
     engine.add_request, engine.step = slow_add, step
+    if device_busy is not None:
+        engine.device_busy = lambda: device_busy(events)
     ended = threading.Event()
     finishes: list[str] = []
 
@@ -172,7 +173,20 @@ def test_a_burst_of_adds_is_taken_in_slices_between_steps() -> None:
         loop.shutdown()
     adds = [e for e in events if e != "step"]
     assert adds == [f"r{i}" for i in range(12)]  # in the order posted
-    assert events.index("step") < events.index("r11")  # stepped within the burst
-    assert events.index("step") <= 3  # after one slice: at most three adds
-    assert sorted(finishes) == sorted(adds)
+    assert sorted(finishes) == sorted(adds)  # every request ended
     engine.check_invariants()
+    return events
+
+
+def test_a_burst_of_adds_is_taken_in_slices_between_steps() -> None:
+    """While the engine has work, a pass runs commands for COMMAND_SLICE_S: the burst's
+    first prompts are stepped before the whole burst is added."""
+    events = _burst_through_a_loop()
+    assert 1 <= events.index("step") <= 3  # after one slice: at most three adds
+
+
+def test_a_pass_runs_commands_on_while_the_device_is_busy() -> None:
+    """Past its slice, a pass goes on while the device runs the step in flight: adds are
+    taken in the device's shadow, the next step once the device is done."""
+    events = _burst_through_a_loop(device_busy=lambda events: len(events) < 7)
+    assert events.index("step") == 7  # the device reported busy until seven adds ran

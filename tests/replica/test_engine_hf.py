@@ -358,6 +358,31 @@ def test_tokens_per_s_counts_the_last_two_seconds(checkpoint):
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def _device_busy_around_a_step(engine) -> tuple[bool, bool]:
+    """device_busy() right after a step() whose launch queues behind ~0.3 s of device
+    work (on the CPU, none), and again once its tokens are on the host."""
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(600_000_000)  # on the stream the engine launches on
+    engine.step()
+    busy = engine.device_busy()
+    engine.in_flight.handle.wait()
+    return busy, engine.device_busy()
+
+
+def test_device_busy_is_false_on_the_cpu(checkpoint):
+    path, _ = checkpoint
+    assert _device_busy_around_a_step(make_engine(path, 16)) == (False, False)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_device_busy_while_the_device_runs_the_step_in_flight(checkpoint):
+    path, _ = checkpoint
+    assert _device_busy_around_a_step(make_engine(path, 16, device="cuda")) == (True, False)
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_float32_matches_cpu_and_hf(checkpoint):
