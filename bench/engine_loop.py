@@ -26,6 +26,7 @@ import argparse
 import gc
 import math
 import statistics
+import sys
 import threading
 import time
 
@@ -217,8 +218,13 @@ def main() -> None:
         "--callers", type=int, default=1,
         help="callers the requests come from, in turn (a replica fans each step out per caller)",
     )  # fmt: skip
+    parser.add_argument(
+        "--gil-switch-interval-s", type=float, default=0.0005,
+        help="sys.setswitchinterval (default: what a Serve replica's LLMServer sets)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
+    sys.setswitchinterval(args.gil_switch_interval_s)
     on_gpu = torch.cuda.is_available()
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
 
@@ -116,8 +117,13 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=None)
     parser.add_argument("--at", type=int, default=None, help="the first burst's tokens before")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--gil-switch-interval-s", type=float, default=0.0005,
+        help="sys.setswitchinterval (default: what a Serve replica's LLMServer sets)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
+    sys.setswitchinterval(args.gil_switch_interval_s)
     on_gpu = torch.cuda.is_available()
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)

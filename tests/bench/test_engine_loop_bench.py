@@ -15,6 +15,7 @@ def test_both_modes_run_every_rep_and_time_the_steps_that_end_requests(tmp_path,
     argv = ["engine_loop", "--batch", "6", "--prompt-len", "40", "--max-new", "5", "--reps", "2"]
     # Two prompts a step: three cohorts, so requests end while others still decode.
     argv += ["--max-batched-tokens", "80", "--out", str(out)]
+    argv += ["--gil-switch-interval-s", str(sys.getswitchinterval())]  # the suite's, kept
     monkeypatch.setattr(sys, "argv", argv)
     engine_loop.main()
     rows = json.loads(out.read_text())["rows"]
