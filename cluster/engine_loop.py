@@ -32,13 +32,15 @@ logger = logging.getLogger(__name__)
 # Carrier messages carry the replica's load (cluster.live_stats) as of a step at most
 # this long ago, or of the last step that ended a request.
 LOAD_STATS_PERIOD_S = 0.002
-# While the engine has work, a pass runs posted commands for this long or as long as the
-# last step() took, whichever is longer, and on until the device has finished the step in
-# flight, before it steps again (the rest wait for the next pass, in order). A burst of
-# adds (~30 us each on an H200 host) then has its first prompts on the device after about
-# this long instead of after the whole burst, the rest are added in the shadow of the
-# device's steps, and running requests' next token is not held behind the whole burst.
-# Where a step runs on the host (the CPU), commands get as much time as it.
+# While the engine has work, a pass runs posted commands for this long, and on until the
+# device has finished the step in flight, before it steps again (the rest wait for the
+# next pass, in order). A burst of adds (~30 us each on an H200 host) then has its first
+# prompts on the device after about this long instead of after the whole burst, the rest
+# are added in the shadow of the device's steps, and running requests' next token is
+# not held behind the whole burst. Not past the device's step: on an H200, passes as long
+# as the last step() (a prefill step's 3-5 ms) left the device idle and slowed a
+# 256-prompt burst (BENCHMARKS.md, thirty-third session). Where a step runs on the host
+# (the CPU), a burst goes in COMMAND_SLICE_S a step.
 COMMAND_SLICE_S = 0.001
 
 # (caller_id, what one step produced for that caller), called on the engine thread
@@ -99,7 +101,6 @@ class EngineLoop:
         self._stop = threading.Event()
         self._fan_out = FanOut(metrics)  # the engine thread's alone
         self._tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._step_s = 0.0  # how long the last engine.step() took
         self._stats = engine.stats()
         self._stats_at_s = time.monotonic()
         # What carrier messages carry (cluster.live_stats): refreshed by _deliver_step.
@@ -174,10 +175,7 @@ class EngineLoop:
                 self._wakeup.clear()
                 self._run_commands()
                 if self._engine.has_unfinished():
-                    step_start_s = time.monotonic()
-                    outputs = self._engine.step()
-                    self._step_s = time.monotonic() - step_start_s
-                    self._deliver_step(outputs)
+                    self._deliver_step(self._engine.step())
                 else:
                     self._wakeup.wait(timeout=self._stats_period_s)
                 if time.monotonic() - self._stats_at_s >= self._stats_period_s:
@@ -198,10 +196,10 @@ class EngineLoop:
 
     def _run_commands(self) -> None:
         """Run posted commands in order: every one when the engine is idle; while it has
-        work, until COMMAND_SLICE_S or the last step()'s time has passed, and the device
-        is done with the step in flight (at least one command)."""
+        work, until COMMAND_SLICE_S has passed and the device is done with the step in
+        flight (at least one command)."""
         engine, commands = self._engine, self._commands
-        end_s = time.monotonic() + max(COMMAND_SLICE_S, self._step_s)
+        end_s = time.monotonic() + COMMAND_SLICE_S
         while commands:
             command, future = commands.popleft()
             try:
