@@ -32,15 +32,15 @@ logger = logging.getLogger(__name__)
 # Carrier messages carry the replica's load (cluster.live_stats) as of a step at most
 # this long ago, or of the last step that ended a request.
 LOAD_STATS_PERIOD_S = 0.002
-# While the engine has work, a pass runs posted commands for this long, and on until the
-# device has finished the step in flight, before it steps again (the rest wait for the
-# next pass, in order). A burst of adds (~30 us each on an H200 host) then has its first
-# prompts on the device after about this long instead of after the whole burst, the rest
-# are added in the shadow of the device's steps, and running requests' next token is
-# not held behind the whole burst. Not past the device's step: on an H200, passes as long
-# as the last step() (a prefill step's 3-5 ms) left the device idle and slowed a
-# 256-prompt burst (BENCHMARKS.md, thirty-third session). Where a step runs on the host
-# (the CPU), a burst goes in COMMAND_SLICE_S a step.
+# While requests decode (the last step gave tokens), a pass runs posted commands for
+# this long, and on until the device has finished the step in flight, before it steps
+# again (the rest wait for the next pass, in order): a burst of adds (~30 us each on an
+# H200 host) goes in, in the shadow of the device's steps, without holding the running
+# requests' next token behind the whole burst. Otherwise a pass runs every command: a
+# burst into an idle replica is added whole, then prefilled in full steps (sliced, its
+# first requests got tokens sooner but its last ones up to ~8 ms later on an H200, and
+# passes as long as the last step left the device idle: BENCHMARKS.md, thirty-third
+# session).
 COMMAND_SLICE_S = 0.001
 
 # (caller_id, what one step produced for that caller), called on the engine thread
@@ -101,6 +101,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._fan_out = FanOut(metrics)  # the engine thread's alone
         self._tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._decoding = False  # the last step gave tokens: requests are decoding
         self._stats = engine.stats()
         self._stats_at_s = time.monotonic()
         # What carrier messages carry (cluster.live_stats): refreshed by _deliver_step.
@@ -175,7 +176,9 @@ class EngineLoop:
                 self._wakeup.clear()
                 self._run_commands()
                 if self._engine.has_unfinished():
-                    self._deliver_step(self._engine.step())
+                    outputs = self._engine.step()
+                    self._decoding = len(outputs) > 0 and self._engine.has_unfinished()
+                    self._deliver_step(outputs)
                 else:
                     self._wakeup.wait(timeout=self._stats_period_s)
                 if time.monotonic() - self._stats_at_s >= self._stats_period_s:
@@ -195,9 +198,9 @@ class EngineLoop:
             self._end_iteration()
 
     def _run_commands(self) -> None:
-        """Run posted commands in order: every one when the engine is idle; while it has
-        work, until COMMAND_SLICE_S has passed and the device is done with the step in
-        flight (at least one command)."""
+        """Run posted commands in order: while requests decode, until COMMAND_SLICE_S has
+        passed and the device is done with the step in flight (at least one command);
+        otherwise every one."""
         engine, commands = self._engine, self._commands
         end_s = time.monotonic() + COMMAND_SLICE_S
         while commands:
@@ -208,7 +211,7 @@ class EngineLoop:
                 settle(future, future.set_exception, exc)
             else:
                 settle(future, future.set_result, result)
-            if time.monotonic() >= end_s and engine.has_unfinished() and not engine.device_busy():
+            if self._decoding and time.monotonic() >= end_s and not engine.device_busy():
                 return
 
     def _end_iteration(self) -> None:

@@ -129,9 +129,10 @@ def test_each_request_gets_its_tokens_and_finish_reason_from_the_step_columns() 
     assert got == expected
 
 
-def _burst_through_a_loop(device_busy=None) -> list[str]:
-    """Post twelve adds to an EngineLoop at once (each add taking a third of a slice) and
-    run them to the end: the engine thread's adds and steps, in order."""
+def _burst_through_a_loop(decoding: bool, device_busy=None) -> list[str]:
+    """Post twelve adds to an EngineLoop at once (each add taking a third of a slice),
+    with a request decoding or the engine idle, and run them all to the end: the engine
+    thread's adds of the burst and steps from the burst's first add on, in order."""
     from cluster import engine_loop
 
     engine = LLMEngine(EngineConfig(model="gpt2-tiny", device="cpu", num_blocks=256))
@@ -142,6 +143,7 @@ def _burst_through_a_loop(device_busy=None) -> list[str]:
     def slow_add(request_id, *args, **kwargs):
         if request_id == "r0":
             gate.wait(5)  # holds the loop until the whole burst is posted
+            events.clear()
         time.sleep(engine_loop.COMMAND_SLICE_S / 3)
         events.append(request_id)
         return original_add(request_id, *args, **kwargs)
@@ -153,16 +155,22 @@ def _burst_through_a_loop(device_busy=None) -> list[str]:
     engine.add_request, engine.step = slow_add, step
     if device_busy is not None:
         engine.device_busy = lambda: device_busy(events)
-    ended = threading.Event()
+    ended, first_token = threading.Event(), threading.Event()
     finishes: list[str] = []
 
     def deliver(caller: str, batch: StepBatch) -> None:  # on the engine thread
+        first_token.set()
         finishes.extend(batch.request_ids[i] for i, _ in batch.finishes)
-        if len(finishes) == 12:
+        if len(finishes) == 12 + decoding_request:
             ended.set()
 
+    decoding_request = int(decoding)
     loop = EngineLoop(engine, "r0", 1.0, deliver)
     try:
+        if decoding:  # a request with tokens to go: the burst arrives while it decodes
+            long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            loop.add("c0", "d", [1, 2, 3], long).result(timeout=5)
+            assert first_token.wait(5)
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         futures = [loop.add("c0", f"r{i}", [3 + i, 5, 7], params) for i in range(12)]
         gate.set()
@@ -173,20 +181,27 @@ def _burst_through_a_loop(device_busy=None) -> list[str]:
         loop.shutdown()
     adds = [e for e in events if e != "step"]
     assert adds == [f"r{i}" for i in range(12)]  # in the order posted
-    assert sorted(finishes) == sorted(adds)  # every request ended
+    assert sorted(finishes) == sorted(adds + ["d"] * decoding_request)  # every request ended
     engine.check_invariants()
     return events
 
 
-def test_a_burst_of_adds_is_taken_in_slices_between_steps() -> None:
-    """While the engine has work, a pass runs commands for COMMAND_SLICE_S: the burst's
-    first prompts are stepped before the whole burst is added."""
-    events = _burst_through_a_loop()
+def test_a_burst_while_requests_decode_is_taken_in_slices_between_steps() -> None:
+    """While requests decode, a pass runs commands for COMMAND_SLICE_S: their next step
+    comes before the whole burst is added."""
+    events = _burst_through_a_loop(decoding=True)
     assert 1 <= events.index("step") <= 3  # after one slice: at most three adds
 
 
 def test_a_pass_runs_commands_on_while_the_device_is_busy() -> None:
     """Past its slice, a pass goes on while the device runs the step in flight: adds are
     taken in the device's shadow, the next step once the device is done."""
-    events = _burst_through_a_loop(device_busy=lambda events: len(events) < 7)
+    events = _burst_through_a_loop(decoding=True, device_busy=lambda events: len(events) < 7)
     assert events.index("step") == 7  # the device reported busy until seven adds ran
+
+
+def test_a_burst_into_an_idle_engine_is_added_whole() -> None:
+    """With nothing decoding, a pass runs every command: the burst is prefilled in full
+    steps."""
+    events = _burst_through_a_loop(decoding=False)
+    assert events.index("step") == 12
