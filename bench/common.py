@@ -74,6 +74,17 @@ def add_engine_mode_args(parser: Any) -> None:
     )  # fmt: skip
 
 
+def add_gil_switch_interval_arg(parser: Any) -> None:
+    """--gil-switch-interval-s (default: a Serve replica's, cluster.engine_loop's); the
+    script applies it with sys.setswitchinterval."""
+    from cluster.engine_loop import GIL_SWITCH_INTERVAL_S
+
+    parser.add_argument(
+        "--gil-switch-interval-s", type=float, default=GIL_SWITCH_INTERVAL_S,
+        help="sys.setswitchinterval (default: what a Serve replica sets)",
+    )  # fmt: skip
+
+
 def write_json(path: str | None, payload: dict) -> None:
     if not path:
         return

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from bench.common import machine_description, write_json
+from bench.common import add_gil_switch_interval_arg, machine_description, write_json
 from bench.engine import CollectedSteps, random_prompts
 from cluster.config import ClusterConfig
 from cluster.engine_loop import EngineLoop
@@ -218,10 +218,7 @@ def main() -> None:
         "--callers", type=int, default=1,
         help="callers the requests come from, in turn (a replica fans each step out per caller)",
     )  # fmt: skip
-    parser.add_argument(
-        "--gil-switch-interval-s", type=float, default=0.0005,
-        help="sys.setswitchinterval (default: what a Serve replica's LLMServer sets)",
-    )  # fmt: skip
+    add_gil_switch_interval_arg(parser)
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
     sys.setswitchinterval(args.gil_switch_interval_s)

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from bench.common import machine_description, write_json
+from bench.common import add_gil_switch_interval_arg, machine_description, write_json
 from bench.engine import random_prompts
 from cluster.config import ClusterConfig
 from cluster.engine_loop import EngineLoop
@@ -117,10 +117,7 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=None)
     parser.add_argument("--at", type=int, default=None, help="the first burst's tokens before")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument(
-        "--gil-switch-interval-s", type=float, default=0.0005,
-        help="sys.setswitchinterval (default: what a Serve replica's LLMServer sets)",
-    )  # fmt: skip
+    add_gil_switch_interval_arg(parser)
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
     sys.setswitchinterval(args.gil_switch_interval_s)

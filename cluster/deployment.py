@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.config import ClusterConfig
 from cluster.engine_loop import (
+    GIL_SWITCH_INTERVAL_S,
     AbortedBeforeAdmissionError,
     EngineLoop,
     EngineUnavailableError,
@@ -111,7 +112,7 @@ class LLMServer:
         engine_factory: Callable[[ClusterConfig, str, float], Any] | None = None,
         heartbeat_s: float = 1.0,
         replica_id: str | None = None,
-        gil_switch_interval_s: float | None = 0.0005,
+        gil_switch_interval_s: float | None = GIL_SWITCH_INTERVAL_S,
     ) -> None:
         if heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s!r}")

@@ -42,6 +42,10 @@ LOAD_STATS_PERIOD_S = 0.002
 # passes as long as the last step left the device idle: BENCHMARKS.md, thirty-third
 # session).
 COMMAND_SLICE_S = 0.001
+# The GIL switch interval of a process that runs an EngineLoop (cluster.deployment,
+# cluster.engine_process): its other threads wait for the engine thread up to this long
+# per hand-off, against Python's 5 ms.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 # (caller_id, what one step produced for that caller), called on the engine thread
 Deliver = Callable[[str, StepBatch], None]

@@ -42,6 +42,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.engine_loop import (
+    GIL_SWITCH_INTERVAL_S,
     Deliver,
     EngineLoop,
     EngineUnavailableError,
@@ -313,7 +314,7 @@ class _ChildEngineLoop(EngineLoop):
 
 
 def _child_main(fd: int) -> None:
-    sys.setswitchinterval(0.0005)  # the command reader waits less for the engine thread
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the command reader waits less for it
     conn = multiprocessing.connection.Connection(fd)
     send_lock = threading.Lock()
 
