@@ -32,15 +32,14 @@ logger = logging.getLogger(__name__)
 # Carrier messages carry the replica's load (cluster.live_stats) as of a step at most
 # this long ago, or of the last step that ended a request.
 LOAD_STATS_PERIOD_S = 0.002
-# While requests decode (the last step gave tokens), a pass runs posted commands for
-# this long, and on until the device has finished the step in flight, before it steps
-# again (the rest wait for the next pass, in order): a burst of adds (~30 us each on an
-# H200 host) goes in, in the shadow of the device's steps, without holding the running
-# requests' next token behind the whole burst. Otherwise a pass runs every command: a
-# burst into an idle replica is added whole, then prefilled in full steps (sliced, its
-# first requests got tokens sooner but its last ones up to ~8 ms later on an H200, and
-# passes as long as the last step left the device idle: BENCHMARKS.md, thirty-third
-# session).
+# While requests decode, a pass of the engine thread runs posted commands for this long,
+# and on while the device still runs the step in flight; then it steps, and the rest of
+# the commands wait for the next pass, in order. A burst of adds (~30 us each on an H200
+# host) then goes in beside the device's steps instead of holding every running
+# request's next token behind the whole burst. With nothing decoding, a pass runs every
+# command: a burst into an idle replica is added whole and prefilled in full steps.
+# Sliced too, its last requests got their first token up to ~8 ms later on an H200
+# (BENCHMARKS.md, thirty-third session).
 COMMAND_SLICE_S = 0.001
 # The GIL switch interval of a process that runs an EngineLoop (cluster.deployment,
 # cluster.engine_process): its other threads wait for the engine thread up to this long
@@ -215,7 +214,12 @@ class EngineLoop:
                 settle(future, future.set_exception, exc)
             else:
                 settle(future, future.set_result, result)
-            if self._decoding and time.monotonic() >= end_s and not engine.device_busy():
+            if (
+                self._decoding
+                and time.monotonic() >= end_s
+                and engine.has_unfinished()  # (an abort may have ended the last request)
+                and not engine.device_busy()
+            ):
                 return
 
     def _end_iteration(self) -> None:

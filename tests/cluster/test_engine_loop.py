@@ -205,3 +205,35 @@ def test_a_burst_into_an_idle_engine_is_added_whole() -> None:
     steps."""
     events = _burst_through_a_loop(decoding=False)
     assert events.index("step") == 12
+
+
+def test_commands_after_an_abort_that_ends_the_last_request_run_in_the_same_pass() -> None:
+    """A slice cut short with nothing left to step would leave the rest of the commands
+    until the loop's next wake-up (stats_period_s): once the engine has no work, a pass
+    runs every command."""
+    from cluster import engine_loop
+
+    engine = LLMEngine(EngineConfig(model="gpt2-tiny", device="cpu", num_blocks=64))
+    gate, first_token = threading.Event(), threading.Event()
+    original_abort = engine.abort
+
+    def slow_abort(request_id):  # outlasts the slice, and ends the only request
+        gate.wait(5)
+        time.sleep(2 * engine_loop.COMMAND_SLICE_S)
+        return original_abort(request_id)
+
+    engine.abort = slow_abort
+    loop = EngineLoop(engine, "r0", 30.0, lambda caller, batch: first_token.set())
+    try:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        loop.add("c0", "d", [1, 2, 3], params).result(timeout=5)
+        assert first_token.wait(5)  # "d" decodes
+        aborted = loop.abort("d")
+        unknown = [loop.abort(f"x{i}") for i in range(5)]  # tombstones: no engine work
+        gate.set()
+        assert aborted.result(timeout=5) is True
+        start_s = time.monotonic()
+        assert [f.result(timeout=10) for f in unknown] == [False] * 5
+        assert time.monotonic() - start_s < 5.0  # not at the next wake-up, 30 s on
+    finally:
+        loop.shutdown()
