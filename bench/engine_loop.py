@@ -219,6 +219,9 @@ def main() -> None:
         help="callers the requests come from, in turn (a replica fans each step out per caller)",
     )  # fmt: skip
     add_gil_switch_interval_arg(parser)
+    parser.add_argument(
+        "--no-gc", action="store_true", help="diagnostic: Python's cyclic GC off during the runs"
+    )
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
     sys.setswitchinterval(args.gil_switch_interval_s)
@@ -236,6 +239,8 @@ def main() -> None:
     stats_period_s = ClusterConfig(model=model).stats_period_s
     run_bare(engine, random_prompts(args.batch, prompt_len, vocab, 99), params, "warm")
     rows = []
+    if args.no_gc:
+        gc.disable()
     for rep in range(args.reps):
         for mode in ("bare", "engine loop"):
             # Prompts of their own (the same ones would be prefix-cache hits the second time).
@@ -270,7 +275,7 @@ def main() -> None:
             )
     write_json(
         args.out,
-        {"machine": machine_description(), "model": model, "batch": args.batch,
+        {"machine": machine_description(), "model": model, "batch": args.batch, "no_gc": args.no_gc,
          "prompt_len": prompt_len, "max_new": max_new, "callers": args.callers, "rows": rows},
     )  # fmt: skip
 
