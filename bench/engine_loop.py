@@ -155,10 +155,11 @@ def run_bare(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
     while engine.has_unfinished():
-        request_ids = engine.step().request_ids
-        now = time.perf_counter()
-        for request_id in request_ids:
-            first_s.setdefault(request_id, now)
+        outputs = engine.step()
+        if len(first_s) < len(prompts):  # once all have one, no per-row pass in the steps
+            now = time.perf_counter()
+            for request_id in outputs.request_ids:
+                first_s.setdefault(request_id, now)
     end = time.perf_counter()
     return {"wall_ms": 1e3 * (end - start), **first_tokens_ms(first_s, start), **clock.close(end)}
 
@@ -175,9 +176,10 @@ def run_loop(
     first_s: dict[str, float] = {}
 
     def deliver(caller_id, batch) -> None:  # on the engine thread
-        now = time.perf_counter()
-        for request_id in batch.request_ids:
-            first_s.setdefault(request_id, now)
+        if len(first_s) < len(prompts):  # as run_bare: no per-row pass once all have one
+            now = time.perf_counter()
+            for request_id in batch.request_ids:
+                first_s.setdefault(request_id, now)
         remaining[0] -= len(batch.finishes)
         if remaining[0] == 0:
             done.set()
