@@ -18,6 +18,11 @@ are given back: Scheduler.retired), and that of the decode steps whose wall hold
 snapshot; each beside the mean wall of the decode steps right after them. A step launches
 the next before it waits for its own, so work after a step lengthens its wall and shortens
 the next one's wait: only where the pair exceeds two plain steps did the device wait.
+
+Both modes step one engine, built on the main thread. On a CPU its parallel torch ops
+then run on two OpenMP pools in the engine loop mode, which slowed its steps several
+times on a 2-core box: a replica builds its engine on the engine thread
+(cluster.engine_loop), so CPU figures of this mode are not a replica's.
 """
 
 from __future__ import annotations
@@ -185,7 +190,7 @@ def run_loop(
             done.set()
 
     clock = StepClock(engine)
-    loop = EngineLoop(engine, "bench", stats_period_s, deliver)
+    loop = EngineLoop(lambda: engine, "bench", stats_period_s, deliver)
     try:
         start = time.perf_counter()
         futures = [

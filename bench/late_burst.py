@@ -14,6 +14,11 @@ posts its requests. Printed per mode: the first burst's gaps between tokens (the
 its tokens reach the caller: when step() returns them, or when the loop delivers them)
 before the second burst, their median; from the second burst's first add until the
 first burst ends, the longest; and how long the second burst took to add.
+
+Both modes step one engine, built on the main thread. On a CPU its parallel torch ops
+then run on two OpenMP pools in the engine loop mode, which slowed its steps several
+times on a 2-core box: a replica builds its engine on the engine thread
+(cluster.engine_loop), so CPU figures of this mode are not a replica's.
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ def run_loop(engine, first, second, params, at: int, tag: str, stats_period_s: f
         if finishes[0] == num_requests:
             ended.set()
 
-    loop = EngineLoop(engine, "bench", stats_period_s, deliver)
+    loop = EngineLoop(lambda: engine, "bench", stats_period_s, deliver)
     try:
         futures = [loop.add("c0", f"{tag}-a{i}", p, params) for i, p in enumerate(first)]
         if not due.wait(timeout=120):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import sys
 import time
@@ -154,15 +155,15 @@ class LLMServer:
             )
             self._model_info = self._engine_loop.model_info
         else:
-            engine = (engine_factory or default_engine_factory)(config, self.replica_id, num_gpus)
+            factory = engine_factory or default_engine_factory
             self._engine_loop = EngineLoop(
-                engine,
+                functools.partial(factory, config, self.replica_id, num_gpus),
                 self.replica_id,
                 config.stats_period_s,
                 self._deliver_threadsafe,
                 self._metrics,
             )
-            self._model_info = engine_model_info(config, engine)
+            self._model_info = engine_model_info(config, self._engine_loop.engine)
 
     async def submit(self, wire: dict) -> AsyncIterator[bytes]:
         """Admit one request; this stream becomes the caller's carrier if it has none here.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -46,3 +47,27 @@ def test_gil_switch_interval_is_set_for_the_process(switch_interval: float) -> N
         assert sys.getswitchinterval() == pytest.approx(0.002)
     finally:
         unchanged.shutdown()
+
+
+def test_the_engine_factory_runs_on_the_engine_thread() -> None:
+    """Built on the thread that steps it, the engine's torch work stays on one thread."""
+    called_on: list[threading.Thread] = []
+
+    def factory(config: ClusterConfig, replica_id: str, num_gpus: float) -> FakeEngine:
+        called_on.append(threading.current_thread())
+        return FakeEngine(replica_id)
+
+    server = LLMServer(CONFIG, engine_factory=factory, replica_id="r7", gil_switch_interval_s=None)
+    try:
+        assert [t.name for t in called_on] == ["kvfleet-engine"]
+        assert server._engine_loop.engine.replica_id == "r7"
+    finally:
+        server.shutdown()
+
+
+def test_an_engine_factory_that_raises_fails_the_replica_with_its_error() -> None:
+    def factory(config: ClusterConfig, replica_id: str, num_gpus: float) -> FakeEngine:
+        raise ValueError("model: no such preset 'nope'")
+
+    with pytest.raises(ValueError, match="model: no such preset"):
+        LLMServer(CONFIG, engine_factory=factory, replica_id="r0", gil_switch_interval_s=None)
