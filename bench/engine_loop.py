@@ -229,9 +229,16 @@ def main() -> None:
     parser.add_argument(
         "--no-gc", action="store_true", help="diagnostic: Python's cyclic GC off during the runs"
     )
+    parser.add_argument(
+        "--torch-threads", type=int, default=None,
+        help="diagnostic: torch.set_num_threads before the engine is built (1: torch's CPU ops"
+        " run inline, on no OpenMP pool, in either mode)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
     sys.setswitchinterval(args.gil_switch_interval_s)
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
     on_gpu = torch.cuda.is_available()
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)
@@ -283,6 +290,7 @@ def main() -> None:
     write_json(
         args.out,
         {"machine": machine_description(), "model": model, "batch": args.batch, "no_gc": args.no_gc,
+         "torch_threads": torch.get_num_threads(),
          "prompt_len": prompt_len, "max_new": max_new, "callers": args.callers, "rows": rows},
     )  # fmt: skip
 

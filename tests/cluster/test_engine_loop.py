@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from cluster.engine_loop import EngineLoop
 from cluster.transport import StepBatch
@@ -286,3 +287,36 @@ def test_a_build_that_raises_is_raised_by_the_constructor() -> None:
         EngineLoop(build, "r0", 1.0, lambda caller, batch: None)
     after = {t for t in threading.enumerate() if t.name == "kvfleet-engine"}
     assert after <= before  # its thread has ended
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_engine_built_on_the_engine_thread_gives_the_main_threads_tokens() -> None:
+    """The loop's thread captures the engine's CUDA graphs and replays them; its greedy
+    tokens are those of the same engine config run by generate() on this thread."""
+    config = EngineConfig(
+        model="gpt2-tiny", device="cuda", dtype="float16", num_blocks=256, max_num_seqs=16
+    )
+    prompts = [[(7 * i + j) % 500 for j in range(3 + 5 * i)] for i in range(12)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLMEngine(config).generate(prompts, params)]
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    done = threading.Event()
+    num_ended = [0]
+
+    def deliver(caller: str, batch: StepBatch) -> None:
+        for delta in batch.deltas():
+            tokens[delta.request_id].extend(delta.token_ids)
+        num_ended[0] += len(batch.finishes)
+        if num_ended[0] == len(prompts):
+            done.set()
+
+    loop = EngineLoop(lambda: LLMEngine(config), "r0", 1.0, deliver)
+    try:
+        assert loop.engine.runner.use_cuda_graphs
+        for i, prompt in enumerate(prompts):
+            loop.add("c0", str(i), prompt, params).result(timeout=30)
+        assert done.wait(60)
+    finally:
+        loop.shutdown()
+    assert [tokens[str(i)] for i in range(len(prompts))] == expected
