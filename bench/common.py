@@ -85,6 +85,40 @@ def add_gil_switch_interval_arg(parser: Any) -> None:
     )  # fmt: skip
 
 
+def add_burst_args(parser: Any) -> None:
+    """The head that bench.engine_loop and bench.late_burst share: the model and its burst
+    (--model, --dtype, --batch, --prompt-len, --max-new), --reps, the GIL switch interval;
+    burst_engine builds the engine from them."""
+    parser.add_argument("--model", default=None, help="preset or directory (gpt2 on GPU)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=None)
+    parser.add_argument("--max-new", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=3)
+    add_gil_switch_interval_arg(parser)
+
+
+def burst_engine(args: Any, cpu_max_new: int, **config: Any) -> tuple[Any, str, int, int]:
+    """add_burst_args' engine: sets the switch interval, then builds an LLMEngine of
+    max_num_seqs --batch for the burst (gpt2 with 128-token prompts and 128 new tokens on
+    a GPU; on the CPU gpt2-tiny, 16 and cpu_max_new); config: more EngineConfig fields.
+    Returns (engine, model, prompt_len, max_new)."""
+    import sys
+
+    from replica import EngineConfig, LLMEngine
+
+    sys.setswitchinterval(args.gil_switch_interval_s)
+    on_gpu = torch.cuda.is_available()
+    model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
+    prompt_len = args.prompt_len or (128 if on_gpu else 16)
+    max_new = args.max_new or (128 if on_gpu else cpu_max_new)
+    engine = LLMEngine(
+        EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.batch,
+                     max_model_len=prompt_len + max_new, **config)
+    )  # fmt: skip
+    return engine, model, prompt_len, max_new
+
+
 def write_json(path: str | None, payload: dict) -> None:
     if not path:
         return

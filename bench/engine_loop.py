@@ -31,17 +31,16 @@ import argparse
 import gc
 import math
 import statistics
-import sys
 import threading
 import time
 
 import torch
 
-from bench.common import add_gil_switch_interval_arg, machine_description, write_json
+from bench.common import add_burst_args, burst_engine, machine_description, write_json
 from bench.engine import CollectedSteps, random_prompts
 from cluster.config import ClusterConfig
 from cluster.engine_loop import EngineLoop
-from replica import EngineConfig, LLMEngine, SamplingParams
+from replica import LLMEngine, SamplingParams
 
 
 class StepClock:
@@ -211,12 +210,7 @@ def run_loop(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="preset or directory (gpt2 on GPU)")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=None)
-    parser.add_argument("--max-new", type=int, default=None)
-    parser.add_argument("--reps", type=int, default=3)
+    add_burst_args(parser)
     parser.add_argument(
         "--max-batched-tokens", type=int, default=None,
         help="EngineConfig.max_num_batched_tokens (default: the engine's)",
@@ -225,7 +219,6 @@ def main() -> None:
         "--callers", type=int, default=1,
         help="callers the requests come from, in turn (a replica fans each step out per caller)",
     )  # fmt: skip
-    add_gil_switch_interval_arg(parser)
     parser.add_argument(
         "--no-gc", action="store_true", help="diagnostic: Python's cyclic GC off during the runs"
     )
@@ -236,18 +229,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
-    sys.setswitchinterval(args.gil_switch_interval_s)
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
-    on_gpu = torch.cuda.is_available()
-    model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
-    prompt_len = args.prompt_len or (128 if on_gpu else 16)
-    max_new = args.max_new or (128 if on_gpu else 8)
     extra = {"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}
-    engine = LLMEngine(
-        EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.batch,
-                     max_model_len=prompt_len + max_new, **extra)
-    )  # fmt: skip
+    engine, model, prompt_len, max_new = burst_engine(args, cpu_max_new=8, **extra)
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     stats_period_s = ClusterConfig(model=model).stats_period_s

@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
 
-import torch
-
-from bench.common import add_gil_switch_interval_arg, machine_description, write_json
+from bench.common import add_burst_args, burst_engine, machine_description, write_json
 from bench.engine import random_prompts
 from cluster.config import ClusterConfig
 from cluster.engine_loop import EngineLoop
-from replica import EngineConfig, LLMEngine, SamplingParams
+from replica import SamplingParams
 
 
 class Gaps:
@@ -115,26 +112,12 @@ def run_loop(engine, first, second, params, at: int, tag: str, stats_period_s: f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="preset or directory (gpt2 on GPU)")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=None)
-    parser.add_argument("--max-new", type=int, default=None)
+    add_burst_args(parser)
     parser.add_argument("--at", type=int, default=None, help="the first burst's tokens before")
-    parser.add_argument("--reps", type=int, default=3)
-    add_gil_switch_interval_arg(parser)
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
-    sys.setswitchinterval(args.gil_switch_interval_s)
-    on_gpu = torch.cuda.is_available()
-    model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
-    prompt_len = args.prompt_len or (128 if on_gpu else 16)
-    max_new = args.max_new or (128 if on_gpu else 12)
+    engine, model, prompt_len, max_new = burst_engine(args, cpu_max_new=12)
     at = args.at or max_new // 2
-    engine = LLMEngine(
-        EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.batch,
-                     max_model_len=prompt_len + max_new)
-    )  # fmt: skip
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     stats_period_s = ClusterConfig(model=model).stats_period_s
