@@ -21,7 +21,7 @@ the next one's wait: only where the pair exceeds two plain steps did the device 
 
 Both modes step one engine, built on the main thread. On a CPU its parallel torch ops
 then run on two OpenMP pools in the engine loop mode, which slowed its steps several
-times on a 2-core box: a replica builds its engine on the engine thread
+times on a 2-core box: a CPU replica builds its engine on the engine thread
 (cluster.engine_loop), so CPU figures of this mode are not a replica's.
 """
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import sys
 import time
@@ -28,7 +27,7 @@ from cluster.engine_loop import (
     AbortedBeforeAdmissionError,
     EngineLoop,
     EngineUnavailableError,
-    default_engine_factory,
+    engine_builder,
     engine_model_info,
 )
 from cluster.messages import (
@@ -155,9 +154,8 @@ class LLMServer:
             )
             self._model_info = self._engine_loop.model_info
         else:
-            factory = engine_factory or default_engine_factory
             self._engine_loop = EngineLoop(
-                functools.partial(factory, config, self.replica_id, num_gpus),
+                engine_builder(engine_factory, config, self.replica_id, num_gpus),
                 self.replica_id,
                 config.stats_period_s,
                 self._deliver_threadsafe,

@@ -8,12 +8,13 @@ outputs by cluster.fan_out; carried by cluster.transport). ReplicaStats are comp
 by the engine thread every stats_period_s and cached, so a stats read answers without
 waiting for a step.
 
-The engine is built on its thread too, so that one thread runs all of its torch work.
-torch's CPU ops run on an OpenMP pool per calling thread; once a second thread has its
-own, the process holds more OpenMP threads than cores, the pools' idle threads sleep
-instead of spinning, and every parallel op waits for a wake-up. Built on the caller's
-thread and stepped on this one, a gpt2-tiny CPU engine stepped ~4x slower (32.6 against
-7.7 ms a step on a 2-core box).
+A CPU replica's engine is built on its thread too, so that one thread runs all of its
+torch work (engine_builder). torch's CPU ops run on an OpenMP pool per calling thread;
+once a second thread has its own, the process holds more OpenMP threads than cores, the
+pools' idle threads sleep instead of spinning (libgomp's throttled spin), and every
+parallel op waits for a wake-up: on a 2-core box a 32 x 256 GELU took 89 us on the second
+pool against 10 on one (25 with GOMP_SPINCOUNT=1e8), and a gpt2-tiny engine built on the
+caller's thread and stepped on this one took 32.6 against 7.7 ms a step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -294,6 +296,27 @@ def default_engine_factory(config: ClusterConfig, replica_id: str, num_gpus: flo
     from replica import LLMEngine
 
     return LLMEngine(config.engine_config(replica_id, num_gpus))
+
+
+def engine_builder(
+    factory: Callable[[ClusterConfig, str, float], Any] | None,
+    config: ClusterConfig,
+    replica_id: str,
+    num_gpus: float,
+) -> Callable[[], Any]:
+    """What a replica's EngineLoop builds its engine with (factory: None for LLMEngine).
+
+    A CPU replica's engine is built on the engine thread (this module's docstring: its
+    steps ran ~4x faster). A GPU replica's is built here, on the caller's thread, as
+    before: built on the engine thread, one replica serving in-thread on an H100 gave
+    12% fewer requests/s, in each of four alternating pairs, for a reason not found
+    (BENCHMARKS.md, thirty-fourth session); its steps make no parallel CPU ops.
+    """
+    build = functools.partial(factory or default_engine_factory, config, replica_id, num_gpus)
+    if num_gpus == 0:
+        return build
+    engine = build()
+    return lambda: engine
 
 
 def engine_model_info(config: ClusterConfig, engine: Any) -> dict[str, Any]:

@@ -30,7 +30,6 @@ and exits (the GPU memory goes with it).
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import itertools
 import logging
 import multiprocessing.connection
@@ -47,6 +46,7 @@ from cluster.engine_loop import (
     Deliver,
     EngineLoop,
     EngineUnavailableError,
+    engine_builder,
     engine_model_info,
     settle,
 )
@@ -328,9 +328,7 @@ def _child_main(fd: int) -> None:
     replica_id = "?"
     try:
         _, config, replica_id, num_gpus, engine_factory = conn.recv()
-        if engine_factory is None:
-            from cluster.engine_loop import default_engine_factory as engine_factory
-        build = functools.partial(engine_factory, config, replica_id, num_gpus)
+        build = engine_builder(engine_factory, config, replica_id, num_gpus)
         loop = _ChildEngineLoop(build, replica_id, config.stats_period_s, send)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
         logger.exception("kvfleet engine process of replica %s failed to start", replica_id)
