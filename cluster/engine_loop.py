@@ -1,7 +1,7 @@
 """EngineLoop: the one thread that owns a replica's LLMEngine.
 
-The engine is blocking torch code, so it runs in one background thread that builds it and
-owns it exclusively: callers (the Serve deployment's asyncio loop, cluster.engine_process's
+The engine is blocking torch code, so it runs in one background thread that owns it
+exclusively: callers (the Serve deployment's asyncio loop, cluster.engine_process's
 pipe reader) never touch the engine, they post commands (add, abort) and receive,
 once per engine step, one StepBatch per caller with requests here (cut from the step's
 outputs by cluster.fan_out; carried by cluster.transport). ReplicaStats are computed
@@ -310,7 +310,7 @@ def engine_builder(
     steps ran ~4x faster). A GPU replica's is built here, on the caller's thread, as
     before: built on the engine thread, one replica serving in-thread on an H100 gave
     12% fewer requests/s, in each of four alternating pairs, for a reason not found
-    (BENCHMARKS.md, thirty-fourth session); its steps make no parallel CPU ops.
+    (BENCHMARKS.md, thirty-fourth session).
     """
     build = functools.partial(factory or default_engine_factory, config, replica_id, num_gpus)
     if num_gpus == 0:
