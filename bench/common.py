@@ -96,10 +96,16 @@ def add_burst_args(parser: Any) -> None:
     parser.add_argument("--max-new", type=int, default=None)
     parser.add_argument("--reps", type=int, default=3)
     add_gil_switch_interval_arg(parser)
+    parser.add_argument(
+        "--torch-threads", type=int, default=1,
+        help="torch.set_num_threads before the engine is built (default 1: a Serve replica's,"
+        " as Ray sets OMP_NUM_THREADS to its num_cpus, 1 or 0)",
+    )  # fmt: skip
 
 
 def burst_engine(args: Any, cpu_max_new: int, **config: Any) -> tuple[Any, str, int, int]:
-    """add_burst_args' engine: sets the switch interval, then builds an LLMEngine of
+    """add_burst_args' engine: sets the switch interval and torch's threads, then builds an
+    LLMEngine of
     max_num_seqs --batch for the burst (gpt2 with 128-token prompts and 128 new tokens on
     a GPU; on the CPU gpt2-tiny, 16 and cpu_max_new); config: more EngineConfig fields.
     Returns (engine, model, prompt_len, max_new)."""
@@ -108,6 +114,7 @@ def burst_engine(args: Any, cpu_max_new: int, **config: Any) -> tuple[Any, str, 
     from replica import EngineConfig, LLMEngine
 
     sys.setswitchinterval(args.gil_switch_interval_s)
+    torch.set_num_threads(args.torch_threads)
     on_gpu = torch.cuda.is_available()
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)

@@ -19,10 +19,11 @@ snapshot; each beside the mean wall of the decode steps right after them. A step
 the next before it waits for its own, so work after a step lengthens its wall and shortens
 the next one's wait: only where the pair exceeds two plain steps did the device wait.
 
-Both modes step one engine, built on the main thread. On a CPU its parallel torch ops
-then run on two OpenMP pools in the engine loop mode, which slowed its steps several
-times on a 2-core box: a CPU replica builds its engine on the engine thread
-(cluster.engine_loop), so CPU figures of this mode are not a replica's.
+Both modes step one engine, built on the main thread, with torch at one CPU thread
+(--torch-threads), as in a Serve replica: Ray sets OMP_NUM_THREADS to a replica's
+num_cpus (1 on a CPU replica; 1 also for a GPU one's 0). At more threads, the engine
+loop mode's parallel CPU ops would run on a second OpenMP pool beside the main
+thread's, which slowed its steps ~4x on a 2-core box.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def run_loop(
             done.set()
 
     clock = StepClock(engine)
-    loop = EngineLoop(lambda: engine, "bench", stats_period_s, deliver)
+    loop = EngineLoop(engine, "bench", stats_period_s, deliver)
     try:
         start = time.perf_counter()
         futures = [
@@ -222,15 +223,8 @@ def main() -> None:
     parser.add_argument(
         "--no-gc", action="store_true", help="diagnostic: Python's cyclic GC off during the runs"
     )
-    parser.add_argument(
-        "--torch-threads", type=int, default=None,
-        help="diagnostic: torch.set_num_threads before the engine is built (1: torch's CPU ops"
-        " run inline, on no OpenMP pool, in either mode)",
-    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
-    if args.torch_threads is not None:
-        torch.set_num_threads(args.torch_threads)
     extra = {"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}
     engine, model, prompt_len, max_new = burst_engine(args, cpu_max_new=8, **extra)
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)

@@ -15,10 +15,11 @@ its tokens reach the caller: when step() returns them, or when the loop delivers
 before the second burst, their median; from the second burst's first add until the
 first burst ends, the longest; and how long the second burst took to add.
 
-Both modes step one engine, built on the main thread. On a CPU its parallel torch ops
-then run on two OpenMP pools in the engine loop mode, which slowed its steps several
-times on a 2-core box: a CPU replica builds its engine on the engine thread
-(cluster.engine_loop), so CPU figures of this mode are not a replica's.
+Both modes step one engine, built on the main thread, with torch at one CPU thread
+(--torch-threads), as in a Serve replica: Ray sets OMP_NUM_THREADS to a replica's
+num_cpus (1 on a CPU replica; 1 also for a GPU one's 0). At more threads, the engine
+loop mode's parallel CPU ops would run on a second OpenMP pool beside the main
+thread's, which slowed its steps ~4x on a 2-core box.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def run_loop(engine, first, second, params, at: int, tag: str, stats_period_s: f
         if finishes[0] == num_requests:
             ended.set()
 
-    loop = EngineLoop(lambda: engine, "bench", stats_period_s, deliver)
+    loop = EngineLoop(engine, "bench", stats_period_s, deliver)
     try:
         futures = [loop.add("c0", f"{tag}-a{i}", p, params) for i, p in enumerate(first)]
         if not due.wait(timeout=120):
@@ -146,7 +147,8 @@ def main() -> None:
     write_json(
         args.out,
         {"machine": machine_description(), "model": model, "batch": args.batch,
-         "prompt_len": prompt_len, "max_new": max_new, "at": at, "rows": rows},
+         "prompt_len": prompt_len, "max_new": max_new, "at": at,
+         "torch_threads": args.torch_threads, "rows": rows},
     )  # fmt: skip
 
 
