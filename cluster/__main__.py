@@ -32,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve_p.add_argument("--device", default="auto")
     serve_p.add_argument(
+        "--num-cpus-per-replica", type=float, default=None,
+        help="Ray CPUs per replica, and so torch's threads on a CPU replica (default: 1 "
+        "without a GPU, 0 with one)",
+    )  # fmt: skip
+    serve_p.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
         help="fp8: K/V stored as float8 e4m3, twice the blocks (EngineConfig.kv_cache_dtype)",
     )  # fmt: skip
@@ -65,6 +70,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         max_num_seqs=args.max_num_seqs,
         carrier_messages_per_step=args.carrier_messages_per_step,
         device=args.device,
+        num_cpus_per_replica=args.num_cpus_per_replica,
         kv_cache_dtype=args.kv_cache_dtype,
         http=not args.no_http,
         access_log=args.access_log,

@@ -46,15 +46,16 @@ def build_app(
 ) -> Application:
     """The LLMServer deployment (config.router in front), behind the HTTP ingress if http.
 
-    Replicas get `num_gpus` Ray resources as ClusterConfig.resolve_num_gpus decides,
-    plus config.replica_resources. engine_factory (picklable; default: LLMEngine)
-    builds each replica's engine: benchmarks and tests pass fake or paced engines.
+    Replicas get `num_gpus` and `num_cpus` Ray resources as ClusterConfig.resolve_num_gpus
+    and resolve_num_cpus decide, plus config.replica_resources. engine_factory
+    (picklable; default: LLMEngine) builds each replica's engine: benchmarks and tests
+    pass fake or paced engines.
     """
     gpus = cluster_gpus() if num_gpus_in_cluster is None else num_gpus_in_cluster
     num_gpus = config.resolve_num_gpus(gpus)
     actor_options: dict[str, Any] = {
         "num_gpus": num_gpus,
-        "num_cpus": 0 if num_gpus else 1,
+        "num_cpus": config.resolve_num_cpus(num_gpus),
         "runtime_env": {"env_vars": dict(REPLICA_ENV_VARS)},
     }
     if config.replica_resources:

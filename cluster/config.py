@@ -62,6 +62,9 @@ class ClusterConfig:
     control, so setting an admission field away from its default raises with them.
     num_gpus_per_replica None means auto: 1 when the Ray cluster has GPUs and device
     is not "cpu", else 0 (resolved by `resolve_num_gpus`, at build time).
+    num_cpus_per_replica None means 1 for a replica without a GPU and 0 for one with a
+    GPU (resolve_num_cpus). Ray sets OMP_NUM_THREADS to it, so it is also the number of
+    threads torch runs a CPU replica's ops on (at least 1).
     stats_period_s is how often each replica publishes ReplicaStats to the router.
     carrier_messages_per_step bounds what streaming costs a replica with many callers
     (processes with a Client): each caller's tokens go out every engine step while the
@@ -103,6 +106,7 @@ class ClusterConfig:
     max_hold_s: float = 30.0
     balance_band: float = RouterConfig.balance_band
     num_gpus_per_replica: float | None = None
+    num_cpus_per_replica: float | None = None
     # Custom Ray resources each replica actor needs, e.g. {"kvfleet_slot": 1} with one
     # slot per node to place one replica per node.
     replica_resources: dict[str, float] = field(default_factory=dict)
@@ -161,6 +165,16 @@ class ClusterConfig:
                 f"num_gpus_per_replica must be a number >= 0 or None (auto), "
                 f"got {self.num_gpus_per_replica!r}"
             )
+        if self.num_cpus_per_replica is not None and (
+            isinstance(self.num_cpus_per_replica, bool)
+            or not isinstance(self.num_cpus_per_replica, int | float)
+            or not math.isfinite(self.num_cpus_per_replica)
+            or self.num_cpus_per_replica < 0
+        ):
+            raise ValueError(
+                f"num_cpus_per_replica must be a number >= 0 or None (auto), "
+                f"got {self.num_cpus_per_replica!r}"
+            )
         if self.device == "cuda" and self.num_gpus_per_replica == 0:
             raise ValueError("num_gpus_per_replica must be > 0 when device is 'cuda'")
         if not isinstance(self.replica_resources, dict) or not all(
@@ -178,7 +192,8 @@ class ClusterConfig:
             )
         if {"CPU", "GPU"} & set(self.replica_resources):
             raise ValueError(
-                "replica_resources is for custom resources; GPUs are num_gpus_per_replica"
+                "replica_resources is for custom resources; CPUs and GPUs are "
+                "num_cpus_per_replica and num_gpus_per_replica"
             )
         _positive_int("max_ongoing_requests", self.max_ongoing_requests)
         for name in ("http", "access_log"):
@@ -205,6 +220,12 @@ class ClusterConfig:
         if self.device == "cuda":
             raise ValueError("device is 'cuda' but the Ray cluster has no GPUs")
         return 0.0
+
+    def resolve_num_cpus(self, num_gpus: float) -> float:
+        """CPUs per replica actor, given its GPUs (resolve_num_gpus)."""
+        if self.num_cpus_per_replica is not None:
+            return float(self.num_cpus_per_replica)
+        return 0.0 if num_gpus else 1.0
 
     def engine_config(self, replica_id: str, num_gpus: float) -> EngineConfig:
         """The EngineConfig one replica builds its engine from."""

@@ -27,7 +27,7 @@ from cluster.engine_loop import (
     AbortedBeforeAdmissionError,
     EngineLoop,
     EngineUnavailableError,
-    default_engine_factory,
+    engine_builder,
     engine_model_info,
 )
 from cluster.messages import (
@@ -154,15 +154,14 @@ class LLMServer:
             )
             self._model_info = self._engine_loop.model_info
         else:
-            engine = (engine_factory or default_engine_factory)(config, self.replica_id, num_gpus)
             self._engine_loop = EngineLoop(
-                engine,
+                engine_builder(engine_factory, config, self.replica_id, num_gpus),
                 self.replica_id,
                 config.stats_period_s,
                 self._deliver_threadsafe,
                 self._metrics,
             )
-            self._model_info = engine_model_info(config, engine)
+            self._model_info = engine_model_info(config, self._engine_loop.engine)
 
     async def submit(self, wire: dict) -> AsyncIterator[bytes]:
         """Admit one request; this stream becomes the caller's carrier if it has none here.

@@ -7,6 +7,16 @@ once per engine step, one StepBatch per caller with requests here (cut from the 
 outputs by cluster.fan_out; carried by cluster.transport). ReplicaStats are computed
 by the engine thread every stats_period_s and cached, so a stats read answers without
 waiting for a step.
+
+A CPU replica's engine is built on its thread too, so that one thread runs all of its
+torch work (engine_builder). torch's CPU ops run on an OpenMP pool per calling thread,
+with OMP_NUM_THREADS threads, which Ray sets to the replica's num_cpus
+(ClusterConfig.num_cpus_per_replica). Once a second thread has a pool, a replica given
+more than half of the cores holds more OpenMP threads than cores, the pools' idle
+threads sleep instead of spinning (libgomp's throttled spin), and every parallel op
+waits for a wake-up: on a 2-core box at 2 threads a 32 x 256 GELU took 89 us on the
+second pool against 10 on one (25 with GOMP_SPINCOUNT=1e8), and a gpt2-tiny engine built
+on the caller's thread and stepped on this one took 32.6 against 7.7 ms a step.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -69,7 +80,8 @@ def settle(future: concurrent.futures.Future, setter: Callable[[Any], None], val
 
 
 class EngineLoop:
-    """Owns the engine in one thread: drain commands, step, fan out per caller, stats.
+    """Owns the engine in one thread: build it (`build()`, whose error the constructor
+    raises), then drain commands, step, fan out per caller, stats.
 
     Invariant: every request added here ends with exactly one finished TokenDelta
     delivered to its caller (length/stop from the engine, "abort", or "error" when the
@@ -84,14 +96,13 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine: Any,
+        build: Callable[[], Any],
         replica_id: str,
         stats_period_s: float,
         deliver: Deliver,
         metrics: ReplicaMetrics | None = None,
     ) -> None:
         self.replica_id = replica_id
-        self._engine = engine
         self._stats_period_s = stats_period_s
         self._deliver = deliver
         self._metrics = metrics
@@ -105,12 +116,22 @@ class EngineLoop:
         self._fan_out = FanOut(metrics)  # the engine thread's alone
         self._tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._decoding = False  # the last step gave tokens: requests are decoding
-        self._stats = engine.stats()
-        self._stats_at_s = time.monotonic()
-        # What carrier messages carry (cluster.live_stats): refreshed by _deliver_step.
-        self._refresh_load_stats()
-        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(build,), name="kvfleet-engine", daemon=True
+        )
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            self._thread.join()
+            raise self._build_error
+
+    @property
+    def engine(self) -> Any:
+        """The engine, for its fixed facts (model_config, max_model_len): its methods are
+        the engine thread's alone."""
+        return self._engine
 
     @property
     def stats(self) -> ReplicaStats:
@@ -173,7 +194,27 @@ class EngineLoop:
         self._wakeup.set()
         return future
 
-    def _run(self) -> None:
+    def _build(self, build: Callable[[], Any]) -> bool:
+        """Build the engine and its first snapshots on this thread; False if that raised
+        (the constructor raises it)."""
+        try:
+            self._engine = build()
+            self._stats = self._engine.stats()
+            self._stats_at_s = time.monotonic()
+            # What carrier messages carry (cluster.live_stats): refreshed by _deliver_step.
+            self._refresh_load_stats()
+        except BaseException as exc:
+            self._build_error = exc
+            with self._lock:
+                self._closed = True
+            return False
+        finally:
+            self._built.set()
+        return True
+
+    def _run(self, build: Callable[[], Any]) -> None:
+        if not self._build(build):
+            return
         try:
             while not self._stop.is_set():
                 self._wakeup.clear()
@@ -257,6 +298,28 @@ def default_engine_factory(config: ClusterConfig, replica_id: str, num_gpus: flo
     from replica import LLMEngine
 
     return LLMEngine(config.engine_config(replica_id, num_gpus))
+
+
+def engine_builder(
+    factory: Callable[[ClusterConfig, str, float], Any] | None,
+    config: ClusterConfig,
+    replica_id: str,
+    num_gpus: float,
+) -> Callable[[], Any]:
+    """What a replica's EngineLoop builds its engine with (factory: None for LLMEngine).
+
+    A CPU replica's engine is built on the engine thread (this module's docstring: with
+    as many torch threads as cores, its steps ran ~4x faster). A GPU replica's is built
+    here, on the caller's thread, as every GPU figure in BENCHMARKS.md had it: built on
+    the engine thread, one replica serving in-thread on an H100 gave 12% fewer
+    requests/s in each of four alternating pairs, for a reason not found (thirty-fourth
+    session).
+    """
+    build = functools.partial(factory or default_engine_factory, config, replica_id, num_gpus)
+    if num_gpus == 0:
+        return build
+    engine = build()
+    return lambda: engine
 
 
 def engine_model_info(config: ClusterConfig, engine: Any) -> dict[str, Any]:

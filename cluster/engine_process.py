@@ -46,6 +46,7 @@ from cluster.engine_loop import (
     Deliver,
     EngineLoop,
     EngineUnavailableError,
+    engine_builder,
     engine_model_info,
     settle,
 )
@@ -288,13 +289,15 @@ class _Observations:
 class _ChildEngineLoop(EngineLoop):
     """EngineLoop whose deliveries, stats and failure go to the parent's pipe."""
 
-    def __init__(self, engine: Any, replica_id: str, stats_period_s: float, send: Any) -> None:
+    def __init__(
+        self, build: Callable[[], Any], replica_id: str, stats_period_s: float, send: Any
+    ) -> None:
         self._send = send
         self._reported = False
         self._pending: list[tuple[str, StepBatch]] = []
         self._observations = _Observations()
         super().__init__(
-            engine, replica_id, stats_period_s, self._pending_append, self._observations
+            build, replica_id, stats_period_s, self._pending_append, self._observations
         )
 
     def _pending_append(self, caller_id: str, batch: StepBatch) -> None:
@@ -325,16 +328,14 @@ def _child_main(fd: int) -> None:
     replica_id = "?"
     try:
         _, config, replica_id, num_gpus, engine_factory = conn.recv()
-        if engine_factory is None:
-            from cluster.engine_loop import default_engine_factory as engine_factory
-        engine = engine_factory(config, replica_id, num_gpus)
-        loop = _ChildEngineLoop(engine, replica_id, config.stats_period_s, send)
+        build = engine_builder(engine_factory, config, replica_id, num_gpus)
+        loop = _ChildEngineLoop(build, replica_id, config.stats_period_s, send)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
         logger.exception("kvfleet engine process of replica %s failed to start", replica_id)
         send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     # The engine thread already runs: a "stats" may precede this (the parent skips it).
-    send(("ready", engine_model_info(config, engine), loop.stats, loop.load_stats))
+    send(("ready", engine_model_info(config, loop.engine), loop.stats, loop.load_stats))
 
     def answer(cmd_id: int) -> Callable[[concurrent.futures.Future], None]:
         def done(future: concurrent.futures.Future) -> None:

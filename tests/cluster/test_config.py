@@ -36,6 +36,9 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
         ("max_hold_s", -1.0),
         ("balance_band", 1.5),
         ("num_gpus_per_replica", -1),
+        ("num_cpus_per_replica", -1),
+        ("num_cpus_per_replica", "2"),
+        ("num_cpus_per_replica", float("inf")),
         ("http", "yes"),
         ("access_log", 1),
         ("engine_process", "yes"),
@@ -80,6 +83,19 @@ def test_access_log_reaches_both_deployments(access_log: bool) -> None:
     (llm,) = ingress._bound_deployment.init_args[:1]
     for deployment in (ingress._bound_deployment, llm._bound_deployment):
         assert deployment._deployment_config.logging_config["enable_access_log"] is access_log
+
+
+@pytest.mark.parametrize(
+    ("fields", "gpus", "expected"),
+    [({}, 0, (0.0, 1.0)), ({}, 8, (1.0, 0.0)), ({"num_cpus_per_replica": 2}, 0, (0.0, 2.0))],
+)
+def test_replica_actors_ask_for_cpus_and_gpus(fields: dict, gpus: int, expected: tuple) -> None:
+    """Ray sets a replica's OMP_NUM_THREADS to its num_cpus: torch's threads on a CPU one."""
+    options = build_app(ClusterConfig(**fields), num_gpus_in_cluster=gpus)._bound_deployment
+    assert (
+        options.ray_actor_options["num_gpus"],
+        options.ray_actor_options["num_cpus"],
+    ) == expected
 
 
 def _app_args(serve_config: dict) -> dict:
@@ -136,3 +152,13 @@ def test_client_rejects_bad_options_naming_the_field(field: str, value: object) 
 
     with pytest.raises(ValueError, match=field):
         Client("kvfleet", **{field: value})
+
+
+def test_num_cpus_auto() -> None:
+    """1 CPU for a replica without a GPU, 0 with one, unless num_cpus_per_replica says."""
+    assert ClusterConfig().resolve_num_cpus(num_gpus=0) == 1
+    assert ClusterConfig().resolve_num_cpus(num_gpus=1) == 0
+    assert ClusterConfig(num_cpus_per_replica=4).resolve_num_cpus(num_gpus=0) == 4
+    assert ClusterConfig(num_cpus_per_replica=2).resolve_num_cpus(num_gpus=1) == 2
+    with pytest.raises(ValueError, match="num_cpus_per_replica and num_gpus_per_replica"):
+        ClusterConfig(replica_resources={"CPU": 2})

@@ -5,6 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+import torch
+
 from cluster.engine_loop import EngineLoop
 from cluster.transport import StepBatch
 from replica import EngineConfig, LLMEngine, SamplingParams
@@ -21,7 +24,7 @@ def test_cancelled_command_future_leaves_the_loop_serving() -> None:
 
     engine.add_request = slow_add
     delivered: list[StepBatch] = []
-    loop = EngineLoop(engine, "r0", 0.05, lambda caller, batch: delivered.append(batch))
+    loop = EngineLoop(lambda: engine, "r0", 0.05, lambda caller, batch: delivered.append(batch))
     try:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         cancelled = loop.add("c0", "a", [1, 2, 3], params)
@@ -58,7 +61,7 @@ def test_load_snapshot_of_a_finishing_step_leaves_the_cohort_retired() -> None:
             load = ReplicaStats.from_msgpack(loop.load_stats)
             seen.append((len(engine.scheduler.retired), held, load))
 
-    loop = EngineLoop(engine, "r0", 1.0, deliver)
+    loop = EngineLoop(lambda: engine, "r0", 1.0, deliver)
     try:
         futures = []
         for i in range(12):  # ten end after 3 tokens, two after 12
@@ -113,7 +116,7 @@ def test_each_request_gets_its_tokens_and_finish_reason_from_the_step_columns() 
         if sum(len(b.finishes) for b in delivered) == len(prompts):
             done.set()
 
-    loop = EngineLoop(engine, "r0", 0.05, deliver)
+    loop = EngineLoop(lambda: engine, "r0", 0.05, deliver)
     try:
         for request_id, prompt in prompts.items():
             loop.add("c0", request_id, prompt, params[request_id]).result(timeout=5)
@@ -165,7 +168,7 @@ def _burst_through_a_loop(decoding: bool, device_busy=None) -> list[str]:
             ended.set()
 
     decoding_request = int(decoding)
-    loop = EngineLoop(engine, "r0", 1.0, deliver)
+    loop = EngineLoop(lambda: engine, "r0", 1.0, deliver)
     try:
         if decoding:  # a request with tokens to go: the burst arrives while it decodes
             long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -223,7 +226,7 @@ def test_commands_after_an_abort_that_ends_the_last_request_run_in_the_same_pass
         return original_abort(request_id)
 
     engine.abort = slow_abort
-    loop = EngineLoop(engine, "r0", 30.0, lambda caller, batch: first_token.set())
+    loop = EngineLoop(lambda: engine, "r0", 30.0, lambda caller, batch: first_token.set())
     try:
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         loop.add("c0", "d", [1, 2, 3], params).result(timeout=5)
@@ -237,3 +240,83 @@ def test_commands_after_an_abort_that_ends_the_last_request_run_in_the_same_pass
         assert time.monotonic() - start_s < 5.0  # not at the next wake-up, 30 s on
     finally:
         loop.shutdown()
+
+
+def test_the_engine_is_built_and_stepped_on_the_engine_thread() -> None:
+    """One thread runs all of the engine's torch work: built on the caller's thread, a
+    CPU engine's parallel ops run on two OpenMP pools (cluster.engine_loop's docstring)."""
+    threads: dict[str, set[threading.Thread]] = {"build": set(), "step": set()}
+    done = threading.Event()
+
+    def build() -> LLMEngine:
+        threads["build"].add(threading.current_thread())
+        engine = LLMEngine(EngineConfig(model="gpt2-tiny", device="cpu", num_blocks=64))
+        original_step = engine.step
+
+        def step():
+            threads["step"].add(threading.current_thread())
+            return original_step()
+
+        engine.step = step
+        return engine
+
+    def deliver(caller: str, batch: StepBatch) -> None:
+        if batch.finishes:
+            done.set()
+
+    loop = EngineLoop(build, "r0", 1.0, deliver)
+    try:
+        assert loop.engine.model_config.vocab_size > 0
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        loop.add("c0", "a", [1, 2, 3], params).result(timeout=5)
+        assert done.wait(10)
+        (built_on,) = threads["build"]
+        assert built_on is not threading.current_thread()
+        assert built_on.name == "kvfleet-engine"
+        assert threads["step"] == {built_on}
+    finally:
+        loop.shutdown()
+
+
+def test_a_build_that_raises_is_raised_by_the_constructor() -> None:
+    def build() -> LLMEngine:
+        return LLMEngine(EngineConfig(model="gpt2-tiny", device="cpu", max_num_seqs=0))
+
+    before = {t for t in threading.enumerate() if t.name == "kvfleet-engine"}
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineLoop(build, "r0", 1.0, lambda caller, batch: None)
+    after = {t for t in threading.enumerate() if t.name == "kvfleet-engine"}
+    assert after <= before  # its thread has ended
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_engine_built_on_the_engine_thread_gives_the_main_threads_tokens() -> None:
+    """The loop's thread captures the engine's CUDA graphs and replays them; its greedy
+    tokens are those of the same engine config run by generate() on this thread."""
+    config = EngineConfig(
+        model="gpt2-tiny", device="cuda", dtype="float16", num_blocks=256, max_num_seqs=16
+    )
+    prompts = [[(7 * i + j) % 500 for j in range(3 + 5 * i)] for i in range(12)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLMEngine(config).generate(prompts, params)]
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    done = threading.Event()
+    num_ended = [0]
+
+    def deliver(caller: str, batch: StepBatch) -> None:
+        for delta in batch.deltas():
+            tokens[delta.request_id].extend(delta.token_ids)
+        num_ended[0] += len(batch.finishes)
+        if num_ended[0] == len(prompts):
+            done.set()
+
+    loop = EngineLoop(lambda: LLMEngine(config), "r0", 1.0, deliver)
+    try:
+        assert loop.engine.runner.use_cuda_graphs
+        for i, prompt in enumerate(prompts):
+            loop.add("c0", str(i), prompt, params).result(timeout=30)
+        assert done.wait(60)
+    finally:
+        loop.shutdown()
+    assert [tokens[str(i)] for i in range(len(prompts))] == expected

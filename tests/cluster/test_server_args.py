@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -46,6 +48,29 @@ def test_gil_switch_interval_is_set_for_the_process(switch_interval: float) -> N
         assert sys.getswitchinterval() == pytest.approx(0.002)
     finally:
         unchanged.shutdown()
+
+
+@pytest.mark.parametrize(("num_gpus", "on_engine_thread"), [(0.0, True), (0.5, False)])
+def test_where_the_engine_factory_runs(num_gpus: float, on_engine_thread: bool) -> None:
+    """A CPU replica builds its engine on the thread that steps it, so that its torch work
+    stays on one thread; a GPU replica's is built on the caller's (engine_builder)."""
+    called_on: list[threading.Thread] = []
+
+    def factory(config: ClusterConfig, replica_id: str, num_gpus: float) -> FakeEngine:
+        called_on.append(threading.current_thread())
+        return FakeEngine(replica_id)
+
+    in_thread = dataclasses.replace(CONFIG, engine_process=False)
+    server = LLMServer(in_thread, num_gpus, factory, replica_id="r7", gil_switch_interval_s=None)
+    try:
+        (thread,) = called_on
+        if on_engine_thread:
+            assert thread.name == "kvfleet-engine"
+        else:
+            assert thread is threading.current_thread()
+        assert server._engine_loop.engine.replica_id == "r7"
+    finally:
+        server.shutdown()
 
 
 def test_an_engine_factory_that_raises_fails_the_replica_with_its_error() -> None:
