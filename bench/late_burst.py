@@ -16,10 +16,11 @@ before the second burst, their median; from the second burst's first add until t
 first burst ends, the longest; and how long the second burst took to add.
 
 Both modes step one engine, built on the main thread, with torch at one CPU thread
-(--torch-threads), as in a Serve replica: Ray sets OMP_NUM_THREADS to a replica's
-num_cpus (1 on a CPU replica; 1 also for a GPU one's 0). At more threads, the engine
-loop mode's parallel CPU ops would run on a second OpenMP pool beside the main
-thread's, which slowed its steps ~4x on a 2-core box.
+(--torch-threads), as in a Serve replica by default: Ray sets OMP_NUM_THREADS to a
+replica's num_cpus (ClusterConfig.num_cpus_per_replica: 1 on a CPU replica; 0, which
+Ray also makes 1, on a GPU one). At more threads, the engine loop mode's parallel CPU
+ops would run on a second OpenMP pool beside the main thread's, which slowed its
+steps ~4x on a 2-core box (a CPU replica builds its engine on the engine thread).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def run_loop(engine, first, second, params, at: int, tag: str, stats_period_s: f
         if finishes[0] == num_requests:
             ended.set()
 
-    loop = EngineLoop(engine, "bench", stats_period_s, deliver)
+    loop = EngineLoop(lambda: engine, "bench", stats_period_s, deliver)
     try:
         futures = [loop.add("c0", f"{tag}-a{i}", p, params) for i, p in enumerate(first)]
         if not due.wait(timeout=120):
