@@ -87,8 +87,15 @@ def add_gil_switch_interval_arg(parser: Any) -> None:
 
 def add_burst_args(parser: Any) -> None:
     """The head that bench.engine_loop and bench.late_burst share: the model and its burst
-    (--model, --dtype, --batch, --prompt-len, --max-new), --reps, the GIL switch interval;
-    burst_engine builds the engine from them."""
+    (--model, --dtype, --batch, --prompt-len, --max-new), --reps, the GIL switch interval
+    and torch's threads; burst_engine builds the engine from them.
+
+    --torch-threads defaults to 1, what a Serve replica runs at by default: Ray sets
+    OMP_NUM_THREADS to a replica's num_cpus (ClusterConfig.num_cpus_per_replica: 1 on a CPU
+    replica; 0, which Ray also makes 1, on a GPU one). At more threads, an EngineLoop's
+    parallel CPU ops run on a second OpenMP pool beside the main thread's, which slowed
+    its steps ~4x on a 2-core box (a CPU replica builds its engine on the engine thread).
+    """
     parser.add_argument("--model", default=None, help="preset or directory (gpt2 on GPU)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch", type=int, default=256)

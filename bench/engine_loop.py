@@ -19,12 +19,8 @@ snapshot; each beside the mean wall of the decode steps right after them. A step
 the next before it waits for its own, so work after a step lengthens its wall and shortens
 the next one's wait: only where the pair exceeds two plain steps did the device wait.
 
-Both modes step one engine, built on the main thread, with torch at one CPU thread
-(--torch-threads), as in a Serve replica by default: Ray sets OMP_NUM_THREADS to a
-replica's num_cpus (ClusterConfig.num_cpus_per_replica: 1 on a CPU replica; 0, which
-Ray also makes 1, on a GPU one). At more threads, the engine loop mode's parallel CPU
-ops would run on a second OpenMP pool beside the main thread's, which slowed its
-steps ~4x on a 2-core box (a CPU replica builds its engine on the engine thread).
+Both modes step one engine, built on the main thread, with torch at one CPU thread, as
+a Serve replica runs by default (--torch-threads: bench.common.add_burst_args).
 """
 
 from __future__ import annotations

@@ -15,12 +15,8 @@ its tokens reach the caller: when step() returns them, or when the loop delivers
 before the second burst, their median; from the second burst's first add until the
 first burst ends, the longest; and how long the second burst took to add.
 
-Both modes step one engine, built on the main thread, with torch at one CPU thread
-(--torch-threads), as in a Serve replica by default: Ray sets OMP_NUM_THREADS to a
-replica's num_cpus (ClusterConfig.num_cpus_per_replica: 1 on a CPU replica; 0, which
-Ray also makes 1, on a GPU one). At more threads, the engine loop mode's parallel CPU
-ops would run on a second OpenMP pool beside the main thread's, which slowed its
-steps ~4x on a 2-core box (a CPU replica builds its engine on the engine thread).
+Both modes step one engine, built on the main thread, with torch at one CPU thread, as
+a Serve replica runs by default (--torch-threads: bench.common.add_burst_args).
 """
 
 from __future__ import annotations
