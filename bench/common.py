@@ -8,6 +8,7 @@ import os
 import platform
 import pstats
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -112,12 +113,9 @@ def add_burst_args(parser: Any) -> None:
 
 def burst_engine(args: Any, cpu_max_new: int, **config: Any) -> tuple[Any, str, int, int]:
     """add_burst_args' engine: sets the switch interval and torch's threads, then builds an
-    LLMEngine of
-    max_num_seqs --batch for the burst (gpt2 with 128-token prompts and 128 new tokens on
-    a GPU; on the CPU gpt2-tiny, 16 and cpu_max_new); config: more EngineConfig fields.
-    Returns (engine, model, prompt_len, max_new)."""
-    import sys
-
+    LLMEngine of max_num_seqs --batch for the burst (gpt2 with 128-token prompts and 128
+    new tokens on a GPU; on the CPU gpt2-tiny, 16 and cpu_max_new); config: more
+    EngineConfig fields. Returns (engine, model, prompt_len, max_new)."""
     from replica import EngineConfig, LLMEngine
 
     sys.setswitchinterval(args.gil_switch_interval_s)

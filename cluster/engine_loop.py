@@ -203,10 +203,8 @@ class EngineLoop:
             self._stats_at_s = time.monotonic()
             # What carrier messages carry (cluster.live_stats): refreshed by _deliver_step.
             self._refresh_load_stats()
-        except BaseException as exc:
+        except BaseException as exc:  # the constructor raises it; no one holds this loop
             self._build_error = exc
-            with self._lock:
-                self._closed = True
             return False
         finally:
             self._built.set()
