@@ -189,11 +189,20 @@ def _cluster_config(args: argparse.Namespace, router: str) -> ClusterConfig:
         carrier_messages_per_step=args.carrier_messages_per_step,
         access_log=args.access_log,
         engine_process=args.engine_process,
+        num_cpus_per_replica=args.num_cpus_per_replica,
         device=args.device,
         seed=args.seed,
         app_name=round_app_name(args.app_name, router),
         **admission,
     )
+
+
+def _ray_num_cpus(configs: dict[str, ClusterConfig]) -> int:
+    """CPUs for a local Ray: a replica's num_cpus_per_replica (at least one) each, and two
+    for Serve's controller and proxy."""
+    config = next(iter(configs.values()))
+    per_replica = max(config.num_cpus_per_replica or 1, 1)
+    return math.ceil(config.num_replicas * per_replica) + 2
 
 
 def round_app_name(app_name: str, router: str) -> str:
@@ -227,7 +236,7 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
         ray_address = attach_ray(args.address)
     else:
         configs = {r: _cluster_config(args, r) for r in routers}  # validates every router
-        ray_address = start_local_ray(args.ray_num_cpus or args.replicas + 2)
+        ray_address = start_local_ray(args.ray_num_cpus or _ray_num_cpus(configs))
     num_procs = min(args.num_procs, args.concurrency or args.num_procs, args.num_requests)
     trace: list[RequestSpec] | None = None
     workload: dict = {}
@@ -406,6 +415,11 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_engine_mode_args(t)
     t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    t.add_argument(
+        "--num-cpus-per-replica", type=float, default=None,
+        help="ClusterConfig.num_cpus_per_replica: the replica actor's CPUs, its torch "
+        "threads on a CPU replica (default: 1 without a GPU, 0 with one)",
+    )  # fmt: skip
     t.add_argument("--on-overload", default="hold", choices=("hold", "reject"))
     t.add_argument("--max-hold-s", type=float, default=30.0)
     t.add_argument("--ray-num-cpus", type=int, default=None)

@@ -424,3 +424,35 @@ def test_replica_cost_reports_cpu_per_request(capsys, callers: str) -> None:
     out = capsys.readouterr().out
     assert "req/s; this process" in out and "ms CPU per request" in out
     assert "engine child" not in out  # the engine ran on a thread
+
+
+def test_num_cpus_per_replica_reaches_the_config_and_the_local_ray() -> None:
+    from bench.load import _cluster_config, _parser, _ray_num_cpus
+
+    args = _parser().parse_args(
+        [
+            "--model",
+            "gpt2-tiny",
+            "--replicas",
+            "2",
+            "--device",
+            "cpu",
+            "--num-cpus-per-replica",
+            "4",
+        ]
+    )
+    config = _cluster_config(args, "kv")
+    assert config.num_cpus_per_replica == 4
+    assert config.resolve_num_cpus(0) == 4
+    assert _ray_num_cpus({"kv": config}) == 2 * 4 + 2
+    default = _cluster_config(
+        _parser().parse_args(["--model", "gpt2-tiny", "--replicas", "3"]), "kv"
+    )
+    assert default.num_cpus_per_replica is None
+    assert _ray_num_cpus({"kv": default}) == 3 + 2  # one each, as a CPU replica takes
+    half = replace(default, num_cpus_per_replica=0.5)
+    assert _ray_num_cpus({"kv": half}) == 3 + 2  # at least one each
+    with pytest.raises(ValueError, match="num_cpus_per_replica"):
+        _cluster_config(
+            _parser().parse_args(["--model", "gpt2-tiny", "--num-cpus-per-replica", "-1"]), "kv"
+        )
