@@ -21,7 +21,9 @@ one pass over the weights, not a prefill forward and then a decode forward.
 A decode step's sampled rows (temperature, top-p, top-k) sample in a second graph,
 captured per graph size over the forward graph's logits and replayed after it; its
 parameters (replica.sampler.GraphSamplingInputs) ride in the step's one copy, in a
-region of the decode inputs' buffers.
+region of the decode inputs' buffers. Rows that sample outside a graph (a prefill
+forward's, or a step of kinds no graph holds) go through replica.step_sampler, and the
+graphs are captured by replica.cuda_graphs.
 
 Steps overlap with the host: launch() enqueues a step and returns at once with
 a StepHandle. Sampled tokens stay on the device too (token_buf, one entry per
@@ -35,8 +37,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import operator
-import random
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ import torch
 from kernels.reference import FP8_KV_DTYPE
 from replica.attention import AttentionMetadata, make_attention_backend
 from replica.config import EngineConfig
+from replica.cuda_graphs import capture_graph, capture_shapes, graph_batch_sizes, padded_size
 from replica.decode_inputs import (
     CONTEXT_LENS,
     INPUT_IDS,
@@ -54,23 +55,16 @@ from replica.decode_inputs import (
 )
 from replica.models import ModelConfig, load_model
 from replica.prefill_inputs import PrefillBucket, PrefillInputs
-from replica.sampler import (
-    GRAPH_KINDS,
-    GraphSamplingInputs,
-    SamplingBatch,
-    sample,
-    sample_fused,
-)
+from replica.sampler import GRAPH_KINDS, GraphSamplingInputs, SamplingBatch
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch
 from replica.sequence import Sequence
+from replica.step_sampler import StepSampler, all_greedy
 
 # A step with prompt chunks beyond mixed_prefill_tokens runs its decode sequences in the
 # prefill forward (one token each) rather than in a decode forward after it. Read when a
 # runner is built; the benchmarks' switch (bench.engine --no-decode-in-prefill).
 DECODE_IN_PREFILL = True
-
-_GREEDY = operator.attrgetter("greedy")
 
 
 class StepHandle:
@@ -110,13 +104,6 @@ def _completes_any(batch: ScheduledBatch) -> bool:
         s.num_computed_tokens + n == len(s.token_ids)
         for s, n in zip(batch.prefill_seqs, batch.prefill_lens, strict=True)
     )
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Captured decode sizes: 1, 2, 4, 8, then steps of 16 up to max_num_seqs."""
-    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
-    sizes += list(range(16, max_num_seqs, 16))
-    return sorted(set(sizes + [max_num_seqs]))
 
 
 def resolve_kv_cache_dtype(name: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -194,12 +181,9 @@ class ModelRunner:
         self.parity = 0
         self.token_buf = torch.zeros(rows, dtype=torch.int64, device=device)  # last token per slot
         self._greedy_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Sampling (replica.sampler): kernels.sampling on CUDA, with Philox keys (a request's
-        # seed, or one drawn here per step); torch ops and torch Generators on the CPU.
-        self.fused_sampling = device.type == "cuda"
-        self.step_keys = random.Random(config.seed)
-        self.generator = torch.Generator(device=device).manual_seed(config.seed)
-        self.request_generators: dict[str, torch.Generator] = {}
+        # Sampling outside the graphs (replica.step_sampler): kernels.sampling on CUDA,
+        # torch ops on the CPU.
+        self.sampler = StepSampler(device, self.vocab_size, config.seed)
         self.graph_sampling: GraphSamplingInputs | None = None
         if sampling_rows:
             region = self.step_inputs
@@ -305,7 +289,7 @@ class ModelRunner:
         if num_rows and not (prefill_forward and _completes_any(batch)):
             graph_seqs = done + decode_seqs
             decode_alone = True
-            greedy_alone = all(map(_GREEDY, graph_seqs))  # a C-level pass: 256 rows a step
+            greedy_alone = all_greedy(graph_seqs)
             if self.graph_sampling is not None and not greedy_alone:
                 graph_kind = self.graph_sampling.stage(
                     [s.params for s in graph_seqs], [len(s) for s in graph_seqs],
@@ -350,35 +334,8 @@ class ModelRunner:
         if graph_kind is not None:  # only the decode (or mixed) forward samples
             self.sampling_graphs[mixed, padded, graph_kind].replay()  # into token_buf too
             return self._tokens_to_host(self.graph_sampling.tokens[first:num_rows], host)
-        sampling = self._sampling_batch(sampled_seqs)
-        return self._sample(logits, slots, greedy, sampling, host)
-
-    def _sample(
-        self,
-        logits: list[torch.Tensor],  # per forward that samples: [rows, vocab]
-        slots: list[torch.Tensor],  # [rows]: each row's token_buf entry
-        greedy: list[torch.Tensor | None],  # [rows]: the argmax a forward took, or None
-        sampling: SamplingBatch,
-        host: torch.Tensor,  # [all rows], pinned on CUDA
-    ) -> StepHandle:
-        """The step's tokens into token_buf and on their way to host."""
-        cat = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)  # noqa: E731
-        if sampling.all_greedy:
-            # Each forward's argmax on its own: no [rows, vocab] concatenation (a step that
-            # ran a prefill and a decode forward copied both logits into a new buffer).
-            greedy = list(greedy)
-            for i, part in enumerate(greedy):
-                if part is None:  # a prefill forward's rows: not argmaxed in its graph
-                    greedy[i] = logits[i].argmax(dim=-1)
-                    self.token_buf.index_copy_(0, slots[i], greedy[i])
-            tokens = cat(greedy)
-        else:
-            rows = cat(logits)
-            if self.fused_sampling:
-                tokens = sample_fused(rows, sampling)
-            else:
-                tokens = sample(rows, sampling, self.generator)
-            self.token_buf.index_copy_(0, cat(slots), tokens)
+        sampling = self.sampler.batch(sampled_seqs)
+        tokens = self.sampler.sample(logits, slots, greedy, sampling, self.token_buf)
         return self._tokens_to_host(tokens, host)
 
     def _greedy_rows(
@@ -440,10 +397,14 @@ class ModelRunner:
                 )
             )
         host = self.token_staging[self.parity, :rows]
-        state = self.generator.get_state()  # the warm-up draws no numbers a request would see
+        generator = self.sampler.generator
+        state = generator.get_state()  # the warm-up draws no numbers a request would see
         for sampling in batches:
-            self._sample(logits_parts, slot_parts, greedy_parts, sampling, host).wait()
-        self.generator.set_state(state)
+            tokens = self.sampler.sample(
+                logits_parts, slot_parts, greedy_parts, sampling, self.token_buf
+            )
+            self._tokens_to_host(tokens, host).wait()
+        generator.set_state(state)
         self.step_inputs.upload(
             self.parity, False, self.block_table.cpu().numpy(), [null], self.block_table
         )
@@ -453,7 +414,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def release(self, request_id: str) -> None:
-        self.request_generators.pop(request_id, None)
+        self.sampler.release(request_id)
 
     def _run_prefill(
         self, seqs: list[Sequence], lens: list[int]
@@ -520,13 +481,7 @@ class ModelRunner:
 
     def _padded_rows(self, num_rows: int, mixed: bool) -> int:
         """The captured size a step of num_rows runs at (on CUDA, graphs on or off)."""
-        sizes = self.mixed_graph_sizes if mixed else self.graph_sizes
-        if not sizes:
-            return num_rows
-        for size in sizes:
-            if size >= num_rows:
-                return size
-        raise AssertionError(f"{num_rows} rows exceed the largest captured size {sizes[-1]}")
+        return padded_size(self.mixed_graph_sizes if mixed else self.graph_sizes, num_rows)
 
     def _capture_graphs(self) -> None:
         """Decode and mixed graphs per row count, prefill graphs per PrefillBucket.
@@ -538,11 +493,16 @@ class ModelRunner:
         self.step_inputs.upload(self.parity, True)
         self.prefill.fill_padding(self.parity)  # padding rows write only the null block
         mixed_forward = functools.partial(self._decode_forward, append_first=True)
+        device = self.device
         with torch.inference_mode():
-            self.graphs, pool = self._capture(self.graph_sizes, self._decode_forward)
+            self.graphs, pool = capture_shapes(self.graph_sizes, self._decode_forward, device)
             if self.mixed_graph_sizes:
-                self.mixed_graphs, _ = self._capture(self.mixed_graph_sizes, mixed_forward, pool)
-            self.prefill_graphs, _ = self._capture(self.prefill.buckets(), self._prefill_forward)
+                self.mixed_graphs, _ = capture_shapes(
+                    self.mixed_graph_sizes, mixed_forward, device, pool
+                )
+            self.prefill_graphs, _ = capture_shapes(
+                self.prefill.buckets(), self._prefill_forward, device
+            )
             if self.graph_sampling:
                 self._capture_sampling()
 
@@ -555,53 +515,10 @@ class ModelRunner:
         for mixed, graphs in ((False, self.graphs), (True, self.mixed_graphs)):
             for (size, (_, (logits, _))), kind in itertools.product(graphs.items(), GRAPH_KINDS):
                 sample = functools.partial(self._sample_rows, logits, size, kind)
-                sample()  # compile, and the workspace's first allocation
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    sample()
+                graph, _ = capture_graph(sample, self.device, pool)
                 pool = graph.pool()
                 self.sampling_graphs[mixed, size, kind] = graph
 
     def _sample_rows(self, logits: torch.Tensor, rows: int, kind: tuple[bool, bool]) -> None:
         tokens = self.graph_sampling.sample(logits, *kind)
         self.token_buf.index_copy_(0, self.decode_inputs[OUT_SLOTS, :rows], tokens)
-
-    def _capture(self, shapes: list, forward, pool=None) -> tuple[dict, object]:
-        graphs = {}
-        for shape in reversed(shapes):  # largest first, so smaller ones reuse its pool
-            forward(shape)  # warm up: compile kernels, fill caches
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = forward(shape)
-            pool = graph.pool()
-            graphs[shape] = (graph, out)
-        # The first launch of a graph uploads it to the device (ms for a prefill graph):
-        # do it now, not on the first step that needs the size.
-        for graph, _ in graphs.values():
-            graph.replay()
-        torch.cuda.synchronize(self.device)
-        return graphs, pool
-
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        if all(map(_GREEDY, seqs)):  # a C-level pass: 256 rows a step on the hot path
-            return SamplingBatch.greedy()
-        params = [s.params for s in seqs]
-        if self.fused_sampling:  # a seeded row's key is its seed, its counter its position
-            return SamplingBatch.build(
-                params, [None] * len(seqs), self.vocab_size, self.device,
-                positions=[len(s) for s in seqs], step_key=self.step_keys.getrandbits(63),
-            )  # fmt: skip
-        generators = [self._request_generator(s) for s in seqs]
-        return SamplingBatch.build(params, generators, self.vocab_size, self.device)
-
-    def _request_generator(self, seq: Sequence) -> torch.Generator | None:
-        seed = seq.params.seed
-        if seed is None:
-            return None
-        gen = self.request_generators.get(seq.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-            self.request_generators[seq.request_id] = gen
-        return gen

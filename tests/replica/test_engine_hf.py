@@ -280,10 +280,10 @@ def test_fused_sampling_draws_by_seed_and_position_whatever_the_batch(checkpoint
     results = []
     for every in (1, 3):
         engine = make_engine(path, 16)
-        engine.runner.fused_sampling = True
+        engine.runner.sampler.fused = True
         results.append(run_staggered(engine, prompts, params, every=every))
     alone = make_engine(path, 16)
-    alone.runner.fused_sampling = True
+    alone.runner.sampler.fused = True
     results.append([o.token_ids for o in alone.generate(prompts, params)])
     assert results[0] == results[1] == results[2]
     for i in range(2, len(prompts), 3):
@@ -309,7 +309,7 @@ def test_a_requests_seed_moves_only_its_own_tokens(checkpoint, fused):
         # The CUDA sampler: natively on a GPU, else on a CPU engine under the interpreter.
         device = "cuda" if fused and torch.cuda.is_available() else "cpu"
         engine = make_engine(path, 16, device=device)
-        engine.runner.fused_sampling = fused
+        engine.runner.sampler.fused = fused
         return [o.token_ids for o in engine.generate(prompts, params)]
 
     base, moved = run(1000), run(2000)

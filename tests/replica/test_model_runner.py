@@ -19,7 +19,7 @@ def test_warm_up_touches_only_the_null_row_and_block():
         runner.token_buf.copy_(torch.randint(0, 100, runner.token_buf.shape, generator=gen))
         runner.block_table[:-1] = torch.randint(0, 16, runner.block_table[:-1].shape, generator=gen)
     kv, tokens, table = (t.clone() for t in (runner.kv_cache, runner.token_buf, runner.block_table))
-    state = runner.generator.get_state()
+    state = runner.sampler.generator.get_state()
 
     runner.warm_up()
 
@@ -27,4 +27,4 @@ def test_warm_up_touches_only_the_null_row_and_block():
     assert torch.equal(runner.kv_cache[:, :, :null_block], kv[:, :, :null_block])
     assert torch.equal(runner.token_buf[:null_row], tokens[:null_row])
     assert torch.equal(runner.block_table[:null_row], table[:null_row])
-    assert torch.equal(runner.generator.get_state(), state)
+    assert torch.equal(runner.sampler.generator.get_state(), state)
