@@ -293,7 +293,7 @@ class ModelRunner:
             if self.graph_sampling is not None and not greedy_alone:
                 graph_kind = self.graph_sampling.stage(
                     [s.params for s in graph_seqs], [len(s) for s in graph_seqs],
-                    self.step_keys.getrandbits(63), padded, first, self.parity,
+                    self.sampler.step_key(), padded, first, self.parity,
                 )  # fmt: skip
         # The changed table rows land in the decode forward's graph, unless a prefill
         # forward runs first (or none runs): then upload scatters them.

@@ -43,7 +43,7 @@ class StepSampler:
         if self.fused:  # a seeded row's key is its seed, its counter its position
             return SamplingBatch.build(
                 params, [None] * len(seqs), self.vocab_size, self.device,
-                positions=[len(s) for s in seqs], step_key=self.step_keys.getrandbits(63),
+                positions=[len(s) for s in seqs], step_key=self.step_key(),
             )  # fmt: skip
         generators = [self._request_generator(s) for s in seqs]
         return SamplingBatch.build(params, generators, self.vocab_size, self.device)
@@ -74,6 +74,10 @@ class StepSampler:
             tokens = sample(rows, sampling, self.generator)
         token_buf.index_copy_(0, cat(slots), tokens)
         return tokens
+
+    def step_key(self) -> int:
+        """A step's Philox key for its unseeded rows (the sampling graphs' too)."""
+        return self.step_keys.getrandbits(63)
 
     def release(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
