@@ -42,6 +42,17 @@ def _positive_float(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
+def _replica_amount(name: str, value: object) -> None:
+    """A replica's CPUs or GPUs: None (auto) or a finite number >= 0 (fractions share one)."""
+    if value is not None and (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{name} must be a finite number >= 0 or None (auto), got {value!r}")
+
+
 def _number_in(name: str, value: object, low: float, high: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
         raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
@@ -156,25 +167,8 @@ class ClusterConfig:
                         f"{name} is for kvfleet's routers and {self.router!r} is Ray Serve's; "
                         f"use a kvfleet router {POLICIES} or leave {name} at its default"
                     )
-        if self.num_gpus_per_replica is not None and (
-            isinstance(self.num_gpus_per_replica, bool)
-            or not isinstance(self.num_gpus_per_replica, int | float)
-            or self.num_gpus_per_replica < 0
-        ):
-            raise ValueError(
-                f"num_gpus_per_replica must be a number >= 0 or None (auto), "
-                f"got {self.num_gpus_per_replica!r}"
-            )
-        if self.num_cpus_per_replica is not None and (
-            isinstance(self.num_cpus_per_replica, bool)
-            or not isinstance(self.num_cpus_per_replica, int | float)
-            or not math.isfinite(self.num_cpus_per_replica)
-            or self.num_cpus_per_replica < 0
-        ):
-            raise ValueError(
-                f"num_cpus_per_replica must be a number >= 0 or None (auto), "
-                f"got {self.num_cpus_per_replica!r}"
-            )
+        _replica_amount("num_gpus_per_replica", self.num_gpus_per_replica)
+        _replica_amount("num_cpus_per_replica", self.num_cpus_per_replica)
         if self.device == "cuda" and self.num_gpus_per_replica == 0:
             raise ValueError("num_gpus_per_replica must be > 0 when device is 'cuda'")
         if not isinstance(self.replica_resources, dict) or not all(
