@@ -21,9 +21,9 @@ one pass over the weights, not a prefill forward and then a decode forward.
 A decode step's sampled rows (temperature, top-p, top-k) sample in a second graph,
 captured per graph size over the forward graph's logits and replayed after it; its
 parameters (replica.sampler.GraphSamplingInputs) ride in the step's one copy, in a
-region of the decode inputs' buffers. Rows that sample outside a graph (a prefill
-forward's, or a step of kinds no graph holds) go through replica.step_sampler, and the
-graphs are captured by replica.cuda_graphs.
+region of the decode inputs' buffers. Rows that sample outside a graph (without
+graphs, or in a step whose prefill forward samples) go through replica.step_sampler;
+replica.cuda_graphs captures the graphs.
 
 Steps overlap with the host: launch() enqueues a step and returns at once with
 a StepHandle. Sampled tokens stay on the device too (token_buf, one entry per
