@@ -262,39 +262,29 @@ class ModelRunner:
         sequence's last token may be a PLACEHOLDER: it is read from token_buf.
         """
         self.parity ^= 1
-        num_prefill = sum(batch.prefill_lens)
-        mixed = 0 < num_prefill <= self.mixed_prefill_tokens
-        prefill_seqs, prefill_lens = batch.prefill_seqs, batch.prefill_lens
-        decode_seqs = batch.decode_seqs
-        if prefill_seqs and not mixed and decode_seqs and self.decode_in_prefill:
-            # Each decode sequence's newest token (its num_computed_tokens is one short) is
-            # a chunk of one that completes it, after the prompt chunks: the sampling order
-            # stays prompt chunks that complete, then decode sequences.
-            prefill_seqs = prefill_seqs + decode_seqs
-            prefill_lens = prefill_lens + [1] * len(decode_seqs)
-            decode_seqs = []
+        prefill_seqs, prefill_lens, decode_seqs, mixed = self._arrange(batch)
         chunks = list(zip(prefill_seqs, prefill_lens, strict=True)) if mixed else []
-        num_rows = len(decode_seqs) + (num_prefill if mixed else 0)
+        num_rows = len(decode_seqs) + (sum(prefill_lens) if mixed else 0)
         padded = self._padded_rows(num_rows, mixed)
         first, done = 0, []
         if num_rows:
             first, done = self.step_inputs.fill(self.parity, decode_seqs, padded, chunks)
         else:
             self.step_inputs.forget()
-        # A decode (or mixed) forward that alone samples: all greedy, its tokens are the
-        # graph's argmax; else its sampling graph's parameters are staged now, to ride in
-        # the step's one copy.
         prefill_forward = bool(prefill_seqs) and not mixed
-        graph_kind, decode_alone = None, False
-        if num_rows and not (prefill_forward and _completes_any(batch)):
-            graph_seqs = done + decode_seqs
-            decode_alone = True
-            greedy_alone = all_greedy(graph_seqs)
-            if self.graph_sampling is not None and not greedy_alone:
-                graph_kind = self.graph_sampling.stage(
-                    [s.params for s in graph_seqs], [len(s) for s in graph_seqs],
-                    self.sampler.step_key(), padded, first, self.parity,
-                )  # fmt: skip
+        # The decode (or mixed) forward's rows first..num_rows sample; they alone do unless
+        # a prefill forward completes a prompt. Alone and all greedy, the tokens are the
+        # graph's argmax; alone and not, the sampling graph's parameters are staged now, to
+        # ride in the step's one copy.
+        rows_seqs = done + decode_seqs
+        alone = num_rows > 0 and not (prefill_forward and _completes_any(batch))
+        greedy_alone = alone and all_greedy(rows_seqs)
+        graph_kind = None
+        if alone and not greedy_alone and self.graph_sampling is not None:
+            graph_kind = self.graph_sampling.stage(
+                [s.params for s in rows_seqs], [len(s) for s in rows_seqs],
+                self.sampler.step_key(), padded, first, self.parity,
+            )  # fmt: skip
         # The changed table rows land in the decode forward's graph, unless a prefill
         # forward runs first (or none runs): then upload scatters them.
         self.step_inputs.upload(
@@ -307,33 +297,70 @@ class ModelRunner:
                 self.kv_cache, torch.tensor(src, device=self.device),
                 torch.tensor(dst, device=self.device),
             )  # fmt: skip
-        if decode_alone and greedy_alone and not prefill_forward:  # most steps
+        if greedy_alone and not prefill_forward:  # most steps
             _, decode_greedy = self._run_decode(padded, mixed)
             if num_rows == first:
                 return StepHandle(self.token_staging[self.parity, :0], None)
             return self._tokens_to_host(*self._greedy_rows(decode_greedy, mixed, first, num_rows))
-        # Per forward that samples: its logits, token_buf rows, and argmax where it took one.
+        if not prefill_forward:
+            prefill_seqs = []
+        rows = slice(first, num_rows) if num_rows else None
+        return self._launch_sampled(
+            prefill_seqs, prefill_lens, padded, rows, rows_seqs, mixed, graph_kind
+        )
+
+    def _arrange(
+        self, batch: ScheduledBatch
+    ) -> tuple[list[Sequence], list[int], list[Sequence], bool]:
+        """The step's prompt chunks and decode sequences, and whether it is mixed: its
+        prompt tokens (at most mixed_prefill_tokens) ride in the decode forward."""
+        num_prefill = sum(batch.prefill_lens)
+        mixed = 0 < num_prefill <= self.mixed_prefill_tokens
+        prefill_seqs, prefill_lens = batch.prefill_seqs, batch.prefill_lens
+        decode_seqs = batch.decode_seqs
+        if prefill_seqs and not mixed and decode_seqs and self.decode_in_prefill:
+            # Each decode sequence's newest token (its num_computed_tokens is one short) is
+            # a chunk of one that completes it, after the prompt chunks: the sampling order
+            # stays prompt chunks that complete, then decode sequences.
+            prefill_seqs = prefill_seqs + decode_seqs
+            prefill_lens = prefill_lens + [1] * len(decode_seqs)
+            decode_seqs = []
+        return prefill_seqs, prefill_lens, decode_seqs, mixed
+
+    def _launch_sampled(
+        self,
+        prefill_seqs: list[Sequence],
+        prefill_lens: list[int],
+        padded: int,
+        rows: slice | None,
+        rows_seqs: list[Sequence],
+        mixed: bool,
+        graph_kind: tuple | None,
+    ) -> StepHandle:
+        """Run a step that samples other than by the decode graph's argmax alone: the
+        prefill forward over prefill_seqs (if any), then the decode (or mixed) forward
+        at padded rows (if rows, its sampling rows, is not None); sample every forward's
+        rows in the sampling graph (graph_kind), else through the step sampler."""
         logits, slots, greedy, sampled_seqs = [], [], [], []
-        if prefill_forward:
+        if prefill_seqs:
             prefill_logits, prefill_done, done_slots = self._run_prefill(prefill_seqs, prefill_lens)
             if prefill_done:
                 logits.append(prefill_logits)
                 slots.append(done_slots)
                 greedy.append(None)
                 sampled_seqs += prefill_done
-        if num_rows:
-            sampling_rows = slice(first, num_rows)  # mixed: chunks' last tokens, then decodes
+        if rows is not None:  # mixed: chunks' last tokens, then decodes
             decode_logits, decode_greedy = self._run_decode(padded, mixed)
-            logits.append(decode_logits[sampling_rows])
-            slots.append(self.decode_inputs[SLOTS, sampling_rows])
-            greedy.append(decode_greedy[sampling_rows])  # already in token_buf
-            sampled_seqs += done + decode_seqs
+            logits.append(decode_logits[rows])
+            slots.append(self.decode_inputs[SLOTS, rows])
+            greedy.append(decode_greedy[rows])  # already in token_buf
+            sampled_seqs += rows_seqs
         host = self.token_staging[self.parity, : len(sampled_seqs)]
         if not sampled_seqs:
             return StepHandle(host, None)
         if graph_kind is not None:  # only the decode (or mixed) forward samples
-            self.sampling_graphs[mixed, padded, graph_kind].replay()  # into token_buf too
-            return self._tokens_to_host(self.graph_sampling.tokens[first:num_rows], host)
+            self.sampling_graphs[mixed, padded, graph_kind].replay()
+            return self._tokens_to_host(self.graph_sampling.tokens[rows], host)
         sampling = self.sampler.batch(sampled_seqs)
         tokens = self.sampler.sample(logits, slots, greedy, sampling, self.token_buf)
         return self._tokens_to_host(tokens, host)
