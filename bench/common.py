@@ -53,12 +53,26 @@ def copy_bandwidth_gbps(device: torch.device, num_bytes: int = 2**30, repeats: i
     return 2 * num_bytes / statistics.median(times) / 1e9
 
 
+def host_cpu(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    """The host's CPU model and core count. A launch-bound peer (HF generate, up to
+    ~64 sequences) runs at the host's pace: its tokens/s on H200 machines differed by up
+    to 1.6x between two sessions (BENCHMARKS.md, thirty-sixth session)."""
+    name = ""
+    try:
+        with open(cpuinfo_path) as f:
+            name = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), ""
+            )
+    except OSError:
+        pass
+    return f"{name or platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
 def machine_description() -> str:
     if torch.cuda.is_available():
         gpu = torch.cuda.get_device_name(0)
-        return f"{gpu} x{torch.cuda.device_count()}, torch {torch.__version__}"
-    cpu = platform.processor() or platform.machine()
-    return f"{cpu} CPU x{os.cpu_count()}, torch {torch.__version__}"
+        return f"{gpu} x{torch.cuda.device_count()} (host {host_cpu()}), torch {torch.__version__}"
+    return f"{host_cpu()} CPU, torch {torch.__version__}"
 
 
 def add_engine_mode_args(parser: Any) -> None:
