@@ -29,7 +29,7 @@ import replica.model_runner
 import replica.models.gpt2
 import replica.models.llama
 import replica.triton_attention
-from bench.common import copy_bandwidth_gbps, markdown_table, percentile, write_json
+from bench.common import copy_bandwidth_gbps, host_cpu, markdown_table, percentile, write_json
 from bench.itl import cohort_itl, format_itl, steady_itl
 from replica import EngineConfig, LLMEngine, SamplingParams
 from replica.config import KV_CACHE_DTYPES
@@ -575,7 +575,8 @@ def main() -> None:
           f" host_delay_ms={args.host_delay_ms}"
           f" sampling={sampling}"
           f" engine_start={start_s:.2f} s"
-          + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else ""))  # fmt: skip
+          + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else "")
+          + f" host={host_cpu()!r}")  # fmt: skip
     print(markdown_table(rows, [c for c in columns if any(c in r for r in rows)]))
     for row in rows:
         if "tok/s runs" in row:
