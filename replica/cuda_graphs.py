@@ -4,6 +4,13 @@ A graph replays the kernels its capture launched on the same device memory, so a
 forward captured once per shape serves every step of that shape: the inputs are
 copied into the persistent buffers it reads, and its outputs are read where the
 capture left them.
+
+On the CPU, with EMULATE_ON_CPU (tests), a "graph" is an EagerGraph: its replay runs
+the forward again and copies the outputs to where the first call left them, and the
+model runner takes the CUDA path's shapes (padded buckets) and samplers
+(kernels.sampling, under the Triton interpreter). CI has no GPU; this way it covers
+the host side of the graph path (which graph a step replays, what it stages, which
+rows it reads back) that otherwise only the GPU tests reach.
 """
 
 from __future__ import annotations
@@ -12,6 +19,40 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
+
+# Tests set it (see the module docstring); read when a model runner is built.
+EMULATE_ON_CPU = False
+
+
+def graphs_on(device: torch.device) -> bool:
+    """Whether a model runner on device takes the graph path's shapes and samplers (and,
+    with enable_cuda_graphs, its graphs)."""
+    return device.type == "cuda" or EMULATE_ON_CPU
+
+
+class EagerGraph:
+    """A CUDA graph's stand-in on the CPU: replay() runs fn again and copies what it
+    returns into the tensors of its first call (a graph's outputs never move)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.out = fn()
+
+    def replay(self) -> None:
+        _copy_into(self.out, self.fn())
+
+    def pool(self) -> None:
+        return None
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, tuple | list):
+        for d, s in zip(dst, src, strict=True):
+            _copy_into(d, s)
+    else:
+        assert dst is None and src is None, f"a graph output of type {type(dst).__name__}"
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -33,10 +74,14 @@ def padded_size(sizes: Sequence[int], num_rows: int) -> int:
 
 def capture_graph(
     fn: Callable[[], Any], device: torch.device, pool: Any = None
-) -> tuple[torch.cuda.CUDAGraph, Any]:
+) -> tuple[torch.cuda.CUDAGraph | EagerGraph, Any]:
     """fn captured in a graph on pool (None: a new pool), and what the capture returned.
     fn runs once before, outside the graph: Triton compiles on a first call, and the
-    caching allocator's first allocations must not land in the capture."""
+    caching allocator's first allocations must not land in the capture. Off CUDA (tests
+    only), an EagerGraph."""
+    if device.type != "cuda":
+        graph = EagerGraph(fn)
+        return graph, graph.out
     fn()
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
@@ -60,7 +105,8 @@ def capture_shapes(
         graphs[shape] = (graph, out)
     # The first launch of a graph uploads it to the device (ms for a prefill graph):
     # do it now, not on the first step that needs the size.
-    for graph, _ in graphs.values():
-        graph.replay()
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        for graph, _ in graphs.values():
+            graph.replay()
+        torch.cuda.synchronize(device)
     return graphs, pool

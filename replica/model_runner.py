@@ -44,7 +44,13 @@ import torch
 from kernels.reference import FP8_KV_DTYPE
 from replica.attention import AttentionMetadata, make_attention_backend
 from replica.config import EngineConfig
-from replica.cuda_graphs import capture_graph, capture_shapes, graph_batch_sizes, padded_size
+from replica.cuda_graphs import (
+    capture_graph,
+    capture_shapes,
+    graph_batch_sizes,
+    graphs_on,
+    padded_size,
+)
 from replica.decode_inputs import (
     CONTEXT_LENS,
     INPUT_IDS,
@@ -149,10 +155,12 @@ class ModelRunner:
         self.argmax_rows, self.resolve_placeholders, self.scatter_table_rows = _device_kernels(
             device, "argmax_rows", "resolve_placeholders", "scatter_table_rows"
         )
-        self.use_cuda_graphs = device.type == "cuda" and config.enable_cuda_graphs
-        # On CUDA, eager decode pads to the same buckets as the graphs, so that graphs on and
-        # off run identical shapes (cuBLAS tiling, split-KV choice) and give identical tokens.
-        self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if device.type == "cuda" else []
+        # On CUDA (or the CPU emulating it: replica.cuda_graphs), eager decode pads to the same
+        # buckets as the graphs, so that graphs on and off run identical shapes (cuBLAS
+        # tiling, split-KV choice) and give identical tokens.
+        graph_path = graphs_on(device)
+        self.use_cuda_graphs = graph_path and config.enable_cuda_graphs
+        self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if graph_path else []
         self.mixed_prefill_tokens = config.mixed_prefill_tokens
         self.decode_in_prefill = DECODE_IN_PREFILL
         max_rows = self.max_num_seqs + self.mixed_prefill_tokens
@@ -183,7 +191,7 @@ class ModelRunner:
         self._greedy_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         # Sampling outside the graphs (replica.step_sampler): kernels.sampling on CUDA,
         # torch ops on the CPU.
-        self.sampler = StepSampler(device, self.vocab_size, config.seed)
+        self.sampler = StepSampler(device, self.vocab_size, config.seed, fused=graph_path)
         self.graph_sampling: GraphSamplingInputs | None = None
         if sampling_rows:
             region = self.step_inputs
@@ -197,11 +205,11 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.mixed_graphs: dict[int, tuple] = {}
         # Prefill pads to captured token buckets on CUDA whether graphs are on or off (same
-        # shapes, same tokens); on CPU it runs the exact shape.
+        # shapes, same tokens); on the CPU it runs the exact shape.
         self.prefill = PrefillInputs(
             config.max_num_batched_tokens, self.max_num_seqs, self.model_config.num_heads,
             self.model_config.num_kv_heads, self.model_config.head_dim, self.kv_cache_dtype,
-            null_row=self.max_num_seqs, device=device, padded=device.type == "cuda",
+            null_row=self.max_num_seqs, device=device, padded=graph_path,
         )  # fmt: skip
         self.prefill_graphs: dict[PrefillBucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 

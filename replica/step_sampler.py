@@ -27,10 +27,14 @@ def all_greedy(seqs: list[Sequence]) -> bool:
 
 
 class StepSampler:
-    def __init__(self, device: torch.device, vocab_size: int, seed: int) -> None:
+    def __init__(
+        self, device: torch.device, vocab_size: int, seed: int, fused: bool | None = None
+    ) -> None:
         self.device = device
         self.vocab_size = vocab_size
-        self.fused = device.type == "cuda"  # kernels.sampling, else torch ops
+        # kernels.sampling, else torch ops; by default on CUDA (replica.cuda_graphs's CPU
+        # emulation asks for the kernels on the CPU too)
+        self.fused = device.type == "cuda" if fused is None else fused
         self.step_keys = random.Random(seed)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}

@@ -433,7 +433,7 @@ def test_sampling_graphs_give_the_eager_launches_tokens(checkpoint, dtype, monke
                        top_k=20 if i % 3 == 0 else 0, seed=50 + i, ignore_eos=True)
         for i in range(8)
     ]  # fmt: skip
-    kinds = _sampling_graphs_on_and_off(checkpoint[0], dtype, params, monkeypatch)
+    kinds = sampling_graphs_on_and_off(checkpoint[0], dtype, params, monkeypatch)
     assert {(True, True), (False, True)} <= kinds  # with top-k, without
 
 
@@ -446,13 +446,14 @@ def test_temperature_alone_samples_in_its_own_graph(checkpoint, monkeypatch):
         SamplingParams(max_tokens=30, temperature=0.5 + 0.1 * i, seed=70 + i, ignore_eos=True)
         for i in range(8)
     ]
-    kinds = _sampling_graphs_on_and_off(checkpoint[0], "bfloat16", params, monkeypatch)
+    kinds = sampling_graphs_on_and_off(checkpoint[0], "bfloat16", params, monkeypatch)
     assert kinds == {(False, False)}
 
 
-def _sampling_graphs_on_and_off(path, dtype, params, monkeypatch) -> set:
+def sampling_graphs_on_and_off(path, dtype, params, monkeypatch, device="cuda", **sizes) -> set:
     """Tokens with sampling graphs and without (sample_fused) for params (one a prompt),
-    all at once and staggered (mixed steps): asserted equal. The graph kinds taken."""
+    all at once and staggered (mixed steps): asserted equal. The graph kinds taken.
+    sizes: the engines' max_num_seqs (24 by default) and mixed_prefill_tokens."""
     prompts = random_prompts(7, [3, 9, 17, 33, 40, 12, 5, 16])
     firsts, graphs_taken = [], []
     stage = GraphSamplingInputs.stage
@@ -466,8 +467,9 @@ def _sampling_graphs_on_and_off(path, dtype, params, monkeypatch) -> set:
     results = []
     for graphs in (True, False):
         engine = make_engine(
-            path, 16, device="cuda", dtype=dtype, enable_cuda_graphs=graphs, max_num_seqs=24
-        )
+            path, 16, device=device, dtype=dtype, enable_cuda_graphs=graphs,
+            **({"max_num_seqs": 24} | sizes),
+        )  # fmt: skip
         results.append([o.token_ids for o in engine.generate(prompts, params)])
         results.append(run_staggered(engine, prompts, params))  # mixed steps
         assert_no_leak(engine)
