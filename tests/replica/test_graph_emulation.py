@@ -17,6 +17,7 @@ import pytest
 import replica.cuda_graphs
 from replica import SamplingParams
 from replica.cuda_graphs import EagerGraph
+from tests.replica.test_engine_chaos import ENGINES, check_run, compared, drive, scenario
 from tests.replica.test_engine_hf import (
     MAX_NEW,
     assert_matches_hf,
@@ -108,3 +109,24 @@ def test_emulated_sampling_graphs_give_the_eager_launches_tokens(tmp_path, emula
     params += [sampled(max_tokens=12, temperature=0.5 + 0.1 * i, seed=55 + i) for i in range(3)]
     kinds = sampling_graphs_on_and_off(path, "float32", params, monkeypatch, "cpu", **SIZES)
     assert kinds == {(False, False), (False, True), (True, True)}
+
+
+@pytest.mark.parametrize("case", range(len(ENGINES)))
+def test_emulated_graphs_on_random_schedules(tmp_path, emulated, case):
+    """test_engine_chaos's schedules (a pool that preempts, chunked prompts, aborts, stops,
+    sampled rows beside greedy ones, requests joining running ones) with graphs on and
+    off: the greedy tokens are transformers', the seeded ones the same both ways."""
+    path, hf_model = save_checkpoint("gpt2", tmp_path)
+    reqs = scenario(case, hf_model)
+    runs = []
+    for graphs in (True, False):
+        config = {"mixed_prefill_tokens": 8} | ENGINES[case] | {"enable_cuda_graphs": graphs}
+        engine = make_engine(path, **config)
+        if graphs:
+            replays = count_replays(engine)
+        runs.append(drive(engine, reqs, seed=case))
+        check_run(runs[-1], reqs, hf_model)
+    assert replays["sampling"] > 0 and replays["prefill"] > 0
+    assert replays["mixed"] > 0 or config["mixed_prefill_tokens"] == 0
+    assert runs[0].aborted == runs[1].aborted
+    assert compared(runs[0], reqs) == compared(runs[1], reqs)
