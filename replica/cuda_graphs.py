@@ -11,6 +11,12 @@ model runner takes the CUDA path's shapes (padded buckets) and samplers
 (kernels.sampling, under the Triton interpreter). CI has no GPU; this way it covers
 the host side of the graph path (which graph a step replays, what it stages, which
 rows it reads back) that otherwise only the GPU tests reach.
+
+A rerun reads whatever tensors the forward's Python reaches now, where a CUDA graph
+reads the memory of its capture: a buffer rebound to a new tensor after capture (in
+place of a copy into it) would go unseen by the graph and by a plain rerun alike. So an
+EagerGraph logs the storages its forward reads from outside itself (a TorchDispatchMode
+over every op) and a replay that reads one its capture did not raises StaleReadError.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 # Tests set it (see the module docstring); read when a model runner is built.
 EMULATE_ON_CPU = False
@@ -30,16 +38,66 @@ def graphs_on(device: torch.device) -> bool:
     return device.type == "cuda" or EMULATE_ON_CPU
 
 
+class StaleReadError(AssertionError):
+    """An EagerGraph's replay read a tensor its capture did not: a CUDA graph would have
+    read the captured one."""
+
+
+class _ReadLog(TorchDispatchMode):
+    """The storages a call's ops read that the call did not make, by storage address
+    (tensors kept, so that no later allocation takes an address seen here), and the
+    addresses of those it made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outside: dict[int, torch.Tensor] = {}
+        self.made: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):
+            key = _storage_address(t)
+            if key and key not in self.made:
+                self.outside.setdefault(key, t)
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            key = _storage_address(t)
+            if key and key not in self.outside:  # an in-place op returns what it was given
+                self.made.add(key)
+        return out
+
+
+def _storage_address(t: Any) -> int:
+    """A tensor's storage address (0 for no tensor, or one with no memory)."""
+    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else 0
+
+
 class EagerGraph:
     """A CUDA graph's stand-in on the CPU: replay() runs fn again and copies what it
-    returns into the tensors of its first call (a graph's outputs never move)."""
+    returns into the tensors of its first call (a graph's outputs never move). A replay
+    that reads a tensor the first call did not read or make raises StaleReadError."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn = fn
-        self.out = fn()
+        with _ReadLog() as log:
+            self.out = fn()
+        self._reads = log.outside
+        self._made = log.made
 
     def replay(self) -> None:
-        _copy_into(self.out, self.fn())
+        with _ReadLog() as log:
+            out = self.fn()
+        stale = [
+            t for key, t in log.outside.items() if key not in self._reads and key not in self._made
+        ]
+        if stale:
+            shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in stale[:4])
+            raise StaleReadError(
+                f"a replay read {len(stale)} tensor(s) its capture did not ({shapes}): a"
+                " CUDA graph reads the captured memory, so the step must copy into the"
+                " captured buffers, not rebind them"
+            )
+        _copy_into(self.out, out)
 
     def pool(self) -> None:
         return None
