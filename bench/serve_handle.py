@@ -8,14 +8,18 @@ calling loop (what Client(route_on_caller_loop=True) uses), each reaching the re
 by Ray actor calls (Serve's default) or through the replica's gRPC server
 (`_by_reference=False`, what Client uses unless serve_grpc=False). Per kind: latency
 p50/p90 at concurrency 1 of a unary call, of a streaming call's first item and of a
-whole one-item stream; then calls/s and the caller process's CPU per call at
-concurrency 200.
+whole one-item stream; then calls/s, and the caller's and the replica process's CPU
+per call, at concurrency 200. The replica runs with kvfleet's replica env vars
+(cluster.app.REPLICA_ENV_VARS: its methods on the replica's main loop), so its CPU per
+call is the floor under each Serve call a kvfleet replica takes (a submit is a
+one-item stream when it attaches to a carrier).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -28,6 +32,11 @@ class Echo:
 
     async def stream(self, x: int) -> Any:
         yield x
+
+    async def cpu_s(self) -> float:
+        """This replica process's CPU time so far (every thread)."""
+        times = os.times()
+        return times.user + times.system
 
 
 async def _one(handle: Any, kind: str) -> float:
@@ -60,11 +69,14 @@ async def measure(handle: Any, n: int, concurrency: int) -> list[dict]:
                 await _one(handle, kind)
 
         num_calls = 10 * n
+        replica0 = await handle.options(method_name="cpu_s").remote()
         cpu0, t0 = time.process_time(), time.perf_counter()
         await asyncio.gather(*(gated() for _ in range(num_calls)))
         wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+        replica_s = await handle.options(method_name="cpu_s").remote() - replica0
         rows.append({"call": kind, "concurrency": concurrency, "calls_per_s": num_calls / wall_s,
-                     "caller_cpu_ms_per_call": cpu_s / num_calls * 1e3})  # fmt: skip
+                     "caller_cpu_ms_per_call": cpu_s / num_calls * 1e3,
+                     "replica_cpu_ms_per_call": replica_s / num_calls * 1e3})  # fmt: skip
     return rows
 
 
@@ -81,6 +93,7 @@ def main() -> None:
     from ray import serve
     from ray.serve.handle import DeploymentHandle
 
+    from cluster.app import REPLICA_ENV_VARS
     from cluster.client import current_loop_handle
 
     parser = argparse.ArgumentParser(prog="python -m bench.serve_handle", description=__doc__)
@@ -90,8 +103,9 @@ def main() -> None:
     args = parser.parse_args()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
+        actor_options = {"num_cpus": 0, "runtime_env": {"env_vars": REPLICA_ENV_VARS}}
         deployment = serve.deployment(
-            Echo, max_ongoing_requests=1 << 16, ray_actor_options={"num_cpus": 0}
+            Echo, max_ongoing_requests=1 << 16, ray_actor_options=actor_options
         )
         serve.run(deployment.bind(), name="echo", route_prefix=None)
         rows = []
@@ -114,7 +128,7 @@ def main() -> None:
         ray.shutdown()
     print(f"\n{machine_description()}, {time.strftime('%Y-%m-%d')}\n")
     columns = ["handle", "call", "concurrency", "p50_ms", "p90_ms", "calls_per_s",
-               "caller_cpu_ms_per_call"]  # fmt: skip
+               "caller_cpu_ms_per_call", "replica_cpu_ms_per_call"]  # fmt: skip
     print(markdown_table(rows, columns))
     write_json(args.out, {"args": vars(args), "rows": rows})
 
