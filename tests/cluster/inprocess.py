@@ -30,9 +30,10 @@ class GatedEngine:
     """FakeEngine whose add_request waits for `release_add` once `gate_adds` is set.
 
     `add_entered` is set when an add is waiting at the gate; `fanned_out` once a step
-    that produced outputs has been fanned out (the engine loop asks has_unfinished
-    again only after it delivered that step's batches); `idle` once it has stepped and
-    then has nothing left (every step's batches delivered).
+    that produced outputs has been fanned out; `idle` once it has stepped and then has
+    nothing left (every step's batches delivered). The engine loop asks has_unfinished
+    once between a step and its delivery (whether it is still decoding) and again only
+    after the delivery, so a step's batches are out at the second ask after it.
     """
 
     def __init__(self, replica_id: str, step_s: float = 0.0) -> None:
@@ -43,6 +44,7 @@ class GatedEngine:
         self.fanned_out = threading.Event()
         self.idle = threading.Event()
         self._stepped = False
+        self._asks_since_step = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -56,14 +58,16 @@ class GatedEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self.engine.step()
         self._stepped = bool(outputs)
+        self._asks_since_step = 0
         return outputs
 
     def has_unfinished(self) -> bool:
-        if self._stepped:
-            self.fanned_out.set()
         unfinished = self.engine.has_unfinished()
-        if self._stepped and not unfinished:
-            self.idle.set()
+        self._asks_since_step += 1
+        if self._stepped and self._asks_since_step >= 2:  # the step's batches are out
+            self.fanned_out.set()
+            if not unfinished:
+                self.idle.set()
         return unfinished
 
 
