@@ -1,6 +1,6 @@
-"""What one Serve handle call costs the caller: where the router runs, how calls travel.
+"""What one Serve handle call costs, caller and replica: where the router runs, how calls travel.
 
-    python -m bench.serve_handle            # CPU is enough: no model, an echo deployment
+    python -m bench.serve_handle [--callers 1 8]   # CPU is enough: no model, an echo deployment
 
 A bare echo deployment (no kvfleet code on the replica), called through four handles
 in the same run: the router on a loop thread of its own (Serve's default) or on the
@@ -12,7 +12,9 @@ whole one-item stream; then calls/s, and the caller's and the replica process's 
 per call, at concurrency 200. The replica runs with kvfleet's replica env vars
 (cluster.app.REPLICA_ENV_VARS: its methods on the replica's main loop), so its CPU per
 call is the floor under each Serve call a kvfleet replica takes (a submit is a
-one-item stream when it attaches to a carrier).
+one-item stream when it attaches to a carrier). `--callers 1 8` adds the concurrent
+figures from that many caller processes at once (Ray actors calling as Client does),
+the same concurrency in all: whether a replica's CPU per call grows with its callers.
 """
 
 from __future__ import annotations
@@ -52,31 +54,86 @@ async def _one(handle: Any, kind: str) -> float:
     return first_s if kind == "stream first item" else time.perf_counter() - t0
 
 
-async def measure(handle: Any, n: int, concurrency: int) -> list[dict]:
-    rows = []
-    for _ in range(20):  # warm: the router, the replica's queue-length cache
+async def concurrent(
+    handle: Any, kind: str, num_calls: int, concurrency: int
+) -> tuple[float, float]:
+    """num_calls calls of kind, concurrency in flight: (wall, this process's CPU) seconds."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated() -> None:
+        async with gate:
+            await _one(handle, kind)
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(gated() for _ in range(num_calls)))
+    return time.perf_counter() - t0, time.process_time() - cpu0
+
+
+def throughput_row(kind: str, concurrency: int, num_calls: int, wall_s: float, caller_cpu_s: float,
+                   replica_cpu_s: float) -> dict:  # fmt: skip
+    return {"call": kind, "concurrency": concurrency, "calls_per_s": num_calls / wall_s,
+            "caller_cpu_ms_per_call": caller_cpu_s / num_calls * 1e3,
+            "replica_cpu_ms_per_call": replica_cpu_s / num_calls * 1e3}  # fmt: skip
+
+
+async def warm(handle: Any) -> None:
+    for _ in range(20):  # the router, the replica's queue-length cache
         await _one(handle, "unary")
         await _one(handle, "stream")
+
+
+async def measure(handle: Any, n: int, concurrency: int) -> list[dict]:
+    await warm(handle)
+    rows = []
     for kind in ("unary", "stream first item", "stream"):
         lat = [await _one(handle, kind) for _ in range(n)]
         rows.append({"call": kind, "concurrency": 1, "p50_ms": percentile(lat, 50) * 1e3,
                      "p90_ms": percentile(lat, 90) * 1e3})  # fmt: skip
     for kind in ("unary", "stream"):
-        gate = asyncio.Semaphore(concurrency)
-
-        async def gated(kind: str = kind, gate: asyncio.Semaphore = gate) -> None:
-            async with gate:
-                await _one(handle, kind)
-
         num_calls = 10 * n
         replica0 = await handle.options(method_name="cpu_s").remote()
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        await asyncio.gather(*(gated() for _ in range(num_calls)))
-        wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+        wall_s, cpu_s = await concurrent(handle, kind, num_calls, concurrency)
         replica_s = await handle.options(method_name="cpu_s").remote() - replica0
-        rows.append({"call": kind, "concurrency": concurrency, "calls_per_s": num_calls / wall_s,
-                     "caller_cpu_ms_per_call": cpu_s / num_calls * 1e3,
-                     "replica_cpu_ms_per_call": replica_s / num_calls * 1e3})  # fmt: skip
+        rows.append(throughput_row(kind, concurrency, num_calls, wall_s, cpu_s, replica_s))
+    return rows
+
+
+class Caller:
+    """A caller process (a Ray actor) calling the echo replica as Client does: Serve's
+    router on its thread, gRPC."""
+
+    async def start(self) -> None:
+        from ray.serve.handle import DeploymentHandle
+
+        self.handle = DeploymentHandle("Echo", "echo").options(_by_reference=False)
+        await warm(self.handle)
+
+    async def run(self, kind: str, num_calls: int, concurrency: int) -> tuple[float, float]:
+        return await concurrent(self.handle, kind, num_calls, concurrency)
+
+
+def many_callers(num_callers: int, n: int, concurrency: int) -> list[dict]:
+    """The concurrent figures from num_callers processes at once (concurrency in all)."""
+    import ray
+    from ray.serve.handle import DeploymentHandle
+
+    cpu = DeploymentHandle("Echo", "echo").options(method_name="cpu_s")
+    callers = [ray.remote(num_cpus=0)(Caller).remote() for _ in range(num_callers)]
+    ray.get([c.start.remote() for c in callers])
+    rows = []
+    for kind in ("unary", "stream"):
+        per_caller = 10 * n // num_callers
+        replica0 = cpu.remote().result()
+        t0 = time.perf_counter()
+        runs = [c.run.remote(kind, per_caller, max(1, concurrency // num_callers)) for c in callers]
+        results = ray.get(runs)
+        wall_s = time.perf_counter() - t0
+        replica_s = cpu.remote().result() - replica0
+        caller_s = sum(r[1] for r in results)
+        num_calls = num_callers * per_caller
+        rows.append(throughput_row(kind, concurrency, num_calls, wall_s, caller_s, replica_s))
+    for c in callers:
+        ray.kill(c)
     return rows
 
 
@@ -99,6 +156,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.serve_handle", description=__doc__)
     parser.add_argument("--calls", type=int, default=300, help="calls per latency figure")
     parser.add_argument("--concurrency", type=int, default=200)
+    parser.add_argument(
+        "--callers", type=int, nargs="*", default=[],
+        help="also the concurrent figures from this many caller processes (Ray actors; gRPC)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -123,6 +184,10 @@ def main() -> None:
                 return result
 
             rows += [{"handle": kind, **row} for row in asyncio.run(run())]
+        for num_callers in args.callers:
+            label = f"{num_callers} caller processes, router thread, gRPC"
+            caller_rows = many_callers(num_callers, args.calls, args.concurrency)
+            rows += [{"handle": label, **row} for row in caller_rows]
     finally:
         serve.shutdown()
         ray.shutdown()
