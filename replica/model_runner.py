@@ -187,6 +187,7 @@ class ModelRunner:
         # on before the step after next records its parity's event again (LLMEngine.step).
         self.token_events = [torch.cuda.Event() for _ in range(2)] if pin else []
         self.parity = 0
+        self._launched: list[StepHandle | None] = [None, None]  # each parity's last step
         self.token_buf = torch.zeros(rows, dtype=torch.int64, device=device)  # last token per slot
         self._greedy_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         # Sampling outside the graphs (replica.step_sampler): kernels.sampling on CUDA,
@@ -268,8 +269,25 @@ class ModelRunner:
         Sampling sequences are, in order, the prefill sequences whose chunk
         reaches their last token, then every decode sequence. A decode
         sequence's last token may be a PLACEHOLDER: it is read from token_buf.
+
+        The step before last must have been waited on: this step reuses its staging
+        buffers, which its copies may still read on the device (checked here, on the CPU
+        too, where every step is done within its launch and a race could not show).
         """
         self.parity ^= 1
+        before_last = self._launched[self.parity]
+        if before_last is not None and before_last.tokens is None:
+            raise RuntimeError(
+                "launch: the step before last was never waited on; this step would"
+                " overwrite the staging buffers its copies may still read"
+            )
+        handle = self._launch(batch, block_table, dirty_slots)
+        self._launched[self.parity] = handle
+        return handle
+
+    def _launch(
+        self, batch: ScheduledBatch, block_table: np.ndarray, dirty_slots: list[int]
+    ) -> StepHandle:
         prefill_seqs, prefill_lens, decode_seqs, mixed = self._arrange(batch)
         chunks = list(zip(prefill_seqs, prefill_lens, strict=True)) if mixed else []
         num_rows = len(decode_seqs) + (sum(prefill_lens) if mixed else 0)
