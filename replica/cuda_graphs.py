@@ -21,6 +21,7 @@ over every op) and a replay that reads one its capture did not raises StaleReadE
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -44,14 +45,15 @@ class StaleReadError(AssertionError):
 
 
 class _ReadLog(TorchDispatchMode):
-    """The storages a call's ops read that the call did not make, by storage address
-    (tensors kept, so that no later allocation takes an address seen here), and the
-    addresses of those it made."""
+    """The storages a call's ops read that the call did not make (tensors kept: no later
+    allocation takes their address), and weak references to those it made, by storage
+    address."""
 
-    def __init__(self) -> None:
+    def __init__(self, weak_made: bool = False) -> None:
         super().__init__()
         self.outside: dict[int, torch.Tensor] = {}
-        self.made: set[int] = set()
+        self.made: dict[int, list[weakref.ref]] = {}  # no references unless weak_made
+        self.weak_made = weak_made
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -63,8 +65,21 @@ class _ReadLog(TorchDispatchMode):
         for t in tree_leaves(out):
             key = _storage_address(t)
             if key and key not in self.outside:  # an in-place op returns what it was given
-                self.made.add(key)
+                refs = self.made.setdefault(key, [])
+                if self.weak_made:
+                    refs.append(weakref.ref(t))
         return out
+
+    def kept(self) -> dict[int, torch.Tensor]:
+        """Of the storages the call made, those something still holds (its outputs, a
+        buffer it allocated and kept), with a tensor of each. Its freed temporaries are
+        left out: a buffer rebound later may take one's address."""
+        kept = {}
+        for key, refs in self.made.items():
+            alive = next((t for t in (ref() for ref in refs) if t is not None), None)
+            if alive is not None:
+                kept[key] = alive
+        return kept
 
 
 def _storage_address(t: Any) -> int:
@@ -79,17 +94,14 @@ class EagerGraph:
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn = fn
-        with _ReadLog() as log:
+        with _ReadLog(weak_made=True) as log:
             self.out = fn()
-        self._reads = log.outside
-        self._made = log.made
+        self._captured = {**log.outside, **log.kept()}  # what a replay may read
 
     def replay(self) -> None:
         with _ReadLog() as log:
             out = self.fn()
-        stale = [
-            t for key, t in log.outside.items() if key not in self._reads and key not in self._made
-        ]
+        stale = [t for key, t in log.outside.items() if key not in self._captured]
         if stale:
             shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in stale[:4])
             raise StaleReadError(

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+import replica.cuda_graphs
 from replica.cuda_graphs import EagerGraph, StaleReadError
 
 
@@ -55,4 +56,29 @@ def test_a_replay_that_reads_a_rebound_buffer_raises(rebound: str) -> None:
     # inputs, or a buffer it writes, replaced by a new tensor go unseen.
     setattr(state, rebound, getattr(state, rebound).clone())
     with pytest.raises(StaleReadError, match="a replay read 1 tensor"):
+        graph.replay()
+
+
+def test_a_rebound_buffer_at_a_freed_temporarys_address_still_raises(monkeypatch) -> None:
+    """The allocator may hand a new tensor the address of a temporary the capture made and
+    freed (it did on the H200 host's torch): that address is no part of what a replay may
+    read. The rebound buffer is given such an address here, whatever the allocator does."""
+    buffers = [torch.zeros(4, dtype=torch.int64)]
+    seen: set[int] = set()
+    address = replica.cuda_graphs._storage_address
+
+    def spy(t: object) -> int:
+        seen.add(address(t))
+        return address(t)
+
+    monkeypatch.setattr(replica.cuda_graphs, "_storage_address", spy)
+    graph = EagerGraph(lambda: (buffers[0] * 2 + 1).sum())
+    temporaries = seen - {0, address(buffers[0]), address(graph.out)}
+    assert temporaries  # the product and the sum's input, freed with the capture's return
+    rebound = buffers[0] = buffers[0].clone()
+    freed = min(temporaries)
+    monkeypatch.setattr(
+        replica.cuda_graphs, "_storage_address", lambda t: freed if t is rebound else address(t)
+    )
+    with pytest.raises(StaleReadError):
         graph.replay()
