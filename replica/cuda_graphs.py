@@ -46,8 +46,8 @@ class StaleReadError(AssertionError):
 
 class _ReadLog(TorchDispatchMode):
     """The storages a call's ops read that the call did not make (tensors kept: no later
-    allocation takes their address), and weak references to those it made, by storage
-    address."""
+    allocation takes their address), and those it made (with weak_made, weak references
+    to them), by storage address."""
 
     def __init__(self, weak_made: bool = False) -> None:
         super().__init__()
@@ -90,7 +90,8 @@ def _storage_address(t: Any) -> int:
 class EagerGraph:
     """A CUDA graph's stand-in on the CPU: replay() runs fn again and copies what it
     returns into the tensors of its first call (a graph's outputs never move). A replay
-    that reads a tensor the first call did not read or make raises StaleReadError."""
+    that reads a tensor the first call neither read nor made and kept raises
+    StaleReadError."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn = fn
