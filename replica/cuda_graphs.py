@@ -22,12 +22,11 @@ over every op) and a replay that reads one its capture did not raises StaleReadE
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 # Tests set it (see the module docstring); read when a model runner is built.
 EMULATE_ON_CPU = False
@@ -57,12 +56,12 @@ class _ReadLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for t in tree_leaves((args, kwargs)):
+        for t in _tensors(args, kwargs.values()):
             key = _storage_address(t)
             if key and key not in self.made:
                 self.outside.setdefault(key, t)
         out = func(*args, **kwargs)
-        for t in tree_leaves(out):
+        for t in _tensors((out,)):
             key = _storage_address(t)
             if key and key not in self.outside:  # an in-place op returns what it was given
                 refs = self.made.setdefault(key, [])
@@ -80,6 +79,17 @@ class _ReadLog(TorchDispatchMode):
             if alive is not None:
                 kept[key] = alive
         return kept
+
+
+def _tensors(*groups: Any) -> Iterator[torch.Tensor]:
+    """The tensors among an op's arguments or results: each one, or in a list or tuple
+    (what aten ops take and return; a pytree walk cost the emulated tests ~1/3 more)."""
+    for group in groups:
+        for item in group:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, list | tuple):
+                yield from (t for t in item if isinstance(t, torch.Tensor))
 
 
 def _storage_address(t: Any) -> int:
