@@ -45,14 +45,13 @@ class StaleReadError(AssertionError):
 
 class _ReadLog(TorchDispatchMode):
     """The storages a call's ops read that the call did not make (tensors kept: no later
-    allocation takes their address), and those it made (with weak_made, weak references
-    to them), by storage address."""
+    allocation takes their address), and weak references to those it made, by storage
+    address."""
 
-    def __init__(self, weak_made: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.outside: dict[int, torch.Tensor] = {}
-        self.made: dict[int, list[weakref.ref]] = {}  # no references unless weak_made
-        self.weak_made = weak_made
+        self.made: dict[int, list[weakref.ref]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -64,9 +63,7 @@ class _ReadLog(TorchDispatchMode):
         for t in _tensors((out,)):
             key = _storage_address(t)
             if key and key not in self.outside:  # an in-place op returns what it was given
-                refs = self.made.setdefault(key, [])
-                if self.weak_made:
-                    refs.append(weakref.ref(t))
+                self.made.setdefault(key, []).append(weakref.ref(t))
         return out
 
     def kept(self) -> dict[int, torch.Tensor]:
@@ -75,9 +72,11 @@ class _ReadLog(TorchDispatchMode):
         left out: a buffer rebound later may take one's address."""
         kept = {}
         for key, refs in self.made.items():
-            alive = next((t for t in (ref() for ref in refs) if t is not None), None)
-            if alive is not None:
-                kept[key] = alive
+            for ref in refs:
+                tensor = ref()
+                if tensor is not None:
+                    kept[key] = tensor
+                    break
         return kept
 
 
@@ -105,7 +104,7 @@ class EagerGraph:
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn = fn
-        with _ReadLog(weak_made=True) as log:
+        with _ReadLog() as log:
             self.out = fn()
         self._captured = {**log.outside, **log.kept()}  # what a replay may read
 
