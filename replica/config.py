@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from replica.options import EngineOptions
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -83,6 +85,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     replica_id: str = "replica-0"
     max_prefix_hashes_in_stats: int = 2048
+    options: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -116,3 +119,5 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_cuda_graphs", "enable_triton_linear"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.options, EngineOptions):
+            raise ValueError(f"options must be an EngineOptions, got {self.options!r}")
