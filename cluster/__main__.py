@@ -13,70 +13,58 @@ import time
 from cluster.app import build_app
 from cluster.client import Client
 from cluster.config import ROUTERS, ClusterConfig
-from replica.config import KV_CACHE_DTYPES
+from replica.config_flags import add_config_flags, config_from_args
 from replica.sampling_params import SamplingParams
+
+# ClusterConfig fields `serve` has no flag for: the cluster names each replica's engine
+# itself, and router names the routing policy (it also names Serve's own routers).
+SERVE_EXCLUDED = ("replica_id", "policy")
+# --engine, the older spelling of --engine-process / --no-engine-process.
+ENGINE_MODES = {"auto": None, "process": True, "thread": False}
+
+
+class _EngineMode(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        setattr(namespace, self.dest, ENGINE_MODES[values])
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cluster")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve_p = sub.add_parser("serve", help="run a kvfleet app on the Ray cluster")
-    serve_p.add_argument("--model", default="gpt2-tiny")
-    serve_p.add_argument("--replicas", type=int, default=1)
-    serve_p.add_argument("--router", choices=ROUTERS, default="kv")
-    serve_p.add_argument("--num-blocks", type=int, default=None)
-    serve_p.add_argument("--max-num-seqs", type=int, default=256)
-    serve_p.add_argument(
-        "--carrier-messages-per-step", type=int, default=4,
-        help="streaming messages a replica sends per engine step (see ClusterConfig)",
-    )  # fmt: skip
-    serve_p.add_argument("--device", default="auto")
-    serve_p.add_argument(
-        "--num-cpus-per-replica", type=float, default=None,
-        help="Ray CPUs per replica, and so torch's threads on a CPU replica (default: 1 "
-        "without a GPU, 0 with one)",
-    )  # fmt: skip
-    serve_p.add_argument(
-        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-        help="fp8: K/V stored as float8 e4m3, twice the blocks (EngineConfig.kv_cache_dtype)",
-    )  # fmt: skip
-    serve_p.add_argument("--port", type=int, default=8000)
-    serve_p.add_argument("--app-name", default="kvfleet")
-    serve_p.add_argument("--no-http", action="store_true", help="Python client only")
-    serve_p.add_argument(
-        "--access-log", action="store_true", help="Serve's per-request log lines (off: faster)"
+    serve_p = sub.add_parser(
+        "serve",
+        help="run a kvfleet app on the Ray cluster",
+        description="Run a kvfleet app on the Ray cluster (RAY_ADDRESS, else a local one). "
+        "Every ClusterConfig field is a flag; engine and router fields included.",
     )
+    add_config_flags(
+        serve_p,
+        ClusterConfig,
+        exclude=SERVE_EXCLUDED,
+        aliases={"num_replicas": ["--replicas"]},
+        grouped=True,
+    )
+    serve_p.set_defaults(http=True)  # a served app is for HTTP clients unless --no-http
     serve_p.add_argument(
-        "--engine", choices=("auto", "process", "thread"), default="auto",
-        help="each replica's engine in a child process or on a thread (auto: a child "
-        "process when the replica has a GPU; ClusterConfig.engine_process)",
+        "--engine", dest="engine_process", choices=tuple(ENGINE_MODES), action=_EngineMode,
+        default=argparse.SUPPRESS,
+        help="engine_process as a word: process (true), thread (false) or auto (none)",
     )  # fmt: skip
-    serve_p.add_argument("--blocking", action="store_true", help="stay in the foreground")
+    serve_p.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    serve_p.add_argument(
+        "--blocking", action="store_true", help="stay in the foreground until interrupted"
+    )
     demo = sub.add_parser("demo", help="2 local replicas, a burst of streams, a table")
-    demo.add_argument("--model", default="gpt2-tiny")
-    demo.add_argument("--replicas", type=int, default=2)
-    demo.add_argument("--requests", type=int, default=32)
-    demo.add_argument("--max-tokens", type=int, default=32)
-    demo.add_argument("--router", choices=ROUTERS, default="kv")
+    demo.add_argument("--model", default="gpt2-tiny", help="preset or checkpoint directory")
+    demo.add_argument("--replicas", type=int, default=2, help="replicas on a local Ray")
+    demo.add_argument("--requests", type=int, default=32, help="streaming requests at once")
+    demo.add_argument("--max-tokens", type=int, default=32, help="tokens each request makes")
+    demo.add_argument("--router", choices=ROUTERS, default="kv", help="routing policy")
     return parser
 
 
 def serve_config(args: argparse.Namespace) -> ClusterConfig:
-    return ClusterConfig(
-        model=args.model,
-        num_replicas=args.replicas,
-        router=args.router,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        carrier_messages_per_step=args.carrier_messages_per_step,
-        device=args.device,
-        num_cpus_per_replica=args.num_cpus_per_replica,
-        kv_cache_dtype=args.kv_cache_dtype,
-        http=not args.no_http,
-        access_log=args.access_log,
-        engine_process={"auto": None, "process": True, "thread": False}[args.engine],
-        app_name=args.app_name,
-    )
+    return config_from_args(ClusterConfig, args)
 
 
 def serve_main(args: argparse.Namespace) -> None:

@@ -221,9 +221,11 @@ def add_config_flags(
     *,
     exclude: Collection[str] = (),
     aliases: Mapping[str, Iterable[str]] | None = None,
+    grouped: bool = False,
 ) -> list[str]:
     """A flag for every leaf field of cls (see the module doc) but those in exclude;
-    aliases: flat name -> extra option strings. Returns the flat names given flags.
+    aliases: flat name -> extra option strings; grouped: one argument group in --help per
+    config that declares fields (cls's own first). Returns the flat names given flags.
 
     A field with no help raises ValueError (naming it), as does an excluded or aliased
     name that cls does not have.
@@ -234,19 +236,32 @@ def add_config_flags(
         if name not in found:
             raise ValueError(f"{cls.__name__} has no field {name!r} to exclude or alias")
     added = []
+    groups: dict[type, Any] = {}
+    if grouped:
+        groups[cls] = parser.add_argument_group(_group_title(cls))
     for name, leaf in found.items():
         if name in exclude:
             continue
         text = leaf.field.metadata.get("help")
         if not text:
             raise ValueError(f"{leaf.owner.__name__}.{name} has no help (field metadata)")
-        action = parser.add_argument(flag(name), *aliases.get(name, ()), **_flag_kwargs(leaf))
+        target = parser
+        if grouped:
+            if leaf.owner not in groups:
+                groups[leaf.owner] = parser.add_argument_group(_group_title(leaf.owner))
+            target = groups[leaf.owner]
+        action = target.add_argument(flag(name), *aliases.get(name, ()), **_flag_kwargs(leaf))
         # Set after construction: BooleanOptionalAction appends a default of its own to
         # the help it is given (Python <= 3.12), and every flag should read the same.
         default = " (default: none)" if action.default is None else " (default: %(default)s)"
         action.help = text.replace("%", "%%") + default
         added.append(name)
     return added
+
+
+def _group_title(cls: type) -> str:
+    first_line = (cls.__doc__ or "").strip().split("\n")[0].rstrip(".")
+    return f"{cls.__name__}: {first_line}" if first_line else cls.__name__
 
 
 def flag_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
