@@ -21,7 +21,7 @@ EngineFactory = Callable[[ClusterConfig, str, float], Any]
 # a loop thread of its own: one thread hop less per call and per streamed message, and
 # one thread less taking the GIL from the engine thread. LLMServer never blocks its
 # loop (the engine has its own thread). One H200, one gpt2 replica, 8 callers: 37.4K
-# -> 47.1K tokens/s (bench/runs/serving_x1.sh, BENCHMARKS.md).
+# -> 47.1K tokens/s.
 REPLICA_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
@@ -78,5 +78,6 @@ def build_app(
 
 
 def app_builder(args: dict[str, Any]) -> Application:
-    """Serve config `import_path: cluster.app:app_builder`; args are ClusterConfig fields."""
+    """Serve config `import_path: cluster.app:app_builder`; args are ClusterConfig's flat
+    names or engine: / routing: mappings (ClusterConfig.from_dict)."""
     return build_app(ClusterConfig.from_dict(dict(args)))
