@@ -32,9 +32,10 @@ import replica.triton_attention
 from bench.common import copy_bandwidth_gbps, host_cpu, markdown_table, percentile, write_json
 from bench.itl import cohort_itl, format_itl, steady_itl
 from replica import EngineConfig, LLMEngine, SamplingParams
-from replica.config import KV_CACHE_DTYPES
+from replica.config_flags import add_config_flags, config_from_args
 from replica.models.layers import uses_triton_linear
 from replica.models.presets import PRESETS
+from replica.options import EngineOptions
 
 
 @dataclass
@@ -392,18 +393,47 @@ def roofline_decode_tokens_per_s(
     return num_seqs * len(steps) / (total_bytes / (bandwidth_gbps * 1e9))
 
 
+# EngineConfig fields bench.engine has no flag for: it runs one engine, which no cluster
+# names, and its batch is what --batch / --itl-batch ask for.
+ENGINE_EXCLUDED = ("replica_id", "max_num_seqs")
+# Older spellings of EngineConfig flags (--no-cuda-graphs, --no-triton-linear,
+# --no-fused-append, --max-batched-tokens), kept working.
+ENGINE_ALIASES = {
+    "enable_cuda_graphs": ["--cuda-graphs"],
+    "enable_triton_linear": ["--triton-linear"],
+    "fuse_decode_append": ["--fused-append"],
+    "max_num_batched_tokens": ["--max-batched-tokens"],
+}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag per EngineConfig field and option (replica.config_flags), but ENGINE_EXCLUDED."""
+    group = parser.add_argument_group(
+        "engine (EngineConfig, its options included)",
+        "--model defaults to gpt2 on a GPU, gpt2-tiny on CPU; --max-model-len to the "
+        "model's positions, at most 2048; max_num_seqs is the largest --batch / --itl-batch",
+    )
+    add_config_flags(group, EngineConfig, exclude=ENGINE_EXCLUDED, aliases=ENGINE_ALIASES)
+    parser.set_defaults(model=None)
+
+
+def options_from_args(args: argparse.Namespace) -> EngineOptions:
+    """The EngineOptions that add_engine_flags' flags (--no-pdl, ...) asked for."""
+    return config_from_args(EngineOptions, args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="preset or directory (gpt2 on GPU)")
-    parser.add_argument("--dtype", default="auto")
+    add_engine_flags(parser)
     parser.add_argument(
-        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-        help="fp8: K/V stored as float8 e4m3 (HF's peer keeps its cache in --dtype)",
-    )  # fmt: skip
-    parser.add_argument("--batch", type=int, nargs="+", default=[256])
-    parser.add_argument("--prompt-len", type=int, default=None)
-    parser.add_argument("--max-new", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
+        "--batch", type=int, nargs="+", default=[256], help="batch sizes, one run each"
+    )
+    parser.add_argument(
+        "--prompt-len", type=int, default=None, help="prompt tokens (default: 128 on GPU, 16)"
+    )
+    parser.add_argument(
+        "--max-new", type=int, default=None, help="tokens generated (default: 128 on GPU, 32)"
+    )
     parser.add_argument("--hf", action="store_true", help="also measure transformers generate")
     parser.add_argument(
         "--repeat", type=int, default=1,
@@ -411,45 +441,13 @@ def main() -> None:
         " the table shows the engine's median run and HF's median rate",
     )  # fmt: skip
     parser.add_argument("--itl-batch", type=int, default=0, help="ITL run: batch size")
-    parser.add_argument("--itl-steps", type=int, default=1024)
-    parser.add_argument("--no-cuda-graphs", action="store_true")
-    parser.add_argument(
-        "--no-triton-linear", action="store_true", help="cuBLAS for every projection"
-    )
-    parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
-    parser.add_argument(
-        "--no-fold-norms",
-        action="store_true",
-        help="norm + residual add kernels, not folded into the projections",
-    )
-    parser.add_argument(
-        "--no-fuse-silu",
-        action="store_true",
-        help="Llama MLP: a silu_and_mul launch, not fused into the folded gate_up projection",
-    )
-    parser.add_argument(
-        "--no-fused-append", action="store_true", help="decode KV append as its own launch"
-    )
-    parser.add_argument(
-        "--no-decode-in-prefill",
-        action="store_true",
-        help="steps with prompt chunks run their decode rows in a decode forward of their own",
-    )
+    parser.add_argument("--itl-steps", type=int, default=1024, help="ITL run: decode steps")
     parser.add_argument(
         "--no-gc", action="store_true", help="diagnostic: Python's cyclic GC off during the runs"
     )
     parser.add_argument(
         "--step-events", action="store_true",
         help="CUDA events around each step's launch: its device time and the idle before it",
-    )  # fmt: skip
-    parser.add_argument("--max-batched-tokens", type=int, default=None, help="prefill chunk")
-    parser.add_argument(
-        "--max-model-len", type=int, default=None,
-        help="EngineConfig.max_model_len (default: the model's positions, at most 2048)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--mixed-prefill-tokens", type=int, default=None,
-        help="prompt tokens a decode step takes as extra rows (EngineConfig's; 0: never)",
     )  # fmt: skip
     parser.add_argument(
         "--host-delay-ms", type=float, default=0.0,
@@ -477,12 +475,12 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     if args.step_events and not on_gpu:
         raise SystemExit("--step-events: needs a CUDA device")
-    kernels.pdl.ENABLE_PDL = not args.no_pdl
-    replica.models.gpt2.FOLD_NORMS = not args.no_fold_norms
-    replica.models.llama.FOLD_NORMS = not args.no_fold_norms
-    replica.models.llama.FUSE_SILU = not args.no_fuse_silu
-    replica.triton_attention.FUSE_DECODE_APPEND = not args.no_fused_append
-    replica.model_runner.DECODE_IN_PREFILL = not args.no_decode_in_prefill
+    kernels.pdl.ENABLE_PDL = args.pdl
+    replica.models.gpt2.FOLD_NORMS = args.fold_norms
+    replica.models.llama.FOLD_NORMS = args.fold_norms
+    replica.models.llama.FUSE_SILU = args.fuse_silu
+    replica.triton_attention.FUSE_DECODE_APPEND = args.fuse_decode_append
+    replica.model_runner.DECODE_IN_PREFILL = args.decode_in_prefill
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)
     max_new = args.max_new or (128 if on_gpu else 32)
@@ -495,16 +493,9 @@ def main() -> None:
             model = tmp
         start = time.perf_counter()
         engine = LLMEngine(
-            EngineConfig(
-                model=model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                block_size=args.block_size, max_num_seqs=max_num_seqs,
-                enable_cuda_graphs=not args.no_cuda_graphs,
-                enable_triton_linear=not args.no_triton_linear,
+            config_from_args(
+                EngineConfig, args, model=model, max_num_seqs=max_num_seqs,
                 max_model_len=args.max_model_len or min(2048, _max_positions(model)),
-                **({"max_num_batched_tokens": args.max_batched_tokens}
-                   if args.max_batched_tokens else {}),
-                **({"mixed_prefill_tokens": args.mixed_prefill_tokens}
-                   if args.mixed_prefill_tokens is not None else {}),
             )
         )  # fmt: skip
         start_s = time.perf_counter() - start  # weights, KV cache, graph capture
