@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from bench.common import add_engine_mode_args, write_json
+from bench.common import write_json
 from bench.load_metrics import SLO, RequestRecord, compute_metrics, prefix_placement
 from bench.load_pool import GeneratorPool, Round
 from bench.load_report import (
@@ -59,7 +59,8 @@ from bench.load_workload import (
     build_trace,
 )
 from cluster import routing_trace
-from cluster.config import ROUTERS, ClusterConfig
+from cluster.config import ADMISSION_FIELDS, ROUTERS, ClusterConfig
+from replica.config_flags import add_config_flags, flag_values
 
 # Ray Serve's own routers (cluster.config has them once they are wired); kept in the CLI.
 SERVE_ROUTERS = ("serve-pow2", "serve-round-robin", "serve-consistent-hash")
@@ -168,32 +169,15 @@ def _generator_row(proc: int, result: WorkerResult | None, failure: str | None) 
 
 
 def _cluster_config(args: argparse.Namespace, router: str) -> ClusterConfig:
-    # Serve's own routers have no admission control; ClusterConfig refuses its fields.
-    admission = (
-        {}
-        if router in SERVE_ROUTERS
-        else {
-            "on_overload": args.on_overload,
-            "max_hold_s": args.max_hold_s,
-            "queue_fraction": args.queue_fraction,
-            "balance_band": args.balance_band,
-        }
-    )
+    """The app one router's round deploys: the ClusterConfig flags (and --seed, which
+    seeds the trace too), with this round's router and app name."""
+    values = flag_values(ClusterConfig, args)
+    if router in SERVE_ROUTERS:
+        # Serve's own routers have no admission control (ClusterConfig refuses its fields):
+        # in a round of theirs the router flags, which kvfleet's routers take, stay unset.
+        values = {k: v for k, v in values.items() if k not in ADMISSION_FIELDS}
     return ClusterConfig(
-        model=args.model,
-        num_replicas=args.replicas,
-        router=router,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        carrier_messages_per_step=args.carrier_messages_per_step,
-        access_log=args.access_log,
-        engine_process=args.engine_process,
-        num_cpus_per_replica=args.num_cpus_per_replica,
-        device=args.device,
-        seed=args.seed,
-        app_name=round_app_name(args.app_name, router),
-        **admission,
+        **values | {"router": router, "app_name": round_app_name(args.app_name, router)}
     )
 
 
@@ -255,7 +239,7 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
                 t_deploy = time.monotonic()
                 deploy(config, args.fake_step_ms, args.fake_host_ms)
                 print(
-                    f"deployed {args.replicas} x {args.model} with router {router!r} "
+                    f"deployed {args.num_replicas} x {args.model} with router {router!r} "
                     f"in {time.monotonic() - t_deploy:.1f} s"
                 )
             if trace is None:
@@ -366,7 +350,7 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
 
 
 _TARGET_KEYS = (
-    "app_name model replicas routers router num_blocks max_num_seqs block_size device "
+    "app_name model num_replicas routers router num_blocks max_num_seqs block_size device "
     "on_overload queue_fraction balance_band num_procs fake_step_ms fake_host_ms "
     "carrier_messages_per_step access_log engine_process route_on_caller_loop "
     "serve_actor_calls"
@@ -382,18 +366,15 @@ def _parser() -> argparse.ArgumentParser:
         help="the app to attach to; with --model, each router's round deploys APP_NAME-ROUTER",
     )
     t.add_argument("--address", default="auto", help="Ray address when attaching")
-    t.add_argument("--model", default=None)
-    t.add_argument("--replicas", type=int, default=2)
-    routers = list(dict.fromkeys([*ROUTERS, *SERVE_ROUTERS]))
-    t.add_argument("--router", choices=routers, default="kv")
-    t.add_argument("--routers", default=None, help=f"comma list of {routers}")
-    t.add_argument("--num-blocks", type=int, default=None)
-    t.add_argument("--max-num-seqs", type=int, default=256)
-    t.add_argument("--block-size", type=int, default=16)
-    t.add_argument(
-        "--queue-fraction", type=float, default=0.0,
-        help="kvfleet routers: RouterConfig.queue_fraction (replica-side queueing allowed)",
+    # Every ClusterConfig field but these: replica_id (the cluster names replicas), policy
+    # (--router names it), seed (the workload's --seed seeds the cluster too) and app_name
+    # (--app-name above, which also names the app to attach to).
+    add_config_flags(
+        t, ClusterConfig, exclude=("replica_id", "policy", "seed", "app_name"),
+        aliases={"num_replicas": ["--replicas"]},
     )  # fmt: skip
+    p.set_defaults(model=None, num_replicas=2)
+    t.add_argument("--routers", default=None, help="comma list of --router's choices")
     t.add_argument(
         "--route-on-caller-loop", action="store_true",
         help="generators route on their own loop (Client option) instead of Serve's router "
@@ -405,24 +386,13 @@ def _parser() -> argparse.ArgumentParser:
         "handle path) instead of the replicas' gRPC servers (Client serve_grpc=False)",
     )  # fmt: skip
     t.add_argument(
-        "--carrier-messages-per-step", type=int, default=4,
-        help="replica message budget per engine step (ClusterConfig)",
+        "--engine-thread", dest="engine_process", action="store_const", const=False,
+        default=argparse.SUPPRESS, help="the same as --no-engine-process",
     )  # fmt: skip
-    t.add_argument("--access-log", action="store_true", help="Serve's per-request log lines")
     t.add_argument(
-        "--balance-band", type=float, default=ClusterConfig.balance_band,
-        help="kvfleet routers: RouterConfig.balance_band (0: strict load order)",
+        "--ray-num-cpus", type=int, default=None,
+        help="a local Ray's CPUs (default: the replicas' and two for Serve)",
     )  # fmt: skip
-    add_engine_mode_args(t)
-    t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    t.add_argument(
-        "--num-cpus-per-replica", type=float, default=None,
-        help="ClusterConfig.num_cpus_per_replica: the replica actor's CPUs, its torch "
-        "threads on a CPU replica (default: 1 without a GPU, 0 with one)",
-    )  # fmt: skip
-    t.add_argument("--on-overload", default="hold", choices=("hold", "reject"))
-    t.add_argument("--max-hold-s", type=float, default=30.0)
-    t.add_argument("--ray-num-cpus", type=int, default=None)
     t.add_argument(
         "--fake-step-ms", type=float, default=None,
         help="replicas run a model-free FakeEngine stepping every MS (one token per request"
@@ -433,28 +403,38 @@ def _parser() -> argparse.ArgumentParser:
         help="of each FakeEngine step, MS that hold the GIL (an engine's host work)",
     )  # fmt: skip
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=int, default=200)
+    w.add_argument("--num-requests", type=int, default=200, help="requests in the trace")
     w.add_argument("--rate", type=float, default=math.inf, help="req/s; inf: all at once")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1: Poisson")
     w.add_argument("--concurrency", type=int, default=None, help="closed loop of N users")
-    w.add_argument("--dataset", choices=DATASETS, default="random")
-    w.add_argument("--input-len", type=int, default=128)
-    w.add_argument("--output-len", type=int, default=32)
-    w.add_argument("--range-ratio", type=float, default=0.0)
-    w.add_argument("--num-prefixes", type=int, default=4)
-    w.add_argument("--prefix-len", type=int, default=256)
-    w.add_argument("--tail", choices=TAILS, default="lognormal")
+    w.add_argument(
+        "--dataset", choices=DATASETS, default="random",
+        help="random lengths, shared prefixes, or long-tailed lengths (bench.load_workload)",
+    )  # fmt: skip
+    w.add_argument("--input-len", type=int, default=128, help="prompt tokens (median)")
+    w.add_argument("--output-len", type=int, default=32, help="output tokens (median)")
+    w.add_argument(
+        "--range-ratio", type=float, default=0.0,
+        help="random: lengths uniform in [len * (1 - r), len * (1 + r)]",
+    )  # fmt: skip
+    w.add_argument("--num-prefixes", type=int, default=4, help="prefix: distinct prefixes")
+    w.add_argument("--prefix-len", type=int, default=256, help="prefix: tokens per prefix")
+    w.add_argument("--tail", choices=TAILS, default="lognormal", help="longtail's lengths")
     w.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma (longtail)")
     w.add_argument("--alpha", type=float, default=1.5, help="Pareto shape (longtail)")
-    w.add_argument("--max-input-len", type=int, default=1024)
-    w.add_argument("--max-output-len", type=int, default=256)
+    w.add_argument("--max-input-len", type=int, default=1024, help="longtail: prompt cap")
+    w.add_argument("--max-output-len", type=int, default=256, help="longtail: output cap")
     w.add_argument("--vocab-size", type=int, default=None, help="default: the model's")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument(
+        "--seed", type=int, default=0, help="seeds the trace, the engines and the routers"
+    )
     m = p.add_argument_group("measurement")
-    m.add_argument("--slo-ttft-ms", type=float, default=None)
-    m.add_argument("--slo-tpot-ms", type=float, default=None)
-    m.add_argument("--slo-e2e-ms", type=float, default=None)
-    m.add_argument("--num-procs", type=int, default=2)
+    m.add_argument("--slo-ttft-ms", type=float, default=None, help="SLO: time to first token")
+    m.add_argument("--slo-tpot-ms", type=float, default=None, help="SLO: time per output token")
+    m.add_argument("--slo-e2e-ms", type=float, default=None, help="SLO: end-to-end latency")
+    m.add_argument(
+        "--num-procs", type=int, default=2, help="generator processes (bench.load_worker)"
+    )
     m.add_argument("--timeout-s", type=float, default=300.0, help="after the last arrival")
     m.add_argument("--out", default=None, help="JSON path; PNGs are written beside it")
     m.add_argument("--save-requests", action="store_true", help="per-request rows in JSON")
