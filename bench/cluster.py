@@ -38,13 +38,13 @@ from types import SimpleNamespace
 from typing import Any
 
 from bench.common import (
-    add_engine_mode_args,
     machine_description,
     markdown_table,
     percentile,
     write_json,
 )
 from cluster.config import ClusterConfig
+from replica.config_flags import add_config_flags, config_from_args
 from replica.outputs import StepOutputs
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
@@ -407,14 +407,7 @@ def run_overhead(args: argparse.Namespace) -> list[dict]:
     from cluster import Client, build_app
     from cluster.client import LLM_DEPLOYMENT
 
-    config = ClusterConfig(
-        model=args.model,
-        device=args.device,
-        num_blocks=args.num_blocks,
-        max_num_seqs=64,
-        engine_process=args.engine_process,
-        app_name="bench-overhead",
-    )
+    config = config_from_args(ClusterConfig, args)
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 500) for _ in range(args.prompt_len)] for _ in range(args.ttft_n)]
     warm = prompts[:5]
@@ -598,16 +591,24 @@ def _transport_row(
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
-    parser.add_argument("--model", default="gpt2-tiny")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--num-blocks", type=int, default=1024)
-    parser.add_argument("--prompt-len", type=int, default=64)
+    app = parser.add_argument_group(
+        "the overhead section's app (ClusterConfig)",
+        "every field but replica_id (the cluster names replicas) and policy (--router)",
+    )
+    add_config_flags(app, ClusterConfig, exclude=("replica_id", "policy"))
+    parser.set_defaults(num_blocks=1024, max_num_seqs=64, app_name="bench-overhead")
+    app.add_argument(
+        "--engine-thread", dest="engine_process", action="store_const", const=False,
+        default=argparse.SUPPRESS, help="the same as --no-engine-process",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prompt-len", type=int, default=64, help="overhead: prompt tokens of a TTFT request"
+    )
     parser.add_argument("--step-ms", type=float, default=1.0, help="FakeEngine step time")
     parser.add_argument("--num-cpus", type=int, default=None, help="Ray logical CPUs")
-    add_engine_mode_args(parser)
     parser.add_argument(
         "--sections", nargs="+", default=["overhead", "router", "transport"],
-        choices=("overhead", "router", "transport"),
+        choices=("overhead", "router", "transport"), help="which measurements to run",
     )  # fmt: skip
     parser.add_argument("--out", default=None, help="write results as JSON here")
     return parser
