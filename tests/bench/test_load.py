@@ -410,22 +410,6 @@ def test_prefix_cache_hits_difference_each_replicas_counters() -> None:
     assert prefix_cache_hits([], [stats("a", 0, 0)])["hit_rate"] is None
 
 
-@pytest.mark.parametrize("callers", ["1", "3"])
-def test_replica_cost_reports_cpu_per_request(capsys, callers: str) -> None:
-    import sys
-
-    from bench.replica_cost import main
-
-    interval = sys.getswitchinterval()
-    try:  # every request must end on its caller's carrier, or this never returns
-        main(["--requests", "40", "--users", "4", "--engine-thread", "--callers", callers])
-    finally:
-        sys.setswitchinterval(interval)  # LLMServer sets the replica's (process-wide)
-    out = capsys.readouterr().out
-    assert "req/s; this process" in out and "ms CPU per request" in out
-    assert "engine child" not in out  # the engine ran on a thread
-
-
 def test_num_cpus_per_replica_reaches_the_config_and_the_local_ray() -> None:
     from bench.load import _cluster_config, _parser, _ray_num_cpus
 
