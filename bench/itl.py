@@ -22,6 +22,7 @@ import statistics
 import time
 
 from bench.common import percentile
+from bench.engine_run import random_prompts, run_engine
 from replica import LLMEngine, SamplingParams
 
 PROMPT_LEN = 16
@@ -35,8 +36,6 @@ def max_lifetime(engine: LLMEngine) -> int:
 def cohort_itl(engine: LLMEngine, batch: int, steps: int, block_size: int, vocab: int) -> dict:
     """Per-step latency over a long lockstep decode (see the module docstring); at most
     max_lifetime steps."""
-    from bench.engine import random_prompts, run_engine
-
     steps = min(steps, max_lifetime(engine))
     run = run_engine(engine, random_prompts(batch, PROMPT_LEN, vocab, 7), steps + 1)
     walls = run.decode_step_s

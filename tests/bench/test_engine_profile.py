@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from bench.engine import EngineRun, format_step_profile, step_profile
+from bench.engine import format_step_profile, step_profile
+from bench.engine_run import EngineRun
 
 
 def test_step_profile_counts_slow_and_host_bound_steps():

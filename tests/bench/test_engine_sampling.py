@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.engine import GREEDY, Sampling, random_prompts, run_engine
+from bench.engine_run import GREEDY, Sampling, random_prompts, run_engine
 from replica import EngineConfig, LLMEngine
 
 
