@@ -41,6 +41,8 @@ def _silu_and_mul_kernel(
 def silu_and_mul(
     x: torch.Tensor,  # [T, 2 * I]: gate then up; row stride arbitrary, last dim contiguous
     out: torch.Tensor | None = None,  # [T, I], x.dtype; row stride arbitrary
+    *,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> torch.Tensor:
     """silu(gate) * up for every token, one launch; returns out."""
     assert x.dim() == 2 and x.shape[1] % 2 == 0, "x must be [T, 2 * intermediate]"
@@ -59,7 +61,7 @@ def silu_and_mul(
     num_warps = max(1, min(4, block // (vec * 32)))
     _silu_and_mul_kernel[grid](
         x, out, x.stride(0), out.stride(0),
-        INTERMEDIATE=intermediate, BLOCK=block, num_warps=num_warps, **pdl_launch(x.device),
+        INTERMEDIATE=intermediate, BLOCK=block, num_warps=num_warps, **pdl_launch(x.device, pdl),
     )  # fmt: skip
     return out
 

@@ -94,6 +94,7 @@ def argmax_rows(
     *,
     token_buf: torch.Tensor | None = None,  # [buf_rows] int64
     token_rows: torch.Tensor | None = None,  # [num_rows] int: where each row's token goes
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> torch.Tensor:  # [num_rows] int64
     """The first index of each row's maximum, as torch.argmax(x, dim=-1) for finite x;
     also written to token_buf[token_rows] when given (rows sharing a target: any one)."""
@@ -116,13 +117,13 @@ def argmax_rows(
     part_idx = torch.empty(num_rows * num_chunks, dtype=torch.int32, device=x.device)
     _partial_kernel[(num_rows, num_chunks)](
         x, part_val, part_idx, num_cols, x.stride(0), num_chunks,
-        CHUNK=CHUNK, num_warps=PARTIAL_WARPS, **pdl_launch(x.device),
+        CHUNK=CHUNK, num_warps=PARTIAL_WARPS, **pdl_launch(x.device, pdl),
     )  # fmt: skip
     _merge_kernel[(num_rows,)](
         part_val, part_idx, out, token_buf if scatter else out,
         token_rows if scatter else out, num_chunks,
         CHUNKS_PAD=max(16, triton.next_power_of_2(num_chunks)), SCATTER=scatter, num_warps=1,
-        **pdl_launch(x.device),
+        **pdl_launch(x.device, pdl),
     )  # fmt: skip
     return out
 
@@ -135,6 +136,8 @@ def resolve_placeholders(
     token_buf: torch.Tensor,  # [buf_rows] int64
     token_rows: torch.Tensor,  # [num_rows] int: the token_buf row of each placeholder
     out: torch.Tensor | None = None,  # [num_rows] int64; may be ids
+    *,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> torch.Tensor:
     """ids with every negative entry replaced by token_buf[token_rows[row]]."""
     assert ids.dim() == 1 and ids.dtype == torch.int64, "ids must be [rows] int64"
@@ -144,6 +147,6 @@ def resolve_placeholders(
     if num_rows:
         _resolve_kernel[(triton.cdiv(num_rows, RESOLVE_BLOCK),)](
             ids, token_buf, token_rows, out, num_rows,
-            BLOCK=RESOLVE_BLOCK, num_warps=4, **pdl_launch(ids.device),
+            BLOCK=RESOLVE_BLOCK, num_warps=4, **pdl_launch(ids.device, pdl),
         )  # fmt: skip
     return out

@@ -44,6 +44,8 @@ def scatter_table_rows(
     table: torch.Tensor,  # [num_table_rows, width] int32
     header: torch.Tensor,  # [1 + max_rows] int64: count, then the table row of each row
     rows: torch.Tensor,  # [max_rows, width] int32
+    *,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> None:
     """table[header[1 + i]] = rows[i] for i < header[0], the count read on the device."""
     width = table.shape[1]
@@ -53,5 +55,5 @@ def scatter_table_rows(
     _scatter_rows_kernel[(NUM_PROGRAMS, triton.cdiv(width, block))](
         table, header, rows, width, table.stride(0),
         ROWS=ROWS, BLOCK=block, NUM_PROGRAMS=NUM_PROGRAMS, num_warps=4,
-        **pdl_launch(table.device),
+        **pdl_launch(table.device, pdl),
     )  # fmt: skip

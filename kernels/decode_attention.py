@@ -299,6 +299,8 @@ def paged_decode_attention(
     num_stages: int | None = None,
     k_new: torch.Tensor | None = None,  # [B, num_kv_heads, head_dim]
     v_new: torch.Tensor | None = None,
+    *,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     """Paged decode attention with GQA; split-KV (flash-decoding) when the batch is small.
 
@@ -364,10 +366,10 @@ def paged_decode_attention(
         APPEND=append, KV_FP8=kv_fp8, F16_MATH=f16_math(q, k_cache),
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps or tiles.num_warps, num_stages=num_stages or tiles.num_stages,
-        **pdl_launch(q.device),
+        **pdl_launch(q.device, pdl),
     )  # fmt: skip
     if split:
-        merge_splits(part_out, part_lse, out, num_splits)
+        merge_splits(part_out, part_lse, out, num_splits, pdl=pdl)
     return out
 
 
@@ -376,6 +378,8 @@ def merge_splits(
     part_lse: torch.Tensor,  # [B * num_heads * num_splits] fp32, log2 domain
     out: torch.Tensor,  # [B, num_heads, head_dim]
     num_splits: int,
+    *,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> None:
     """Combine split partials into out: one program per (row, head, 32-wide slice of head_dim).
 
@@ -390,7 +394,7 @@ def merge_splits(
         part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, DIM_BLOCK=dim_block,
         num_warps=max(1, min(8, splits_pad * dim_block // (32 * 64))),
-        **pdl_launch(out.device),
+        **pdl_launch(out.device, pdl),
     )  # fmt: skip
 
 

@@ -117,6 +117,7 @@ def _launch(
     block_table: torch.Tensor | None = None,
     num_writes: int = 0,
     const_position: int = 0,
+    pdl: bool = True,
 ) -> None:
     _check(k, v, k_cache, v_cache)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -139,7 +140,7 @@ def _launch(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, ROW_WIDTH=row_width, BLOCK_SIZE=k_cache.shape[1],
         ROWS=rows, HD_BLOCK=hd_block, MODE=mode, HAS_SRC_ROWS=src_rows is not None,
-        KV_FP8=is_fp8(k_cache), num_warps=num_warps, **pdl_launch(k.device),
+        KV_FP8=is_fp8(k_cache), num_warps=num_warps, **pdl_launch(k.device, pdl),
     )  # fmt: skip
 
 
@@ -156,6 +157,8 @@ def append_kv(
     block_ids: torch.Tensor,  # [num_writes]
     offsets: torch.Tensor,  # [num_writes]
     src_rows: torch.Tensor | None = None,  # [num_writes]; None: row i is write i
+    *,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> None:
     """Generic append: write k[src_rows[i]], v[src_rows[i]] at (block_ids[i], offsets[i]).
 
@@ -166,7 +169,7 @@ def append_kv(
     rows = _rows_per_program(k.shape[1] * k.shape[2])
     _launch(
         k, v, k_cache, v_cache, triton.cdiv(num_writes, rows), 1, rows, _MODE_BLOCKS,
-        idx_a=block_ids, idx_b=offsets, src_rows=src_rows, num_writes=num_writes,
+        idx_a=block_ids, idx_b=offsets, src_rows=src_rows, num_writes=num_writes, pdl=pdl,
     )  # fmt: skip
 
 
@@ -178,6 +181,8 @@ def append_kv_slots(
     block_table: torch.Tensor,  # [max_num_seqs, max_blocks_per_seq]
     slot_mapping: torch.Tensor,  # [B]: the table row of batch row i
     positions: torch.Tensor | int,  # [B], or one position for every row
+    *,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> None:
     """Decode append: batch row i writes one token at block_table[slot_mapping[i]] / positions[i].
 
@@ -192,7 +197,7 @@ def append_kv_slots(
         k, v, k_cache, v_cache, triton.cdiv(num_rows, rows), 1, rows,
         _MODE_SLOT_CONST_POSITION if const else _MODE_SLOT_POSITIONS,
         idx_a=slot_mapping, idx_b=None if const else positions, block_table=block_table,
-        num_writes=num_rows, const_position=positions if const else 0,
+        num_writes=num_rows, const_position=positions if const else 0, pdl=pdl,
     )  # fmt: skip
 
 
@@ -206,6 +211,8 @@ def append_kv_prefill(
     cu_seqlens: torch.Tensor,  # [num_seqs + 1]: sequence i owns rows cu[i]:cu[i+1]
     start_positions: torch.Tensor,  # [num_seqs]: position of each sequence's first row
     max_seqlen: int,  # >= the longest sequence of this call (host int, sizes the grid)
+    *,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> None:
     """Packed prefill append: grid (token block, row slice, sequence) sized by max_seqlen.
 
@@ -216,4 +223,5 @@ def append_kv_prefill(
     _launch(
         k, v, k_cache, v_cache, triton.cdiv(max_seqlen, rows), num_seqs, rows, _MODE_PREFILL,
         idx_a=slot_mapping, idx_b=start_positions, cu_seqlens=cu_seqlens, block_table=block_table,
+        pdl=pdl,
     )  # fmt: skip

@@ -77,6 +77,7 @@ def _launch(
     out: torch.Tensor | None,
     residual: torch.Tensor | None,
     gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """gather: (x_rows, residual_rows, residual_out): rows are read at those indices of x
     and residual, and the sum goes to residual_out, as out does, in order."""
@@ -114,7 +115,7 @@ def _launch(
         x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         HIDDEN=hidden, BLOCK=block, ROWS=rows,
         ADD_RESIDUAL=residual is not None, GATHER=gather is not None,
-        num_warps=num_warps, **pdl_launch(x.device),
+        num_warps=num_warps, **pdl_launch(x.device, pdl),
     )  # fmt: skip
     return out
 
@@ -125,12 +126,14 @@ def layer_norm(
     bias: torch.Tensor,  # [hidden]
     eps: float,
     out: torch.Tensor | None = None,  # [T, hidden], x.dtype, last dim contiguous
+    *,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> torch.Tensor:
     """LayerNorm of every row over the last dim, one launch; returns out.
 
     out may be x itself (each program reads its rows before writing them).
     """
-    return _launch(x, weight, bias, eps, out, residual=None)
+    return _launch(x, weight, bias, eps, out, residual=None, pdl=pdl)
 
 
 def fused_add_layer_norm(
@@ -140,6 +143,8 @@ def fused_add_layer_norm(
     bias: torch.Tensor,  # [hidden]
     eps: float,
     out: torch.Tensor | None = None,  # [T, hidden], x.dtype, last dim contiguous
+    *,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual = x + residual; normed = layer_norm(residual)` in one launch.
 
@@ -147,7 +152,7 @@ def fused_add_layer_norm(
     the normalised sum is returned with it: (normed, residual). out must not alias
     residual; it may alias x.
     """
-    normed = _launch(x, weight, bias, eps, out, residual=residual)
+    normed = _launch(x, weight, bias, eps, out, residual=residual, pdl=pdl)
     return normed, residual
 
 
@@ -159,11 +164,13 @@ def embed_add_layer_norm(
     weight: torch.Tensor,  # [hidden]
     bias: torch.Tensor,  # [hidden]
     eps: float,
+    *,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, residual), [T, hidden] each
     """`residual = wpe[positions] + wte[ids]; normed = layer_norm(residual)` in one launch:
     GPT-2's embedding sum and its first block's ln_1."""
     residual = torch.empty((ids.shape[0], wte.shape[1]), dtype=wte.dtype, device=wte.device)
-    normed = _launch(wpe, weight, bias, eps, None, wte, gather=(positions, ids, residual))
+    normed = _launch(wpe, weight, bias, eps, None, wte, gather=(positions, ids, residual), pdl=pdl)
     return normed, residual
 
 

@@ -315,6 +315,7 @@ def _launch(
     residual: torch.Tensor | None = None,
     stats_out: bool = False,
     norm: tuple[FoldedNorm, RowStats] | None = None,
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, RowStats | None]:
     assert x.dim() == 2 and weight.dim() == 2, "x and weight must be 2-D"
     assert x.dtype in _DTYPES and weight.dtype == x.dtype, "fp16 or bf16 only, one dtype"
@@ -354,7 +355,7 @@ def _launch(
         partials = torch.empty(shape, dtype=torch.float32, device=x.device)
         semaphores = _semaphores(x.device)
     mode = overlap_mode(tile, num_rows, weight_is_kn)
-    pdl = pdl_launch(x.device) if mode != "none" else {"PDL": False}
+    launch_pdl = pdl_launch(x.device, pdl and mode != "none")
     folded, stats_in = norm if norm is not None else (None, None)
     num_norm_tiles = stats_in.partials.shape[1] if stats_in is not None else 0
     _linear_kernel[grid](
@@ -372,7 +373,7 @@ def _launch(
         RMS=folded is not None and folded.rms,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         SPLIT_K=tile.split_k, TRIGGER_LATER=mode == "late", num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **pdl,
+        num_stages=tile.num_stages, **launch_pdl,
     )  # fmt: skip
     return out, stats
 
@@ -386,11 +387,12 @@ def linear(
     activation: str = "none",
     out: torch.Tensor | None = None,  # [M, N] ([M, N / 2] for "silu_mul"), x.dtype
     tile: Tile | None = None,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> torch.Tensor:
     """act(x @ W + bias) in one launch, accumulated in fp32 and rounded once; returns out.
     "silu_mul" takes W's N = 2I columns as gate then up and returns [M, I]; a tile given
     for it is launched as given (gated_tile fits the table's)."""
-    return _launch(x, weight, bias, weight_is_kn, activation, out, tile)[0]
+    return _launch(x, weight, bias, weight_is_kn, activation, out, tile, pdl=pdl)[0]
 
 
 def linear_add(
@@ -401,15 +403,16 @@ def linear_add(
     *,
     weight_is_kn: bool = True,
     tile: Tile | None = None,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> RowStats:
     """`residual += x @ W + bias` in one launch, the product rounded to x.dtype before the
     add, as two torch ops round; returns the new rows' statistics for linear_norm."""
     n = weight.shape[1] if weight_is_kn else weight.shape[0]
     assert residual.shape == (x.shape[0], n), "residual must be [M, N]"
     tile = tile or choose_tile(x.shape[0], n, x.shape[1], True, weight_is_kn)
-    return _launch(x, weight, bias, weight_is_kn, "none", residual, tile, residual, stats_out=True)[
-        1
-    ]
+    return _launch(
+        x, weight, bias, weight_is_kn, "none", residual, tile, residual, stats_out=True, pdl=pdl
+    )[1]
 
 
 def linear_norm(
@@ -420,6 +423,7 @@ def linear_norm(
     activation: str = "none",
     out: torch.Tensor | None = None,  # [M, N] ([M, N / 2] for "silu_mul"), x.dtype
     tile: Tile | None = None,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> torch.Tensor:
     """act(norm(x) @ W + b) in one launch, the norm (LayerNorm or RMSNorm) folded into W
     and b (the module docstring's identities), from the statistics of x's rows; returns
@@ -428,7 +432,15 @@ def linear_norm(
     assert stats.partials.shape[1] * stats.tile_cols >= x.shape[1], "stats must cover K"
     norm = (folded, stats)
     return _launch(
-        x, folded.weight, folded.bias, folded.weight_is_kn, activation, out, tile, norm=norm
+        x,
+        folded.weight,
+        folded.bias,
+        folded.weight_is_kn,
+        activation,
+        out,
+        tile,
+        norm=norm,
+        pdl=pdl,
     )[0]
 
 

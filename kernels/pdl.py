@@ -13,11 +13,15 @@ after its predecessor completed, which completed after its own predecessor.
 Kernels not launched this way (cuBLAS, torch) end the overlap and nothing else.
 
 Every Triton kernel of the decode step takes a PDL constexpr and starts with
-`pdl_prologue(PDL)`; its launcher passes `**pdl_launch(device)`, which sets the
-constexpr and the launch attribute together. A kernel may move the trigger later
-(`pdl_prologue(PDL, TRIGGER_LATER=True)`, then `pdl_trigger`): fewer of the following
+`pdl_prologue(PDL)`; its launcher takes a `pdl: bool = True` keyword and passes
+`**pdl_launch(device, pdl)`, which sets the constexpr and the launch attribute together.
+The default is on because PDL is the fast path and every caller in the decode chain
+benefits; the engine passes EngineOptions.pdl (False for A/B runs, bench --no-pdl), and
+pdl_launch turns it off wherever the device cannot (before Hopper, the interpreter).
+A kernel may move the trigger later (`pdl_prologue(PDL, TRIGGER_LATER=True)`, then
+`pdl_trigger`): fewer of the following
 kernels' programs are then resident and waiting while it runs (kernels.linear.overlap_mode
-says where that was faster). ENABLE_PDL is the switch for A/B runs (bench --no-pdl).
+says where that was faster).
 """
 
 from __future__ import annotations
@@ -29,23 +33,22 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-ENABLE_PDL = True
-
 
 @functools.cache
 def _capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def use_pdl(device: torch.device) -> bool:
-    """PDL on this device: Hopper or later, not under the interpreter, ENABLE_PDL set."""
-    return ENABLE_PDL and _capable(device)
+def use_pdl(device: torch.device, pdl: bool = True) -> bool:
+    """Whether a launch asked for PDL (pdl) gets it on device: Hopper or later, not under
+    the interpreter."""
+    return pdl and _capable(device)
 
 
-def pdl_launch(device: torch.device) -> dict:
+def pdl_launch(device: torch.device, pdl: bool) -> dict:
     """Keyword arguments of a Triton launch on device: the kernel's PDL constexpr and,
     when it is set, the launch attribute (the two must agree)."""
-    return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if use_pdl(device, pdl) else {"PDL": False}
 
 
 @triton.jit

@@ -85,6 +85,7 @@ def _launch(
     eps: float,
     out: torch.Tensor | None,
     residual: torch.Tensor | None,
+    pdl: bool,
 ) -> torch.Tensor:
     assert x.dim() in (2, 3), "x must be [T, hidden] or [T, num_heads, head_dim]"
     assert x.dtype in _DTYPES and weight.dtype in _DTYPES, "fp32, fp16 or bf16 only"
@@ -111,7 +112,7 @@ def _launch(
         *_strides(x), *_strides(res), *_strides(out),
         NUM_HEADS=num_heads, HIDDEN=hidden, BLOCK=block, ROWS=rows,
         ADD_RESIDUAL=residual is not None,
-        num_warps=num_warps, **pdl_launch(x.device),
+        num_warps=num_warps, **pdl_launch(x.device, pdl),
     )  # fmt: skip
     return out
 
@@ -121,12 +122,14 @@ def rms_norm(
     weight: torch.Tensor,  # [last dim of x]
     eps: float,
     out: torch.Tensor | None = None,  # like x, dtype promote_types(weight.dtype, x.dtype)
+    *,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> torch.Tensor:
     """RMSNorm of every row (every head of every token for 3-D x) over the last dim.
 
     One launch; out may be x itself (each program reads its rows before writing them).
     """
-    return _launch(x, weight, eps, out, residual=None)
+    return _launch(x, weight, eps, out, residual=None, pdl=pdl)
 
 
 def fused_add_rms_norm(
@@ -135,6 +138,8 @@ def fused_add_rms_norm(
     weight: torch.Tensor,  # [last dim of x]
     eps: float,
     out: torch.Tensor | None = None,  # like x, dtype promote_types(weight.dtype, x.dtype)
+    *,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual = x + residual; normed = rms_norm(residual)` in one launch.
 
@@ -142,7 +147,7 @@ def fused_add_rms_norm(
     the normalised sum is returned with it: (normed, residual). out must not alias
     residual; it may alias x.
     """
-    normed = _launch(x, weight, eps, out, residual=residual)
+    normed = _launch(x, weight, eps, out, residual=residual, pdl=pdl)
     return normed, residual
 
 

@@ -140,6 +140,8 @@ def apply_rotary(
     q_norm_weight: torch.Tensor | None = None,  # [head_dim]: Qwen3 q_norm
     k_norm_weight: torch.Tensor | None = None,  # [head_dim]: Qwen3 k_norm
     eps: float = 1e-6,
+    *,
+    pdl: bool = True,  # kernels.pdl: PDL where the device has it
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Optional per-head RMSNorm, then) neox RoPE on q and k in place, one launch; returns (q, k).
 
@@ -167,7 +169,7 @@ def apply_rotary(
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, NUM_Q_GROUPS=num_q_groups,
         HALF=half, BLOCK_HALF=block_half, HEADS=heads,
         HAS_NORM=has_norm, NORM_DTYPE=_TL_DTYPES[norm_dtype], ROPE_DTYPE=_TL_DTYPES[rope_dtype],
-        num_warps=num_warps, **pdl_launch(q.device),
+        num_warps=num_warps, **pdl_launch(q.device, pdl),
     )  # fmt: skip
     return q, k
 
