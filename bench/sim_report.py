@@ -4,24 +4,21 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from bench.sim_replica import SimReplica
 from bench.sim_workload import Workload
 
-if TYPE_CHECKING:
-    from bench.sim import SimConfig
-
 
 def summarize(
     workload: Workload,
-    config: SimConfig,
     replicas: list[SimReplica],
     arrival_s: list[float],
     first_token_s: list[float],
     finish_s: list[float],
+    slo_ttft_s: float,
+    slo_tpot_s: float,
 ) -> dict:
     """A run's metrics, with bench.load's definitions (vLLM's): over completed requests,
     TTFT from arrival to first token, TPOT (E2E - TTFT) / (output - 1), throughputs over
@@ -37,7 +34,7 @@ def summarize(
     tpot = ((finish - first)[multi] / (output[multi] - 1)) if multi.any() else np.zeros(0)
     tpot_all = np.zeros(len(arrival))
     tpot_all[multi] = (finish - first)[multi] / (output[multi] - 1)
-    good = done & (first - arrival <= config.slo_ttft_s) & (tpot_all <= config.slo_tpot_s)
+    good = done & (first - arrival <= slo_ttft_s) & (tpot_all <= slo_tpot_s)
     makespan_s = float(finish[done].max() - arrival[0]) if done.any() else float("nan")
     num_prompt = sum(r.num_prompt_tokens for r in replicas)
 
@@ -48,7 +45,7 @@ def summarize(
         return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
     return {
-        "num_replicas": config.num_replicas,
+        "num_replicas": len(replicas),
         "num_requests": len(arrival),
         "num_completed": int(done.sum()),
         "offered_rate": float(workload.offered_rate),

@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from bench.sim import SimConfig, sim_config, simulate
+from bench.sim_core import SimConfig, sim_config, simulate
 from bench.sim_model import CostModel
 from bench.sim_workload import Workload
 from replica.config import EngineConfig

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from bench import sim_replica
-from bench.sim import SimConfig, simulate
+from bench.sim_core import SimConfig, simulate
 from bench.sim_model import CostModel, default_cost_model, fit_cost_model
 from bench.sim_replica import ReplicaSimConfig
 from bench.sim_workload import Workload, WorkloadConfig
