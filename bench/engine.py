@@ -22,10 +22,6 @@ import time
 import torch
 
 import kernels.pdl
-import replica.model_runner
-import replica.models.gpt2
-import replica.models.llama
-import replica.triton_attention
 from bench.common import copy_bandwidth_gbps, host_cpu, markdown_table, percentile, write_json
 from bench.engine_run import GREEDY, EngineRun, Sampling, random_prompts, run_engine
 from bench.itl import cohort_itl, format_itl, steady_itl
@@ -268,12 +264,6 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     if args.step_events and not on_gpu:
         raise SystemExit("--step-events: needs a CUDA device")
-    kernels.pdl.ENABLE_PDL = args.pdl
-    replica.models.gpt2.FOLD_NORMS = args.fold_norms
-    replica.models.llama.FOLD_NORMS = args.fold_norms
-    replica.models.llama.FUSE_SILU = args.fuse_silu
-    replica.triton_attention.FUSE_DECODE_APPEND = args.fuse_decode_append
-    replica.model_runner.DECODE_IN_PREFILL = args.decode_in_prefill
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)
     max_new = args.max_new or (128 if on_gpu else 32)
@@ -352,7 +342,7 @@ def main() -> None:
           f" kv_cache={engine.runner.kv_cache.dtype} prompt={prompt_len} new={max_new}"
           f" block_size={args.block_size} cuda_graphs={engine.runner.use_cuda_graphs}"
           f" triton_linear={triton_linear}"
-          f" pdl={kernels.pdl.use_pdl(engine.device)}"
+          f" pdl={kernels.pdl.use_pdl(engine.device, engine.config.options.pdl)}"
           f" fused_append={getattr(engine.runner.backend, 'fuse_decode_append', False)}"
           f" decode_in_prefill={engine.runner.decode_in_prefill}"
           f" mixed_prefill_tokens={engine.config.mixed_prefill_tokens}"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from replica import LLMEngine, SamplingParams
-from replica.model_runner import ModelRunner
+from replica.runner.model_runner import ModelRunner
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A step's changed block-table rows into the device table, from inside its CUDA graph.
 
-The rows ride in the step's one host-to-device copy (replica.decode_inputs) behind a
+The rows ride in the step's one host-to-device copy (replica.runner.decode_inputs) behind a
 header: their count, then the table row each one replaces. Scattered by a torch
 index_copy_ between that copy and the graph's replay, they cost a launch from the host
 that the device waited for (bench.step_timeline). This kernel runs first in a decode

@@ -2,8 +2,10 @@
 
 A model's attention layer calls `backend.forward(...)` with its new q/k/v and
 one layer's cache views; the backend appends K/V into the paged cache and runs
-paged attention. Which kernels run (torch references on CPU, Triton on CUDA) is
-decided once, when the model runner builds the backend.
+paged attention. Which kernels run (torch references on CPU, TorchAttention here;
+Triton on CUDA, replica.triton_attention) is decided once, when the model runner builds
+the backend. This module imports no backend of its own beyond the references, so the
+backends import it and it imports none of them.
 """
 
 from __future__ import annotations
@@ -93,12 +95,3 @@ class TorchAttention:
             q, k_cache, v_cache, meta.block_table, meta.slot_mapping,
             meta.cu_seqlens_q, meta.context_lens, scale,
         )  # fmt: skip
-
-
-def make_attention_backend(device: torch.device) -> AttentionBackend:
-    """Torch references on CPU, Triton kernels on CUDA; chosen once, never per call."""
-    if device.type == "cpu":
-        return TorchAttention()
-    from replica.triton_attention import TritonAttention
-
-    return TritonAttention()

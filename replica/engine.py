@@ -13,9 +13,9 @@ import torch
 from replica.block_manager import BlockManager
 from replica.config import CacheConfig, EngineConfig, SchedulerConfig
 from replica.in_flight import InFlightStep
-from replica.model_runner import ModelRunner
 from replica.models import load_model_config, load_tokenizer
 from replica.outputs import CompletionOutput, StepOutputs
+from replica.runner.model_runner import ModelRunner
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch, Scheduler
 from replica.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -63,9 +63,12 @@ class LLMEngine:
     to drive it from a serving loop: each step() returns the new tokens of
     every request that advanced (StepOutputs: RequestOutput deltas, one per request,
     with their columns).
+
+    emulate_graphs_on_cpu (tests only): a CPU engine takes the CUDA graph path, its graphs
+    emulated (replica.runner.eager_graph), so CI covers that path's host side.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, emulate_graphs_on_cpu: bool = False) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         self.model_config = load_model_config(config.model)
@@ -77,7 +80,9 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.dtype = resolve_dtype(config.dtype, self.device, mc.torch_dtype)
-        self.runner = ModelRunner(config, mc, self.device, self.dtype, self.max_model_len)
+        self.runner = ModelRunner(
+            config, mc, self.device, self.dtype, self.max_model_len, emulate_graphs_on_cpu
+        )
         num_blocks = config.num_blocks or self.runner.num_blocks_from_memory()
         self.runner.allocate_kv_cache(num_blocks)
         self.cache_config = CacheConfig(

@@ -12,8 +12,8 @@ from operator import attrgetter
 
 import numpy as np
 
-from replica.model_runner import StepHandle
 from replica.outputs import StepOutputs
+from replica.runner.step_handle import StepHandle
 from replica.sequence import MANY_STOPS, Sequence, SequenceStatus
 
 _REQUEST_ID, _TOKEN_IDS, _STOP_TOKEN, _MAX_LEN = map(

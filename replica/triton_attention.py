@@ -10,18 +10,15 @@ from kernels.kv_append import append_kv_prefill, append_kv_slots
 from kernels.prefill_attention import paged_prefill_attention
 from replica.attention import AttentionMetadata
 
-# The decode KV append inside the attention launch (kernels.decode_attention, k_new /
-# v_new): read once, when a backend is built. False keeps a separate append_kv_slots
-# launch; the benchmarks' switch (bench.engine --no-fused-append).
-FUSE_DECODE_APPEND = True
-
 
 class TritonAttention:
     """AttentionBackend on the Triton kernels.
 
     Decode: paged_decode_attention, which appends the new K/V itself (positions are
     context_lens - 1 in a decode batch), or append_kv_slots first where
-    FUSE_DECODE_APPEND was off or rows share a sequence (meta.append_first).
+    fuse_decode_append is off (EngineOptions; False for A/B runs) or rows share a
+    sequence (meta.append_first). pdl: the kernels that take it launch with PDL
+    (kernels.pdl).
     Neither reads device data on the host and the split count comes from shapes
     (the block table width), so the decode branch can be captured in a CUDA graph.
     Prefill with a work list (bucketed, capturable): append_kv_slots per token +
@@ -29,10 +26,16 @@ class TritonAttention:
     paged_prefill_attention, with grids sized by the host int meta.max_q_len.
     """
 
-    def __init__(self, decode_num_splits: int | None = None) -> None:
+    def __init__(
+        self,
+        decode_num_splits: int | None = None,
+        fuse_decode_append: bool = True,
+        pdl: bool = True,
+    ) -> None:
         # None: chosen from shapes per batch size (fixed per captured graph).
         self.decode_num_splits = decode_num_splits
-        self.fuse_decode_append = FUSE_DECODE_APPEND
+        self.fuse_decode_append = fuse_decode_append
+        self.pdl = pdl
 
     def copy_blocks(
         self,
@@ -56,19 +59,21 @@ class TritonAttention:
             if self.fuse_decode_append and not meta.append_first:
                 return paged_decode_attention(
                     q, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.context_lens,
-                    scale, num_splits=self.decode_num_splits, k_new=k, v_new=v,
+                    scale, num_splits=self.decode_num_splits, k_new=k, v_new=v, pdl=self.pdl,
                 )  # fmt: skip
             append_kv_slots(
-                k, v, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.positions
-            )
+                k, v, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.positions,
+                pdl=self.pdl,
+            )  # fmt: skip
             return paged_decode_attention(
                 q, k_cache, v_cache, meta.block_table, meta.slot_mapping, meta.context_lens,
-                scale, num_splits=self.decode_num_splits,
+                scale, num_splits=self.decode_num_splits, pdl=self.pdl,
             )  # fmt: skip
         if meta.prefill_work is not None:
             append_kv_slots(
-                k, v, k_cache, v_cache, meta.block_table, meta.token_slots, meta.positions
-            )
+                k, v, k_cache, v_cache, meta.block_table, meta.token_slots, meta.positions,
+                pdl=self.pdl,
+            )  # fmt: skip
             return paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_table, meta.slot_mapping,
                 meta.cu_seqlens_q, meta.context_lens, scale, work=meta.prefill_work,
@@ -76,7 +81,7 @@ class TritonAttention:
             )  # fmt: skip
         append_kv_prefill(
             k, v, k_cache, v_cache, meta.block_table, meta.slot_mapping,
-            meta.cu_seqlens_q, meta.start_positions, meta.max_q_len,
+            meta.cu_seqlens_q, meta.start_positions, meta.max_q_len, pdl=self.pdl,
         )  # fmt: skip
         return paged_prefill_attention(
             q, k_cache, v_cache, meta.block_table, meta.slot_mapping,

@@ -12,12 +12,10 @@ from kernels.linear import RowStats
 from replica.attention import AttentionBackend, AttentionMetadata
 from replica.models.config import ModelConfig
 from replica.models.layers import Conv1D, LayerNorm, LMHead, gelu_new, uses_triton_linear
+from replica.options import EngineOptions
 
 # Legacy checkpoints carry the causal-mask buffers `h.N.attn.bias` / `h.N.attn.masked_bias`.
 _MASK_BUFFER = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$")
-# Decode-sized batches fold ln_1 / ln_2 and the residual adds into kernels.linear where the
-# model runs it; bench --no-fold-norms turns that off for A/B runs, before the engine starts.
-FOLD_NORMS = True
 
 
 class GPT2Attention(nn.Module):
@@ -85,12 +83,17 @@ class GPT2Block(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, fused: bool
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        backend: AttentionBackend,
+        fused: bool,
+        pdl: bool = True,
     ) -> None:
         super().__init__()
-        self.ln_1 = LayerNorm(config.hidden_size, config.norm_eps, fused)
+        self.ln_1 = LayerNorm(config.hidden_size, config.norm_eps, fused, pdl)
         self.attn = GPT2Attention(config, layer_idx, backend)
-        self.ln_2 = LayerNorm(config.hidden_size, config.norm_eps, fused)
+        self.ln_2 = LayerNorm(config.hidden_size, config.norm_eps, fused, pdl)
         self.mlp = GPT2MLP(config, fused)
 
     def forward(
@@ -142,18 +145,24 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, fused: bool, pdl: bool = True
+    ) -> None:
         super().__init__()
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(
-            GPT2Block(config, i, backend, fused) for i in range(config.num_layers)
+            GPT2Block(config, i, backend, fused, pdl) for i in range(config.num_layers)
         )
-        self.ln_f = LayerNorm(config.hidden_size, config.norm_eps, fused)
+        self.ln_f = LayerNorm(config.hidden_size, config.norm_eps, fused, pdl)
 
 
 class GPT2LMHeadModel(nn.Module):
-    """Learned positions, pre-LayerNorm blocks, fused c_attn, lm_head tied to wte."""
+    """Learned positions, pre-LayerNorm blocks, fused c_attn, lm_head tied to wte.
+
+    options: pdl for the fused kernels; fold_norms folds ln_1 / ln_2 and the residual
+    adds of decode-sized batches into kernels.linear where the model runs it.
+    """
 
     def __init__(
         self,
@@ -162,11 +171,13 @@ class GPT2LMHeadModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         fused: bool = False,
+        options: EngineOptions | None = None,  # None: EngineOptions()
     ) -> None:
         super().__init__()
         self.config = config
         self.fused = fused
-        self.transformer = GPT2Transformer(config, backend, fused)
+        self.options = options = options or EngineOptions()
+        self.transformer = GPT2Transformer(config, backend, fused, options.pdl)
         self.fold_norms = False  # finalize() decides, once the weights are in
 
     def forward(
@@ -183,8 +194,9 @@ class GPT2LMHeadModel(nn.Module):
         if self.fused:
             ln = first.ln_1
             h, residual = embed_add_layer_norm(
-                input_ids, positions, t.wte.weight, t.wpe.weight, ln.weight, ln.bias, ln.eps
-            )
+                input_ids, positions, t.wte.weight, t.wpe.weight, ln.weight, ln.bias, ln.eps,
+                pdl=self.options.pdl,
+            )  # fmt: skip
         else:
             h, residual = first.ln_1.add_and_norm(t.wpe(positions), t.wte(input_ids))
         if self.fold_norms and first.runs_folded(input_ids.shape[0]):
@@ -204,7 +216,7 @@ class GPT2LMHeadModel(nn.Module):
         """After the weights are in place: the LM head over the tied embedding."""
         wte = self.transformer.wte.weight
         self.logits_head = LMHead(wte, self.config.vocab_size, self.fused)
-        self.fold_norms = FOLD_NORMS and uses_triton_linear(self)
+        self.fold_norms = self.options.fold_norms and uses_triton_linear(self)
         if self.fold_norms:
             for block in self.transformer.h:
                 block.fold_norms()

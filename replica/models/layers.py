@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -30,29 +31,34 @@ def add_rms_norm_torch(
     return rms_norm_ref(residual, weight, eps), residual
 
 
-def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm(x, weight, eps)
+def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool) -> torch.Tensor:
+    return rms_norm(x, weight, eps, pdl=pdl)
 
 
 def add_rms_norm_fused(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return fused_add_rms_norm(x, residual, weight, eps)
+    return fused_add_rms_norm(x, residual, weight, eps, pdl=pdl)
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with HF's numerics; `fused` (chosen once, on CUDA) runs one Triton kernel.
+    """RMSNorm with HF's numerics; `fused` (chosen once, on CUDA) runs one Triton kernel,
+    launched with PDL where `pdl` (kernels.pdl).
 
     add_and_norm(x, residual) returns (norm(residual + x), residual + x): the
     residual add of a decoder layer fused with the next norm.
     """
 
-    def __init__(self, hidden_size: int, eps: float, fused: bool = False) -> None:
+    def __init__(self, hidden_size: int, eps: float, fused: bool = False, pdl: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self._norm = rms_norm_fused if fused else rms_norm_ref  # LlamaRMSNorm's numerics
-        self._add_norm = add_rms_norm_fused if fused else add_rms_norm_torch
+        if fused:
+            self._norm = functools.partial(rms_norm_fused, pdl=pdl)
+            self._add_norm = functools.partial(add_rms_norm_fused, pdl=pdl)
+        else:
+            self._norm = rms_norm_ref  # LlamaRMSNorm's numerics
+            self._add_norm = add_rms_norm_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden_size]
         return self._norm(x, self.weight, self.eps)
@@ -77,28 +83,38 @@ def add_layer_norm_torch(
 
 
 def layer_norm_fused(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, pdl: bool
 ) -> torch.Tensor:
-    return layer_norm(x, weight, bias, eps)
+    return layer_norm(x, weight, bias, eps, pdl=pdl)
 
 
 def add_layer_norm_fused(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    pdl: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return fused_add_layer_norm(x, residual, weight, bias, eps)
+    return fused_add_layer_norm(x, residual, weight, bias, eps, pdl=pdl)
 
 
 class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm (GPT-2's ln_*); `fused` (chosen once, on CUDA) runs one Triton kernel.
+    """nn.LayerNorm (GPT-2's ln_*); `fused` (chosen once, on CUDA) runs one Triton kernel,
+    launched with PDL where `pdl` (kernels.pdl).
 
     add_and_norm(x, residual) returns (norm(residual + x), residual + x), like
     RMSNorm's; the fused kernel writes the sum into residual in place.
     """
 
-    def __init__(self, hidden_size: int, eps: float, fused: bool = False) -> None:
+    def __init__(self, hidden_size: int, eps: float, fused: bool = False, pdl: bool = True) -> None:
         super().__init__(hidden_size, eps=eps)
-        self._norm = layer_norm_fused if fused else layer_norm_torch
-        self._add_norm = add_layer_norm_fused if fused else add_layer_norm_torch
+        if fused:
+            self._norm = functools.partial(layer_norm_fused, pdl=pdl)
+            self._add_norm = functools.partial(add_layer_norm_fused, pdl=pdl)
+        else:
+            self._norm = layer_norm_torch
+            self._add_norm = add_layer_norm_torch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden_size]
         return self._norm(x, self.weight, self.bias, self.eps)
@@ -123,6 +139,7 @@ class Projection:
     out_features: int
     weight_is_kn: bool  # [K, N] (Conv1D) or [N, K] (nn.Linear)
     triton_linear: bool
+    pdl: bool  # kernels.linear's launches with PDL (kernels.pdl); set by use_triton_linear
     folded_norm: FoldedNorm | None
 
     def triton_tile(
@@ -148,8 +165,9 @@ class Projection:
         tile = self.triton_tile(x.shape[0], row_stats=True)
         assert tile is not None, "add_to: kernels.linear does not run this many rows"
         return linear_add(
-            x, self.weight, self.bias, residual, weight_is_kn=self.weight_is_kn, tile=tile
-        )
+            x, self.weight, self.bias, residual, weight_is_kn=self.weight_is_kn, tile=tile,
+            pdl=self.pdl,
+        )  # fmt: skip
 
     def normed(
         self,
@@ -163,7 +181,9 @@ class Projection:
         if self.folded_norm is None or tile is None:
             why = "fold_norm first" if tile else "kernels.linear does not run this many rows"
             raise AssertionError(f"normed: {why}")
-        return linear_norm(x, self.folded_norm, stats, activation=activation, tile=tile)
+        return linear_norm(
+            x, self.folded_norm, stats, activation=activation, tile=tile, pdl=self.pdl
+        )
 
 
 class Conv1D(Projection, nn.Module):
@@ -190,6 +210,7 @@ class Conv1D(Projection, nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features))
         self.triton_linear = False
+        self.pdl = True
         self.folded_norm = None  # fold_norm's
 
     def forward(
@@ -198,8 +219,9 @@ class Conv1D(Projection, nn.Module):
         tile = self.triton_tile(x.shape[0])
         if tile is not None:
             return linear(
-                x, self.weight, self.bias, weight_is_kn=True, activation=activation, tile=tile
-            )
+                x, self.weight, self.bias, weight_is_kn=True, activation=activation, tile=tile,
+                pdl=self.pdl,
+            )  # fmt: skip
         if self.triton_linear and activation == "gelu_tanh":
             # cuBLASLt's bias + tanh-GELU epilogue, one kernel
             return torch._addmm_activation(self.bias, x, self.weight, use_gelu=True)
@@ -226,13 +248,14 @@ class Linear(Projection, nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs) -> None:
         super().__init__(in_features, out_features, bias, **kwargs)
         self.triton_linear = False
+        self.pdl = True
         self.folded_norm = None  # fold_norm's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         tile = self.triton_tile(x.shape[0]) if x.dim() == 2 else None
         if tile is None:
             return F.linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias, weight_is_kn=False, tile=tile)
+        return linear(x, self.weight, self.bias, weight_is_kn=False, tile=tile, pdl=self.pdl)
 
     def fold_norm(self, norm: RMSNorm) -> None:
         """Fold the RMSNorm before this layer into this layer's weight, in place, and set
@@ -245,12 +268,13 @@ class Linear(Projection, nn.Linear):
         self.folded_norm = dataclasses.replace(folded, weight=self.weight)
 
 
-def use_triton_linear(module: nn.Module) -> None:
+def use_triton_linear(module: nn.Module, pdl: bool = True) -> None:
     """Every Conv1D and Linear in module runs kernels.linear for the batches its tile
-    table covers."""
+    table covers, launched with PDL where pdl (kernels.pdl)."""
     for layer in module.modules():
         if isinstance(layer, Conv1D | Linear):
             layer.triton_linear = True
+            layer.pdl = pdl
 
 
 def uses_triton_linear(module: nn.Module) -> bool:

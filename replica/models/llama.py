@@ -17,16 +17,7 @@ from replica.attention import AttentionBackend, AttentionMetadata
 from replica.models.config import ModelConfig
 from replica.models.layers import Linear, LMHead, RMSNorm, uses_triton_linear
 from replica.models.rope import RotaryEmbedding
-
-# Decode-sized batches fold both RMSNorms and the residual adds into kernels.linear where
-# the model runs it; bench --no-fold-norms turns that off for A/B runs, before the engine
-# starts.
-FOLD_NORMS = True
-# Where the norms are folded, SiLU * up runs in gate_up_proj's epilogue (kernels.linear's
-# "silu_mul"): no silu_and_mul launch. bench.engine --no-fuse-silu turns that off for A/B
-# runs: qwen3-0.6b in bf16 on an H200 (2026-11-24, two alternating pairs), decode steps of
-# 0.936 / 1.20 / 1.68 ms at batch 1 / 16 / 64 against 0.976 / 1.25 / 1.69 with the launch.
-FUSE_SILU = True
+from replica.options import EngineOptions
 
 
 class LlamaAttention(nn.Module):
@@ -38,10 +29,16 @@ class LlamaAttention(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, fused: bool
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        backend: AttentionBackend,
+        fused: bool,
+        pdl: bool = True,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.pdl = pdl
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -71,6 +68,7 @@ class LlamaAttention(nn.Module):
             device=weight.device, dtype=weight.dtype,
         ).requires_grad_(False)  # fmt: skip
         self.qkv_proj.triton_linear = self.q_proj.triton_linear
+        self.qkv_proj.pdl = self.q_proj.pdl
         self.qkv_proj.weight.copy_(weight)
         if bias is not None:
             self.qkv_proj.bias.copy_(bias)
@@ -111,7 +109,9 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q_w = self.q_norm.weight if self.qk_norm else None
         k_w = self.k_norm.weight if self.qk_norm else None
-        q, k = apply_rotary(q, k, rotary.cos, rotary.sin, positions, q_w, k_w, self.norm_eps)
+        q, k = apply_rotary(
+            q, k, rotary.cos, rotary.sin, positions, q_w, k_w, self.norm_eps, pdl=self.pdl
+        )
         return q, k, v
 
 
@@ -139,8 +139,9 @@ class LlamaMLP(nn.Module):
     """SiLU-gated MLP; the fused path runs one gate|up matmul and one silu_and_mul kernel,
     or, folded (gated_normed, fuse_silu), one gate|up launch that applies SiLU * up too."""
 
-    def __init__(self, config: ModelConfig, fused: bool) -> None:
+    def __init__(self, config: ModelConfig, fused: bool, pdl: bool = True) -> None:
         super().__init__()
+        self.pdl = pdl
         hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = Linear(hidden, inter, bias=bias)
         self.up_proj = Linear(hidden, inter, bias=bias)
@@ -157,6 +158,7 @@ class LlamaMLP(nn.Module):
             dtype=weight.dtype,
         ).requires_grad_(False)  # fmt: skip
         self.gate_up_proj.triton_linear = self.gate_proj.triton_linear
+        self.gate_up_proj.pdl = self.gate_proj.pdl
         self.gate_up_proj.weight.copy_(weight)
         if has_bias:
             self.gate_up_proj.bias.copy_(torch.cat([self.gate_proj.bias, self.up_proj.bias]))
@@ -174,7 +176,7 @@ class LlamaMLP(nn.Module):
         where fuse_silu (one launch), else a silu_and_mul launch after it."""
         if self.fuse_silu:
             return self.gate_up_proj.normed(residual, stats, activation="silu_mul")
-        return silu_and_mul(self.gate_up_proj.normed(residual, stats))
+        return silu_and_mul(self.gate_up_proj.normed(residual, stats), pdl=self.pdl)
 
 
 def _mlp_torch(mlp: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +184,7 @@ def _mlp_torch(mlp: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_fused(mlp: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
-    return silu_and_mul(mlp.gate_up_proj(x))
+    return silu_and_mul(mlp.gate_up_proj(x), pdl=mlp.pdl)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -194,13 +196,18 @@ class LlamaDecoderLayer(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, fused: bool
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        backend: AttentionBackend,
+        fused: bool,
+        pdl: bool = True,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, backend, fused)
-        self.mlp = LlamaMLP(config, fused)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, fused)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, fused)
+        self.self_attn = LlamaAttention(config, layer_idx, backend, fused, pdl)
+        self.mlp = LlamaMLP(config, fused, pdl)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, fused, pdl)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, fused, pdl)
 
     def forward(
         self,
@@ -252,17 +259,26 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, fused: bool, pdl: bool = True
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, fused) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, backend, fused, pdl) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps, fused)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps, fused, pdl)
 
 
 class LlamaForCausalLM(nn.Module):
-    """RMSNorm, RoPE, GQA, SiLU-gated MLP; lm_head tied to embed_tokens when configured."""
+    """RMSNorm, RoPE, GQA, SiLU-gated MLP; lm_head tied to embed_tokens when configured.
+
+    options: pdl for the fused kernels; fold_norms folds both RMSNorms and the residual
+    adds of decode-sized batches into kernels.linear where the model runs it; fuse_silu
+    (where folded) runs SiLU * up in gate_up_proj's epilogue ("silu_mul"), no
+    silu_and_mul launch: qwen3-0.6b in bf16 on an H200, decode steps of 0.936 / 1.20 /
+    1.68 ms at batch 1 / 16 / 64 against 0.976 / 1.25 / 1.69 with the launch.
+    """
 
     def __init__(
         self,
@@ -271,13 +287,15 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         fused: bool = False,
+        options: EngineOptions | None = None,  # None: EngineOptions()
     ) -> None:
         super().__init__()
         if config.rope is None:
             raise ValueError(f"{config.architecture} needs a RoPE config")
         self.config = config
         self.fused = fused
-        self.model = LlamaModel(config, backend, self.fused)
+        self.options = options = options or EngineOptions()
+        self.model = LlamaModel(config, backend, self.fused, options.pdl)
         self.fold_norms = False  # finalize() decides, once the weights are in
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope, dtype, device
@@ -320,11 +338,11 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.finalize()
             layer.mlp.finalize()
-        self.fold_norms = FOLD_NORMS and uses_triton_linear(self)
+        self.fold_norms = self.options.fold_norms and uses_triton_linear(self)
         if self.fold_norms:
             for layer in self.model.layers:
                 layer.fold_norms()
-                layer.mlp.fuse_silu = FUSE_SILU
+                layer.mlp.fuse_silu = self.options.fuse_silu
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab_size]
         return self.logits_head(hidden)

@@ -20,6 +20,7 @@ from replica.models.config import ModelConfig, is_preset, load_model_config
 from replica.models.gpt2 import GPT2LMHeadModel
 from replica.models.layers import RMSNorm, use_triton_linear
 from replica.models.llama import LlamaForCausalLM
+from replica.options import EngineOptions
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "GPT2LMHeadModel": GPT2LMHeadModel,
@@ -39,6 +40,7 @@ def load_model(
     backend: AttentionBackend,
     fused: bool | None = None,
     triton_linear: bool = True,
+    options: EngineOptions | None = None,  # None: EngineOptions()
 ) -> tuple[nn.Module, ModelConfig]:
     """Preset -> seeded random weights; directory -> its safetensors weights.
 
@@ -46,16 +48,18 @@ def load_model(
     kernels over concatenated projections; otherwise HF's exact torch ops.
     triton_linear (fused path, fp16 / bf16 only) runs GPT-2's small-batch
     projections as kernels.linear where its tile table beats cuBLAS.
+    options: the fused path's launch modes and fusions (pdl, fold_norms, fuse_silu).
 
     Raises ValueError for an unknown name, an unsupported architecture, a
     directory without safetensors, and missing, unexpected or misshapen weights.
     """
     config = load_model_config(model)
+    options = options or EngineOptions()
     device = torch.device(device)
     fused = device.type == "cuda" if fused is None else fused
-    module = build_model(config, backend, dtype, device, fused)
+    module = build_model(config, backend, dtype, device, fused, options)
     if fused and triton_linear and dtype in (torch.float16, torch.bfloat16):
-        use_triton_linear(module)
+        use_triton_linear(module, pdl=options.pdl)
     if is_preset(model):
         init_random_weights(module, seed)
     else:
@@ -72,10 +76,11 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     fused: bool = False,
+    options: EngineOptions | None = None,  # None: EngineOptions()
 ) -> nn.Module:
     """The model with uninitialised parameters on `device` in `dtype`."""
     with torch.device("meta"):
-        module = MODEL_CLASSES[config.architecture](config, backend, dtype, device, fused)
+        module = MODEL_CLASSES[config.architecture](config, backend, dtype, device, fused, options)
     return module.to(dtype=dtype).to_empty(device=device)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from kernels import prefill_attention
 from replica.attention import TorchAttention
-from replica.prefill_inputs import PrefillInputs, prefill_token_buckets
+from replica.runner.prefill_inputs import PrefillInputs, prefill_token_buckets
 from replica.sampling_params import SamplingParams
 from replica.sequence import PLACEHOLDER, Sequence
 from replica.triton_attention import TritonAttention

@@ -1,4 +1,4 @@
-"""EagerGraph: the CPU's stand-in for a CUDA graph (replica.cuda_graphs)."""
+"""EagerGraph: the CPU's stand-in for a CUDA graph (replica.runner.eager_graph)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
-import replica.cuda_graphs
-from replica.cuda_graphs import EagerGraph, StaleReadError
+import replica.runner.eager_graph
+from replica.runner.eager_graph import EagerGraph, StaleReadError
 
 
 def make_state() -> types.SimpleNamespace:
@@ -65,20 +65,19 @@ def test_a_rebound_buffer_at_a_freed_temporarys_address_still_raises(monkeypatch
     read. The rebound buffer is given such an address here, whatever the allocator does."""
     buffers = [torch.zeros(4, dtype=torch.int64)]
     seen: set[int] = set()
-    address = replica.cuda_graphs._storage_address
+    address = replica.runner.eager_graph._storage_address
 
     def spy(t: object) -> int:
         seen.add(address(t))
         return address(t)
 
-    monkeypatch.setattr(replica.cuda_graphs, "_storage_address", spy)
+    monkeypatch.setattr(replica.runner.eager_graph, "_storage_address", spy)
     graph = EagerGraph(lambda: (buffers[0] * 2 + 1).sum())
     temporaries = seen - {0, address(buffers[0]), address(graph.out)}
     assert temporaries  # the product and the sum's input, freed with the capture's return
     rebound = buffers[0] = buffers[0].clone()
     freed = min(temporaries)
-    monkeypatch.setattr(
-        replica.cuda_graphs, "_storage_address", lambda t: freed if t is rebound else address(t)
-    )
+    moved = lambda t: freed if t is rebound else address(t)  # noqa: E731
+    monkeypatch.setattr(replica.runner.eager_graph, "_storage_address", moved)
     with pytest.raises(StaleReadError):
         graph.replay()

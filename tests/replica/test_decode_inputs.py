@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.reference import scatter_table_rows_ref
-from replica.decode_inputs import (
+from replica.runner.decode_inputs import (
     CONTEXT_LENS,
     INPUT_IDS,
     OUT_SLOTS,

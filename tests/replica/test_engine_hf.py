@@ -11,7 +11,8 @@ import torch
 import transformers
 
 from replica import EngineConfig, LLMEngine, SamplingParams
-from replica.sampler import GraphSamplingInputs
+from replica.options import EngineOptions
+from replica.runner.graph_sampling import GraphSamplingInputs
 
 MAX_NEW = 20
 
@@ -69,10 +70,12 @@ def hf_greedy(model, prompt: list[int], max_new: int, **generate_kwargs) -> list
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
 
-def make_engine(path: str, block_size: int, **overrides) -> LLMEngine:
+def make_engine(
+    path: str, block_size: int, emulate_graphs_on_cpu: bool = False, **overrides
+) -> LLMEngine:
     config = dict(model=path, device="cpu", dtype="float32", block_size=block_size,
                   num_blocks=64, max_num_seqs=8)  # fmt: skip
-    return LLMEngine(EngineConfig(**(config | overrides)))
+    return LLMEngine(EngineConfig(**(config | overrides)), emulate_graphs_on_cpu)
 
 
 def assert_matches_hf(engine, hf_model, prompts, max_new=MAX_NEW):
@@ -237,7 +240,7 @@ def test_mixed_steps_on_and_off_give_the_same_tokens(checkpoint, temperature):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_decode_rows_in_the_prefill_forward_give_the_same_tokens(checkpoint, temperature):
     """Steps with prompt chunks past mixed_prefill_tokens run their decode sequences as
-    one-token chunks of the prefill forward (model_runner.DECODE_IN_PREFILL): the tokens
+    one-token chunks of the prefill forward (EngineOptions.decode_in_prefill): the tokens
     are those of a decode forward after the prefill, greedy (HF's) and seeded sampling."""
     path, hf_model = checkpoint
     prompts = random_prompts(16, [3, 20, 8, 33, 1, 14, 26, 6, 40])
@@ -247,8 +250,9 @@ def test_decode_rows_in_the_prefill_forward_give_the_same_tokens(checkpoint, tem
     ]
     results, rows = [], []
     for on in (True, False):
-        engine = make_engine(path, 16, mixed_prefill_tokens=0)
-        engine.runner.decode_in_prefill = on
+        options = EngineOptions(decode_in_prefill=on)
+        engine = make_engine(path, 16, mixed_prefill_tokens=0, options=options)
+        assert engine.runner.decode_in_prefill is on
         rows.append([])
         count_prefill_forwards(engine, rows[-1])
         results.append(run_staggered(engine, prompts, params, every=3))
@@ -484,20 +488,18 @@ def sampling_graphs_on_and_off(path, dtype, params, monkeypatch, device="cuda", 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_pdl_on_and_off_give_identical_tokens(checkpoint, dtype, monkeypatch):
+def test_pdl_on_and_off_give_identical_tokens(checkpoint, dtype):
     """Programmatic dependent launch changes when kernels start, never what they compute:
     a kernel that touched memory before its predecessor finished would change tokens."""
-    import kernels.pdl
-
     path, _ = checkpoint
     prompts = random_prompts(6, [3, 9, 17, 33, 40, 12, 5, 16, 70, 2, 21])
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     results = []
     for enabled in (True, False):
-        monkeypatch.setattr(kernels.pdl, "ENABLE_PDL", enabled)
-        engine = make_engine(path, 16, device="cuda", dtype=dtype, max_num_seqs=24)
+        options = EngineOptions(pdl=enabled)
+        engine = make_engine(path, 16, device="cuda", dtype=dtype, max_num_seqs=24, options=options)
+        assert engine.runner.backend.pdl is enabled  # the models' kernels take it from options
         results.append([o.token_ids for o in engine.generate(prompts, params)])
-    assert kernels.pdl.use_pdl(torch.device("cuda")) is False  # the last engine ran without
     assert results[0] == results[1]
 
 

@@ -17,6 +17,7 @@ from replica.attention import AttentionMetadata, TorchAttention
 from replica.models import gpt2, layers, llama, load_model
 from replica.models.config import ModelConfig
 from replica.models.layers import RMSNorm
+from replica.options import EngineOptions
 
 PRESETS = ["gpt2-tiny", "llama-tiny", "qwen3-tiny"]
 BLOCK_SIZE = 8
@@ -225,7 +226,7 @@ def test_llama_triton_linear_matches_cublas_path(preset, dtype, monkeypatch):
     "preset,dtype", [("llama-tiny", torch.float16), ("qwen3-tiny", torch.bfloat16)]
 )
 def test_llama_silu_fused_into_gate_up_matches_silu_and_mul(preset, dtype, monkeypatch):
-    """Folded layers with llama.FUSE_SILU run SiLU * up in gate_up_proj's epilogue (one
+    """Folded layers with options.fuse_silu run SiLU * up in gate_up_proj's epilogue (one
     "silu_mul" linear_norm launch, in gated_tile's tile) and no silu_and_mul kernel:
     the logits that the gate_up launch, then silu_and_mul, give, to half-precision
     rounding (the fused path rounds once where the kernels round gate, up and silu)."""
@@ -241,8 +242,8 @@ def test_llama_silu_fused_into_gate_up_matches_silu_and_mul(preset, dtype, monke
     monkeypatch.setattr(layers, "linear_norm", recorded)
     logits, counts, gated = [], [], []
     for fuse_silu in (False, True):
-        monkeypatch.setattr(llama, "FUSE_SILU", fuse_silu)
-        model, config = load_model(preset, dtype, DEVICE, 3, TorchAttention(), True)
+        options = EngineOptions(fuse_silu=fuse_silu)
+        model, config = load_model(preset, dtype, DEVICE, 3, TorchAttention(), True, True, options)
         perturb_norms(model)
         for layer in model.model.layers:  # folded at load, before the perturbation
             layer.fold_norms()

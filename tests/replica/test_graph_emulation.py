@@ -1,4 +1,4 @@
-"""The graph path's host side on the CPU (replica.cuda_graphs.EMULATE_ON_CPU).
+"""The graph path's host side on the CPU (LLMEngine's emulate_graphs_on_cpu).
 
 CI has no GPU. With the emulation a CPU runner pads to the graphs' sizes and buckets,
 replays an EagerGraph per decode, mixed, prefill and sampling graph, and samples with
@@ -15,9 +15,8 @@ import functools
 import pytest
 import torch
 
-import replica.cuda_graphs
 from replica import SamplingParams
-from replica.cuda_graphs import EagerGraph
+from replica.runner.eager_graph import EagerGraph
 from tests.replica.test_engine_chaos import ENGINES, check_run, compared, drive, scenario
 from tests.replica.test_engine_hf import (
     MAX_NEW,
@@ -37,11 +36,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 SIZES = {"max_num_seqs": 4, "mixed_prefill_tokens": 8}  # few graphs: sampling is interpreted
-
-
-@pytest.fixture
-def emulated(monkeypatch):
-    monkeypatch.setattr(replica.cuda_graphs, "EMULATE_ON_CPU", True)
+EMULATED = {"emulate_graphs_on_cpu": True}
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
@@ -79,12 +74,12 @@ def test_without_the_emulation_the_cpu_runs_no_graph(checkpoint):
     assert not runner.prefill.padded and not runner.sampler.fused
 
 
-def test_emulated_graphs_give_hfs_greedy_tokens(checkpoint, emulated):
+def test_emulated_graphs_give_hfs_greedy_tokens(checkpoint):
     """Whole prompts, chunked ones over a small pool (preemption), and requests that join
     running ones (mixed graphs): every greedy token is transformers', through the graphs."""
     path, hf_model = checkpoint
     prompts = random_prompts(21, [1, 15, 16, 17, 45, 3, 30])
-    engine = make_engine(path, 16, **SIZES)
+    engine = make_engine(path, 16, **EMULATED, **SIZES)
     runner = engine.runner
     assert runner.use_cuda_graphs and runner.graph_sizes == [1, 2, 4]
     assert runner.mixed_graph_sizes == [1, 2, 4, 8, 12] and runner.prefill.padded
@@ -96,12 +91,12 @@ def test_emulated_graphs_give_hfs_greedy_tokens(checkpoint, emulated):
     ]
     assert replays["decode"] > 20 and replays["mixed"] > 0 and replays["prefill"] > 0
     assert replays["sampling"] == 0  # greedy: the forward graph's argmax
-    small = make_engine(path, 16, num_blocks=6, max_num_batched_tokens=8, **SIZES)
+    small = make_engine(path, 16, num_blocks=6, max_num_batched_tokens=8, **EMULATED, **SIZES)
     assert_matches_hf(small, hf_model, prompts)
     assert small.stats().num_preempted_total > 0
 
 
-def test_emulated_sampling_graphs_give_the_eager_launches_tokens(tmp_path, emulated, monkeypatch):
+def test_emulated_sampling_graphs_give_the_eager_launches_tokens(tmp_path, monkeypatch):
     """Seeded sampled requests (top-k, top-p, neither): a decode or mixed step samples in a
     sampling graph replayed after its forward's, with its parameters staged in the step's
     copy; without graphs, through sample_fused. The same tokens, every graph kind taken.
@@ -114,12 +109,14 @@ def test_emulated_sampling_graphs_give_the_eager_launches_tokens(tmp_path, emula
               for i in range(4)]  # fmt: skip
     params.append(sampled(max_tokens=6, top_p=0.8, seed=54))
     params += [sampled(max_tokens=12, temperature=0.5 + 0.1 * i, seed=55 + i) for i in range(3)]
-    kinds = sampling_graphs_on_and_off(path, "float32", params, monkeypatch, "cpu", **SIZES)
+    kinds = sampling_graphs_on_and_off(
+        path, "float32", params, monkeypatch, "cpu", **EMULATED, **SIZES
+    )
     assert kinds == {(False, False), (False, True), (True, True)}
 
 
 @pytest.mark.parametrize("case", range(len(ENGINES)))
-def test_emulated_graphs_on_random_schedules(tmp_path, emulated, case):
+def test_emulated_graphs_on_random_schedules(tmp_path, case):
     """test_engine_chaos's schedules (a pool that preempts, chunked prompts, aborts, stops,
     sampled rows beside greedy ones, requests joining running ones) with graphs on and
     off: the greedy tokens are transformers', the seeded ones the same both ways."""
@@ -128,7 +125,7 @@ def test_emulated_graphs_on_random_schedules(tmp_path, emulated, case):
     runs = []
     for graphs in (True, False):
         config = {"mixed_prefill_tokens": 8} | ENGINES[case] | {"enable_cuda_graphs": graphs}
-        engine = make_engine(path, **config)
+        engine = make_engine(path, **EMULATED, **config)
         if graphs:
             replays = count_replays(engine)
         runs.append(drive(engine, reqs, seed=case))

@@ -7,13 +7,8 @@ import time
 import pytest
 import torch
 
-from replica.sampler import (
-    GRAPH_KINDS,
-    GraphSamplingInputs,
-    SamplingBatch,
-    sample,
-    sample_fused,
-)
+from replica.runner.graph_sampling import GRAPH_KINDS, GraphSamplingInputs
+from replica.runner.sampling_batch import SamplingBatch, sample, sample_fused
 from replica.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replica.cuda_graphs import graph_batch_sizes, padded_size
+from replica.runner.graphs import graph_batch_sizes, padded_size
+from replica.runner.sampling import StepSampler, all_greedy
 from replica.sampling_params import SamplingParams
 from replica.sequence import Sequence
-from replica.step_sampler import StepSampler, all_greedy
 
 VOCAB = 50
 

@@ -119,7 +119,7 @@ class PrefillInputs:
         long: the step has long chunks (kernels.prefill_attention.long_chunks), so the
         bucket has a long list, where the model has a long tile. A step without them
         gets none: that list's empty programs, on the long tile's registers and shared
-        memory, took ~0.3 ms of each of the qwen3 burst's 8K-token steps (BENCHMARKS.md).
+        memory, took ~0.3 ms of each of the qwen3 burst's 8K-token steps (H200).
         """
         if self.padded:
             num_tokens = next(t for t in self.token_buckets if t >= num_tokens)

@@ -1,8 +1,8 @@
 """Runs the model for a scheduled batch: the only place that builds device tensors.
 
 Decode inputs live in persistent device buffers, filled by one packed
-host-to-device copy per step that carries block-table rows too, only those
-whose sequence's blocks changed (replica.decode_inputs); the decode forward's first
+host-to-device copy per step that carries block-table rows too, only those whose
+sequence's blocks changed (replica.runner.decode_inputs); the decode forward's first
 kernel puts them in the table (kernels.block_table). On CUDA, decode runs
 as a replay of a CUDA graph captured for the next bucketed batch size; padding
 rows point at a null table row whose blocks are all the reserved null block.
@@ -15,15 +15,15 @@ that joins costs the running ones a few rows, not a whole forward (ITL). The
 mixed graphs append every row's K/V before attention reads any (a row reads its
 chunk's earlier tokens), where plain decode graphs fuse the append into attention.
 The other way round, a step with longer prompt chunks runs its decode sequences as
-one-token chunks of the prefill forward (DECODE_IN_PREFILL), so that step too makes
-one pass over the weights, not a prefill forward and then a decode forward.
+one-token chunks of the prefill forward (EngineOptions.decode_in_prefill), so that step
+too makes one pass over the weights, not a prefill forward and then a decode forward.
 
 A decode step's sampled rows (temperature, top-p, top-k) sample in a second graph,
 captured per graph size over the forward graph's logits and replayed after it; its
-parameters (replica.sampler.GraphSamplingInputs) ride in the step's one copy, in a
-region of the decode inputs' buffers. Rows that sample outside a graph (without
-graphs, or in a step whose prefill forward samples) go through replica.step_sampler;
-replica.cuda_graphs captures the graphs.
+parameters (replica.runner.graph_sampling) ride in the step's one copy, in a region of
+the decode inputs' buffers. Rows that sample outside a graph (without graphs, or in a
+step whose prefill forward samples) go through replica.runner.sampling;
+replica.runner.graphs captures the graphs.
 
 Steps overlap with the host: launch() enqueues a step and returns at once with
 a StepHandle. Sampled tokens stay on the device too (token_buf, one entry per
@@ -36,22 +36,16 @@ its copies may still be pending.
 from __future__ import annotations
 
 import functools
-import itertools
 
 import numpy as np
 import torch
 
-from kernels.reference import FP8_KV_DTYPE
-from replica.attention import AttentionMetadata, make_attention_backend
+from replica.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from replica.config import EngineConfig
-from replica.cuda_graphs import (
-    capture_graph,
-    capture_shapes,
-    graph_batch_sizes,
-    graphs_on,
-    padded_size,
-)
-from replica.decode_inputs import (
+from replica.models import ModelConfig, load_model
+from replica.options import EngineOptions
+from replica.runner import kv_cache
+from replica.runner.decode_inputs import (
     CONTEXT_LENS,
     INPUT_IDS,
     OUT_SLOTS,
@@ -59,49 +53,39 @@ from replica.decode_inputs import (
     SLOTS,
     DecodeInputs,
 )
-from replica.models import ModelConfig, load_model
-from replica.prefill_inputs import PrefillBucket, PrefillInputs
-from replica.sampler import GRAPH_KINDS, GraphSamplingInputs, SamplingBatch
-from replica.sampling_params import SamplingParams
+from replica.runner.graph_sampling import GraphSamplingInputs
+from replica.runner.graphs import (
+    capture_sampling_graphs,
+    capture_shapes,
+    graph_batch_sizes,
+    graphs_on,
+    padded_size,
+)
+from replica.runner.prefill_inputs import PrefillBucket, PrefillInputs
+from replica.runner.sampling import StepSampler, all_greedy
+from replica.runner.step_handle import StepHandle
+from replica.runner.warm_up import warm_up
 from replica.scheduler import ScheduledBatch
 from replica.sequence import Sequence
-from replica.step_sampler import StepSampler, all_greedy
-
-# A step with prompt chunks beyond mixed_prefill_tokens runs its decode sequences in the
-# prefill forward (one token each) rather than in a decode forward after it. Read when a
-# runner is built; the benchmarks' switch (bench.engine --no-decode-in-prefill).
-DECODE_IN_PREFILL = True
 
 
-class StepHandle:
-    """A launched step's sampled tokens, on their way to the host."""
-
-    def __init__(self, host_tokens: torch.Tensor, event: torch.cuda.Event | None) -> None:
-        self.host_tokens = host_tokens  # [num_sampled], pinned on CUDA
-        self.event = event
-        self.tokens: list[int] | None = None
-
-    def running(self) -> bool:
-        """Whether the device has yet to finish the step (never on the CPU, where the step
-        ran within its launch)."""
-        return self.tokens is None and self.event is not None and not self.event.query()
-
-    def wait(self) -> list[int]:
-        if self.tokens is None:
-            if self.event is not None:
-                self.event.synchronize()
-            self.tokens = self.host_tokens.tolist()
-        return self.tokens
-
-
-def _device_kernels(device: torch.device, *names: str) -> tuple:
-    """The kernels named: Triton kernels on CUDA (kernels' entry points), their torch
-    references on CPU (kernels.reference's <name>_ref)."""
+def _device_kernels(device: torch.device, pdl: bool, *names: str) -> tuple:
+    """The kernels named: Triton kernels on CUDA (kernels' entry points, launched with
+    PDL where pdl), their torch references on CPU (kernels.reference's <name>_ref)."""
     import kernels
 
     if device.type == "cuda":
-        return tuple(getattr(kernels, name) for name in names)
+        return tuple(functools.partial(getattr(kernels, name), pdl=pdl) for name in names)
     return tuple(getattr(kernels.reference, f"{name}_ref") for name in names)
+
+
+def make_attention_backend(device: torch.device, options: EngineOptions) -> AttentionBackend:
+    """Torch references on CPU, Triton kernels on CUDA; chosen once, never per call."""
+    if device.type == "cpu":
+        return TorchAttention()
+    from replica.triton_attention import TritonAttention
+
+    return TritonAttention(fuse_decode_append=options.fuse_decode_append, pdl=options.pdl)
 
 
 def _completes_any(batch: ScheduledBatch) -> bool:
@@ -112,19 +96,14 @@ def _completes_any(batch: ScheduledBatch) -> bool:
     )
 
 
-def resolve_kv_cache_dtype(name: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's torch dtype: the model's, or float8 e4m3 for "fp8" / "fp8_e4m3"."""
-    if name == "auto":
-        return dtype
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(
-            f"kv_cache_dtype: {name!r} needs a GPU of compute capability 8.9 or later "
-            f"(fp8 conversions), this one is {torch.cuda.get_device_capability(device)}"
-        )
-    return FP8_KV_DTYPE
-
-
 class ModelRunner:
+    """The model, its KV cache, persistent inputs and graphs; launch() runs one step.
+
+    emulate_graphs_on_cpu (tests only): a CPU runner takes the graph path, its graphs
+    EagerGraphs (replica.runner.eager_graph), its sampling kernels.sampling's launches
+    under the Triton interpreter.
+    """
+
     def __init__(
         self,
         config: EngineConfig,
@@ -132,15 +111,17 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
+        emulate_graphs_on_cpu: bool = False,
     ) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, device, dtype)
+        self.kv_cache_dtype = kv_cache.resolve_kv_cache_dtype(config.kv_cache_dtype, device, dtype)
         self.max_num_seqs = config.max_num_seqs
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
-        self.backend = make_attention_backend(device)
+        options = config.options
+        self.backend = make_attention_backend(device, options)
         self.model, self.model_config = load_model(
             config.model,
             dtype=dtype,
@@ -148,21 +129,29 @@ class ModelRunner:
             seed=config.seed,
             backend=self.backend,
             triton_linear=config.enable_triton_linear,
+            options=options,
         )
         self.vocab_size = self.model_config.vocab_size
         # Greedy sampling into token_buf, the next step's read of it, and the step's
         # changed block-table rows (inside the decode graphs on CUDA).
         self.argmax_rows, self.resolve_placeholders, self.scatter_table_rows = _device_kernels(
-            device, "argmax_rows", "resolve_placeholders", "scatter_table_rows"
+            device, options.pdl, "argmax_rows", "resolve_placeholders", "scatter_table_rows"
         )
-        # On CUDA (or the CPU emulating it: replica.cuda_graphs), eager decode pads to the same
-        # buckets as the graphs, so that graphs on and off run identical shapes (cuBLAS
-        # tiling, split-KV choice) and give identical tokens.
-        graph_path = graphs_on(device)
+        # On CUDA (or the CPU emulating it), eager decode pads to the same buckets as the
+        # graphs, so that graphs on and off run identical shapes (cuBLAS tiling, split-KV
+        # choice) and give identical tokens.
+        graph_path = graphs_on(device, emulate_graphs_on_cpu)
         self.use_cuda_graphs = graph_path and config.enable_cuda_graphs
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if graph_path else []
         self.mixed_prefill_tokens = config.mixed_prefill_tokens
-        self.decode_in_prefill = DECODE_IN_PREFILL
+        # A step with prompt chunks beyond mixed_prefill_tokens runs its decode sequences in
+        # the prefill forward (one token each) rather than in a decode forward after it.
+        self.decode_in_prefill = options.decode_in_prefill
+        self._init_buffers(graph_path)
+
+    def _init_buffers(self, graph_path: bool) -> None:
+        """The persistent inputs, the host staging, token_buf and the graphs' tables."""
+        device, config = self.device, self.config
         max_rows = self.max_num_seqs + self.mixed_prefill_tokens
         self.mixed_graph_sizes = (
             graph_batch_sizes(max_rows) if self.graph_sizes and self.mixed_prefill_tokens else []
@@ -190,7 +179,7 @@ class ModelRunner:
         self._launched: list[StepHandle | None] = [None, None]  # each parity's last step
         self.token_buf = torch.zeros(rows, dtype=torch.int64, device=device)  # last token per slot
         self._greedy_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Sampling outside the graphs (replica.step_sampler): kernels.sampling on CUDA,
+        # Sampling outside the graphs (replica.runner.sampling): kernels.sampling on CUDA,
         # torch ops on the CPU.
         self.sampler = StepSampler(device, self.vocab_size, config.seed, fused=graph_path)
         self.graph_sampling: GraphSamplingInputs | None = None
@@ -199,7 +188,7 @@ class ModelRunner:
             self.graph_sampling = GraphSamplingInputs(
                 sampling_rows, self.vocab_size, device, region.sampling, region.sampling_staging
             )
-        # (mixed, size, kind): kind (top_k, top_p) one of replica.sampler.GRAPH_KINDS
+        # (mixed, size, kind): kind (top_k, top_p) one of replica.runner.graph_sampling.GRAPH_KINDS
         self.sampling_graphs: dict[tuple[bool, int, tuple], torch.cuda.CUDAGraph] = {}
         self.kv_cache: torch.Tensor | None = None
         # decode: (graph, (logits, greedy tokens)) per batch size; mixed steps have their own
@@ -216,36 +205,14 @@ class ModelRunner:
 
     # ---- set-up ---------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        mc = self.model_config
-        itemsize = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * itemsize
+        return kv_cache.kv_bytes_per_block(self.model_config, self.block_size, self.kv_cache_dtype)
 
     def num_blocks_from_memory(self) -> int:
         """KV blocks that fit in the memory budget, capped at what a full batch can use."""
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
-            budget -= self._activation_reserve_bytes()
-        else:
-            budget = self.config.cpu_kv_cache_gb * 2**30
-        cap = 2 * self.max_num_seqs * self.max_blocks_per_seq
-        num_blocks = min(int(budget // self.kv_bytes_per_block()), cap)
-        if num_blocks < self.max_blocks_per_seq:
-            raise ValueError(
-                f"num_blocks: only {num_blocks} KV blocks fit in memory, fewer than one "
-                f"max_model_len sequence needs ({self.max_blocks_per_seq}); "
-                "lower max_model_len or raise the memory budget"
-            )
-        return num_blocks
-
-    def _activation_reserve_bytes(self) -> int:
-        """An upper estimate of the transient memory of the largest forward pass."""
-        mc = self.model_config
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        tokens = self.config.max_num_batched_tokens + self.max_num_seqs
-        per_token = 24 * mc.hidden_size * itemsize  # residual, qkv, MLP (<= 4x hidden, gated)
-        logits = 3 * max(self.max_num_seqs, 64) * mc.vocab_size * 4
-        return 2 * tokens * per_token + logits + 512 * 2**20
+        return kv_cache.num_blocks_from_memory(
+            self.config, self.model_config, self.device, self.dtype, self.kv_cache_dtype,
+            self.max_blocks_per_seq,
+        )  # fmt: skip
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
@@ -327,7 +294,7 @@ class ModelRunner:
             _, decode_greedy = self._run_decode(padded, mixed)
             if num_rows == first:
                 return StepHandle(self.token_staging[self.parity, :0], None)
-            return self._tokens_to_host(*self._greedy_rows(decode_greedy, mixed, first, num_rows))
+            return self.tokens_to_host(*self._greedy_rows(decode_greedy, mixed, first, num_rows))
         if not prefill_forward:
             prefill_seqs = []
         rows = slice(first, num_rows) if num_rows else None
@@ -386,10 +353,10 @@ class ModelRunner:
             return StepHandle(host, None)
         if graph_kind is not None:  # only the decode (or mixed) forward samples
             self.sampling_graphs[mixed, padded, graph_kind].replay()
-            return self._tokens_to_host(self.graph_sampling.tokens[rows], host)
+            return self.tokens_to_host(self.graph_sampling.tokens[rows], host)
         sampling = self.sampler.batch(sampled_seqs)
         tokens = self.sampler.sample(logits, slots, greedy, sampling, self.token_buf)
-        return self._tokens_to_host(tokens, host)
+        return self.tokens_to_host(tokens, host)
 
     def _greedy_rows(
         self, greedy: torch.Tensor, mixed: bool, first: int, num_rows: int
@@ -405,7 +372,8 @@ class ModelRunner:
                 self._greedy_views[key] = views
         return views
 
-    def _tokens_to_host(self, tokens: torch.Tensor, host: torch.Tensor) -> StepHandle:
+    def tokens_to_host(self, tokens: torch.Tensor, host: torch.Tensor) -> StepHandle:
+        """Copy a step's tokens to their host staging; the handle waits for the copy."""
         if self.device.type == "cpu":
             host.copy_(tokens)
             return StepHandle(host, None)
@@ -415,56 +383,9 @@ class ModelRunner:
         return StepHandle(host, event)
 
     def warm_up(self) -> None:
-        """Run every device op a step may launch outside the graphs once (at start-up).
-
-        Their first use otherwise lands in the first steps that need them: CUDA loads a
-        kernel's module on its first launch, Triton compiles a kernel on its first call,
-        and the caching allocator grows. On an H200 the first step that sampled a prefill
-        and a decode forward together had a launch of 7.5-9.6 ms against 1.2-1.9 for the
-        next such step (bench.burst, 256 prompts). Everything here writes only the null
-        row and the null block.
-        """
-        rows, null = self.max_num_seqs, self.max_num_seqs  # the null row of token_buf
-        logits = torch.zeros((rows, self.vocab_size), dtype=self.dtype, device=self.device)
-        slots = torch.full((rows,), null, dtype=torch.long, device=self.device)
-        greedy = self.argmax_rows(logits, token_buf=self.token_buf, token_rows=slots)
-        half = rows - rows // 2  # a prefill forward's rows, then a decode forward's
-        parts = [(logits[:half], slots[:half], None), (logits[half:], slots[half:], greedy[half:])]
-        logits_parts, slot_parts, greedy_parts = (
-            list(x) for x in zip(*(p for p in parts if len(p[1])), strict=True)
-        )
-        # Every form of kernels.sampling's launches (with top-k rows or not, top-p rows or
-        # not), sampled rows beside greedy ones.
-        sampled = (
-            SamplingParams(temperature=0.5, top_k=5, top_p=0.9),
-            SamplingParams(temperature=0.5, top_k=5),
-            SamplingParams(temperature=0.5, top_p=0.9),
-            SamplingParams(temperature=0.5),
-        )
-        batches = [SamplingBatch.greedy()]
-        for kind in sampled:
-            params = [SamplingParams(temperature=0.0) if i % 2 else kind for i in range(rows)]
-            batches.append(
-                SamplingBatch.build(
-                    params, [None] * rows, self.vocab_size, self.device, positions=[0] * rows
-                )
-            )
-        host = self.token_staging[self.parity, :rows]
-        generator = self.sampler.generator
-        state = generator.get_state()  # the warm-up draws no numbers a request would see
-        for sampling in batches:
-            tokens = self.sampler.sample(
-                logits_parts, slot_parts, greedy_parts, sampling, self.token_buf
-            )
-            self._tokens_to_host(tokens, host).wait()
-        generator.set_state(state)
-        self.step_inputs.upload(
-            self.parity, False, self.block_table.cpu().numpy(), [null], self.block_table
-        )
-        block = torch.tensor([self.null_block], device=self.device)
-        self.backend.copy_blocks(self.kv_cache, block, block)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        """Run every device op a step may launch outside the graphs once (replica.runner.
+        warm_up); it writes only the null row and the null block."""
+        warm_up(self)
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
@@ -486,7 +407,7 @@ class ModelRunner:
     def _prefill_forward(self, bucket: PrefillBucket) -> torch.Tensor:  # [num_seqs, vocab]
         meta = self.prefill.metadata(bucket, self.block_table)
         views = self.prefill.device_views(bucket)
-        # A decode sequence's token (DECODE_IN_PREFILL) may be the one the step before
+        # A decode sequence's token (decode_in_prefill) may be the one the step before
         # sampled: a PLACEHOLDER, read from token_buf as the decode forward does.
         ids = self.resolve_placeholders(views["ids"], self.token_buf, views["token_slots"])
         hidden = self.model(ids, meta.positions, self.kv_cache, meta)
@@ -537,7 +458,9 @@ class ModelRunner:
         return padded_size(self.mixed_graph_sizes if mixed else self.graph_sizes, num_rows)
 
     def _capture_graphs(self) -> None:
-        """Decode and mixed graphs per row count, prefill graphs per PrefillBucket.
+        """Decode and mixed graphs per row count, prefill graphs per PrefillBucket, and
+        the sampling graphs over the decode and mixed ones' logits (their own pool: one
+        replays after a forward's graph).
 
         Two pools, because a step may replay a prefill graph and then a decode graph
         and sample from both outputs: graphs that share a pool share output memory.
@@ -557,21 +480,11 @@ class ModelRunner:
                 self.prefill.buckets(), self._prefill_forward, device
             )
             if self.graph_sampling:
-                self._capture_sampling()
-
-    def _capture_sampling(self) -> None:
-        """A graph per decode and mixed graph and kind of sampling (GRAPH_KINDS):
-        kernels.sampling over its logits into graph_sampling.tokens and token_buf (rows
-        that sample nothing into the null row, as the forward's argmax). Their own pool:
-        one replays after a forward's graph."""
-        pool = None
-        for mixed, graphs in ((False, self.graphs), (True, self.mixed_graphs)):
-            for (size, (_, (logits, _))), kind in itertools.product(graphs.items(), GRAPH_KINDS):
-                sample = functools.partial(self._sample_rows, logits, size, kind)
-                graph, _ = capture_graph(sample, self.device, pool)
-                pool = graph.pool()
-                self.sampling_graphs[mixed, size, kind] = graph
+                forwards = {False: self.graphs, True: self.mixed_graphs}
+                self.sampling_graphs = capture_sampling_graphs(forwards, self._sample_rows, device)
 
     def _sample_rows(self, logits: torch.Tensor, rows: int, kind: tuple[bool, bool]) -> None:
+        """kernels.sampling over logits into graph_sampling.tokens and token_buf (rows that
+        sample nothing into the null row, as the forward's argmax)."""
         tokens = self.graph_sampling.sample(logits, *kind)
         self.token_buf.index_copy_(0, self.decode_inputs[OUT_SLOTS, :rows], tokens)

@@ -11,7 +11,7 @@ copy may still be pending while the next step is filled) and one persistent devi
 buffer share a byte layout:
 
     sampling [sampling_length] int64   a sampled step's sampling parameters (the model
-                                       runner's replica.sampler.GraphSamplingInputs)
+                                       runner's replica.runner.graph_sampling)
     inputs   [5, max_rows] int64       input ids (PLACEHOLDER: read token_buf),
                                        positions, table rows (slots), context lens,
                                        token_buf rows for the sampled token (OUT_SLOTS;
@@ -32,7 +32,7 @@ Most decode steps run the sequences of the step before, in the same order: each 
 moved one position on, and its newest token is the PLACEHOLDER of the token that step
 sampled. fill() then stages them from the other parity's rows in a few numpy passes
 instead of reading every sequence: 11-28 us against 47-78 at 256 rows on an H200's
-host (bench.step_pieces). The runner calls forget() after a launch that filled no
+host. The runner calls forget() after a launch that filled no
 decode rows, so "the step before" is always the launch just before this one.
 """
 

@@ -14,7 +14,7 @@ import random
 
 import torch
 
-from replica.sampler import SamplingBatch, sample, sample_fused
+from replica.runner.sampling_batch import SamplingBatch, sample, sample_fused
 from replica.sequence import Sequence
 
 _GREEDY = operator.attrgetter("greedy")
@@ -32,7 +32,7 @@ class StepSampler:
     ) -> None:
         self.device = device
         self.vocab_size = vocab_size
-        # kernels.sampling, else torch ops; by default on CUDA (replica.cuda_graphs's CPU
+        # kernels.sampling, else torch ops; by default on CUDA (the runner's CPU graph
         # emulation asks for the kernels on the CPU too)
         self.fused = device.type == "cuda" if fused is None else fused
         self.step_keys = random.Random(seed)

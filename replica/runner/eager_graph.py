@@ -1,13 +1,8 @@
-"""CUDA graph capture for the model runner's forwards, and the sizes they are captured at.
+"""EagerGraph: a CUDA graph's stand-in on the CPU, for tests of the graph path's host side.
 
-A graph replays the kernels its capture launched on the same device memory, so a
-forward captured once per shape serves every step of that shape: the inputs are
-copied into the persistent buffers it reads, and its outputs are read where the
-capture left them.
-
-On the CPU, with EMULATE_ON_CPU (tests), a "graph" is an EagerGraph: its replay runs
-the forward again and copies the outputs to where the first call left them, and the
-model runner takes the CUDA path's shapes (padded buckets) and samplers
+With the model runner's emulate_graphs_on_cpu (tests), a "graph" is an EagerGraph: its
+replay runs the forward again and copies the outputs to where the first call left them,
+and the model runner takes the CUDA path's shapes (padded buckets) and samplers
 (kernels.sampling, under the Triton interpreter). CI has no GPU; this way it covers
 the host side of the graph path (which graph a step replays, what it stages, which
 rows it reads back) that otherwise only the GPU tests reach.
@@ -22,20 +17,11 @@ over every op) and a replay that reads one its capture did not raises StaleReadE
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
-# Tests set it (see the module docstring); read when a model runner is built.
-EMULATE_ON_CPU = False
-
-
-def graphs_on(device: torch.device) -> bool:
-    """Whether a model runner on device takes the graph path's shapes and samplers (and,
-    with enable_cuda_graphs, its graphs)."""
-    return device.type == "cuda" or EMULATE_ON_CPU
 
 
 class StaleReadError(AssertionError):
@@ -133,60 +119,3 @@ def _copy_into(dst: Any, src: Any) -> None:
             _copy_into(d, s)
     else:
         assert dst is None and src is None, f"a graph output of type {type(dst).__name__}"
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Captured decode sizes: 1, 2, 4, 8, then steps of 16 up to max_num_seqs."""
-    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
-    sizes += list(range(16, max_num_seqs, 16))
-    return sorted(set(sizes + [max_num_seqs]))
-
-
-def padded_size(sizes: Sequence[int], num_rows: int) -> int:
-    """The least captured size that holds num_rows (sizes ascending; none: num_rows)."""
-    if not sizes:
-        return num_rows
-    for size in sizes:
-        if size >= num_rows:
-            return size
-    raise AssertionError(f"{num_rows} rows exceed the largest captured size {sizes[-1]}")
-
-
-def capture_graph(
-    fn: Callable[[], Any], device: torch.device, pool: Any = None
-) -> tuple[torch.cuda.CUDAGraph | EagerGraph, Any]:
-    """fn captured in a graph on pool (None: a new pool), and what the capture returned.
-    fn runs once before, outside the graph: Triton compiles on a first call, and the
-    caching allocator's first allocations must not land in the capture. Off CUDA (tests
-    only), an EagerGraph."""
-    if device.type != "cuda":
-        graph = EagerGraph(fn)
-        return graph, graph.out
-    fn()
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
-    return graph, out
-
-
-def capture_shapes(
-    shapes: Sequence[Hashable],
-    forward: Callable[[Any], Any],
-    device: torch.device,
-    pool: Any = None,
-) -> tuple[dict[Any, tuple[torch.cuda.CUDAGraph, Any]], Any]:
-    """A graph of forward(shape) per shape, one pool for all: {shape: (graph, outputs)},
-    and the pool. Largest first, so that the smaller ones reuse its memory."""
-    graphs = {}
-    for shape in reversed(shapes):
-        graph, out = capture_graph(lambda shape=shape: forward(shape), device, pool)
-        pool = graph.pool()
-        graphs[shape] = (graph, out)
-    # The first launch of a graph uploads it to the device (ms for a prefill graph):
-    # do it now, not on the first step that needs the size.
-    if device.type == "cuda":
-        for graph, _ in graphs.values():
-            graph.replay()
-        torch.cuda.synchronize(device)
-    return graphs, pool
