@@ -168,7 +168,7 @@ def _random_caches(cache_shape: tuple[int, ...], shape: Shape, gen: torch.Genera
     return [(one(), one()) for _ in range(copies)]
 
 
-def bench_append(shape: Shape, batch: int) -> dict:
+def bench_append(shape: Shape, batch: int, pdl: bool = True) -> dict:
     from kernels.kv_append import append_kv_slots
 
     gen = torch.Generator(device=DEVICE).manual_seed(batch)
@@ -188,13 +188,13 @@ def bench_append(shape: Shape, batch: int) -> dict:
     v_cache = torch.zeros_like(k_cache)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     k, v = inputs[0]
-    append_kv_slots(k, v, k_cache, v_cache, block_table, slot_mapping, positions)
+    append_kv_slots(k, v, k_cache, v_cache, block_table, slot_mapping, positions, pdl=pdl)
     ref.append_kv_slots_ref(k, v, k_ref, v_ref, block_table, slot_mapping, positions)
     same = [torch.equal(a.view(torch.uint8), b.view(torch.uint8))
             for a, b in ((k_cache, k_ref), (v_cache, v_ref))]  # fmt: skip
     assert all(same), "append mismatch"
     tail = (k_cache, v_cache, block_table, slot_mapping, positions)
-    triton_fns = [lambda k=k, v=v: append_kv_slots(k, v, *tail) for k, v in inputs]
+    triton_fns = [lambda k=k, v=v: append_kv_slots(k, v, *tail, pdl=pdl) for k, v in inputs]
     torch_fns = [lambda k=k, v=v: ref.append_kv_slots_ref(k, v, *tail) for k, v in inputs]
     triton_us, torch_us = graph_time_us(triton_fns), graph_time_us(torch_fns)
     return {
@@ -276,7 +276,8 @@ def bench_decode(
         "%copy": 100 * gbps / copy_gbps,
     }  # fmt: skip
     if splits > 1:
-        row["merge_us"] = graph_time_us([lambda: merge_splits(*workspace, out, splits)])
+        pdl = launch.get("pdl", True)
+        row["merge_us"] = graph_time_us([lambda: merge_splits(*workspace, out, splits, pdl=pdl)])
     if do_bench:
         row["do_bench_us"] = do_bench_us(fns)
     if peer:
@@ -395,12 +396,14 @@ def run_sweep(args: argparse.Namespace, copy_gbps: float) -> dict:
     contexts = QUICK_CONTEXTS if args.quick else CONTEXTS
     append_rows = []
     for shape, batch in itertools.product(args.shapes, append_batches):
-        append_rows.append(bench_append(shape, batch))
+        append_rows.append(bench_append(shape, batch, pdl=not args.no_pdl))
         print_now(f"append {shape.name} B={batch}: {append_rows[-1]['triton_us']:.1f} us")
     decode_rows = []
     for shape, batch, context in itertools.product(args.shapes, decode_batches, contexts):
         peer = batch <= 8 and context <= 1024
-        decode_rows.append(bench_decode(shape, batch, context, copy_gbps, peer, do_bench=True))
+        decode_rows.append(
+            bench_decode(shape, batch, context, copy_gbps, peer, True, pdl=not args.no_pdl)
+        )
         r = decode_rows[-1]
         print_now(f"decode {shape.name} B={batch} ctx={context}: {r['us']:.1f} us "
                   f"{r['%copy']:.0f}% of copy")  # fmt: skip
@@ -717,10 +720,8 @@ def main(argv: list[str] | None = None) -> None:
         help="launch every kernel without programmatic dependent launch (to compare)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.no_pdl:
-        import kernels.pdl
-
-        kernels.pdl.ENABLE_PDL = False
+    if args.no_pdl and (args.argmax or args.prefill or args.read_bw or args.tune):
+        raise SystemExit("--no-pdl: only the default sweep (append and decode) takes it")
     try:
         args.tune_cases = [tuple(map(int, c.split("x"))) for c in args.tune_cases.split(",")]
     except ValueError:
