@@ -32,7 +32,7 @@ import gc
 import os
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -88,7 +88,9 @@ class FakeEngine:
         self.max_model_len = 1 << 20
         self.requests: dict[str, _FakeRequest] = {}
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         if request_id in self.requests:

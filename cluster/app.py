@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from ray import serve
@@ -12,10 +11,8 @@ from ray.serve.config import RequestRouterConfig
 from cluster.client import LLM_DEPLOYMENT
 from cluster.config import ClusterConfig
 from cluster.deployment import LLMServer
+from cluster.engine_loop import EngineFactory
 from cluster.request_router import request_router_config, serve_request_router_config
-
-# (config, replica_id, num_gpus) -> an engine with LLMEngine's step interface.
-EngineFactory = Callable[[ClusterConfig, str, float], Any]
 
 # Serve runs an LLMServer replica's methods on the replica's main event loop instead of
 # a loop thread of its own: one thread hop less per call and per streamed message, and

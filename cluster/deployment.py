@@ -17,7 +17,7 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from cluster.config import ClusterConfig
 from cluster.engine_loop import (
     GIL_SWITCH_INTERVAL_S,
     AbortedBeforeAdmissionError,
+    EngineFactory,
     EngineLoop,
     EngineUnavailableError,
     engine_builder,
@@ -109,7 +110,7 @@ class LLMServer:
         self,
         config: ClusterConfig,
         num_gpus: float = 0.0,
-        engine_factory: Callable[[ClusterConfig, str, float], Any] | None = None,
+        engine_factory: EngineFactory | None = None,
         heartbeat_s: float = 1.0,
         replica_id: str | None = None,
         gil_switch_interval_s: float | None = GIL_SWITCH_INTERVAL_S,

@@ -35,6 +35,7 @@ from cluster.config import ClusterConfig
 from cluster.fan_out import FanOut
 from cluster.messages import StepBatch
 from cluster.metrics import ReplicaMetrics
+from replica.protocol import ServingEngine
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
 
@@ -59,6 +60,9 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 # (caller_id, what one step produced for that caller), called on the engine thread
 Deliver = Callable[[str, StepBatch], None]
+
+# What builds a replica's engine: (config, replica_id, num_gpus) -> the engine.
+EngineFactory = Callable[[ClusterConfig, str, float], ServingEngine]
 
 
 class EngineUnavailableError(RuntimeError):
@@ -96,7 +100,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        build: Callable[[], Any],
+        build: Callable[[], ServingEngine],
         replica_id: str,
         stats_period_s: float,
         deliver: Deliver,
@@ -128,7 +132,7 @@ class EngineLoop:
             raise self._build_error
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> ServingEngine:
         """The engine, for its fixed facts (model_config, max_model_len): its methods are
         the engine thread's alone."""
         return self._engine
@@ -194,7 +198,7 @@ class EngineLoop:
         self._wakeup.set()
         return future
 
-    def _build(self, build: Callable[[], Any]) -> bool:
+    def _build(self, build: Callable[[], ServingEngine]) -> bool:
         """Build the engine and its first snapshots on this thread; False if that raised
         (the constructor raises it)."""
         try:
@@ -210,7 +214,7 @@ class EngineLoop:
             self._built.set()
         return True
 
-    def _run(self, build: Callable[[], Any]) -> None:
+    def _run(self, build: Callable[[], ServingEngine]) -> None:
         if not self._build(build):
             return
         try:
@@ -292,18 +296,20 @@ class EngineLoop:
             self._deliver(caller_id, batch)
 
 
-def default_engine_factory(config: ClusterConfig, replica_id: str, num_gpus: float) -> Any:
+def default_engine_factory(
+    config: ClusterConfig, replica_id: str, num_gpus: float
+) -> ServingEngine:
     from replica import LLMEngine
 
     return LLMEngine(config.engine_config(replica_id, num_gpus))
 
 
 def engine_builder(
-    factory: Callable[[ClusterConfig, str, float], Any] | None,
+    factory: EngineFactory | None,
     config: ClusterConfig,
     replica_id: str,
     num_gpus: float,
-) -> Callable[[], Any]:
+) -> Callable[[], ServingEngine]:
     """What a replica's EngineLoop builds its engine with (factory: None for LLMEngine).
 
     A CPU replica's engine is built on the engine thread (this module's docstring: with
@@ -320,7 +326,7 @@ def engine_builder(
     return lambda: engine
 
 
-def engine_model_info(config: ClusterConfig, engine: Any) -> dict[str, Any]:
+def engine_model_info(config: ClusterConfig, engine: ServingEngine) -> dict[str, Any]:
     """What LLMServer.model_info answers (Client.model_info reads it)."""
     model_config = engine.model_config
     return {

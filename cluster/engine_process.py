@@ -44,6 +44,7 @@ from cluster.config import ClusterConfig
 from cluster.engine_loop import (
     GIL_SWITCH_INTERVAL_S,
     Deliver,
+    EngineFactory,
     EngineLoop,
     EngineUnavailableError,
     engine_builder,
@@ -53,6 +54,7 @@ from cluster.engine_loop import (
 from cluster.fan_out import error_batches
 from cluster.messages import StepBatch
 from cluster.metrics import ReplicaMetrics
+from replica.protocol import ServingEngine
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
 
@@ -70,7 +72,7 @@ class EngineProcess:
         config: ClusterConfig,
         replica_id: str,
         num_gpus: float,
-        engine_factory: Callable[[ClusterConfig, str, float], Any] | None,
+        engine_factory: EngineFactory | None,
         deliver: Deliver,
         metrics: ReplicaMetrics | None = None,
     ) -> None:
@@ -290,7 +292,11 @@ class _ChildEngineLoop(EngineLoop):
     """EngineLoop whose deliveries, stats and failure go to the parent's pipe."""
 
     def __init__(
-        self, build: Callable[[], Any], replica_id: str, stats_period_s: float, send: Any
+        self,
+        build: Callable[[], ServingEngine],
+        replica_id: str,
+        stats_period_s: float,
+        send: Any,
     ) -> None:
         self._send = send
         self._reported = False

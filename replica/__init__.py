@@ -3,6 +3,7 @@
 from replica.config import CacheConfig, EngineConfig, SchedulerConfig
 from replica.engine import LLMEngine
 from replica.outputs import CompletionOutput, RequestOutput, StepOutputs
+from replica.protocol import ServingEngine
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
 
@@ -15,5 +16,6 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "ServingEngine",
     "StepOutputs",
 ]

@@ -17,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from bench.cluster import FakeEngine
 from cluster.config import ClusterConfig
 from cluster.deployment import LLMServer
-from replica.outputs import RequestOutput
+from replica.outputs import StepOutputs
+from replica.sampling_params import SamplingParams
 
 
 class GatedEngine:
@@ -49,13 +50,15 @@ class GatedEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
         if self.gate_adds.is_set():
             self.add_entered.set()
             assert self.release_add.wait(30), "the test never released the add"
         self.engine.add_request(request_id, prompt_token_ids, params)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepOutputs:
         outputs = self.engine.step()
         self._stepped = bool(outputs)
         self._asks_since_step = 0

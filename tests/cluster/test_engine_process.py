@@ -31,7 +31,7 @@ from cluster.messages import (
     decode_message,
 )
 from replica import LLMEngine, SamplingParams
-from replica.outputs import RequestOutput
+from replica.outputs import StepOutputs
 from tests.cluster.local_ray import local_serve
 
 pytestmark = pytest.mark.timeout(180)
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(180)
 class BrokenEngine(FakeEngine):
     """A FakeEngine whose 20th step raises, as an engine bug would."""
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepOutputs:
         self.num_steps = getattr(self, "num_steps", 0) + 1
         if self.num_steps == 20:
             raise RuntimeError("kernel exploded")
