@@ -2,7 +2,6 @@
 
     python -m bench.kernels [--quick] [--out results/kernels.json]
     python -m bench.kernels --tune [--shapes gpt2,qwen3-0.6b] [--out results/tune.json]
-    python -m bench.kernels --read-bw [--shapes gpt2,qwen3-0.6b]
     python -m bench.kernels --prefill [--tune] [--shapes gpt2,qwen3-0.6b]
 
 The default run measures, on one CUDA GPU: device-to-device copy bandwidth (bytes
@@ -12,8 +11,6 @@ B in 1..4096; paged decode attention for B in {1, 8, 64, 256} x context in
 copy ceiling, the split-merge kernel's own time, and the torch reference as the
 peer for small cases. --tune sweeps the decode launch parameters instead (see
 tune_decode) and prints the values to put in kernels/decode_attention.py.
---read-bw asks what a read-only kernel gets out of HBM at 1 GiB and at the K/V bytes of
-one layer at B = 256, context 192, against decode attention at that shape.
 --prefill times paged prefill attention (the engine's work-list form) at the prompt
 shapes of PREFILL_CASES, in causal TFLOPS, against torch's scaled_dot_product_attention
 on the same prompts laid out contiguously (its flash kernel: the peer); with --tune it
@@ -418,105 +415,10 @@ def run_sweep(args: argparse.Namespace, copy_gbps: float) -> dict:
     return {"append": append_rows, "decode": decode_rows}
 
 
-ARGMAX_SHAPE = (256, 50257)  # gpt2's logits at B=256, a view of the LM head's padded 50304
-
-
-def sweep_argmax() -> list[dict]:
-    """kernels.argmax over CHUNK x PARTIAL_WARPS, graph-timed from HBM, and torch.argmax."""
-    import kernels.argmax as am
-
-    rows, cols = ARGMAX_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    padded = -(-cols // 64) * 64
-    xs = [
-        torch.randn(rows, padded, generator=gen).half().to(DEVICE)[:, :cols]
-        for _ in range(num_copies(rows * padded * 2))
-    ]
-    want = xs[0].argmax(-1)
-    torch_us = graph_time_us([lambda x=x: x.argmax(-1) for x in xs])
-    print_now(f"argmax [{rows}, {cols}] half: torch.argmax {torch_us:.2f} us")
-    defaults, out = (am.CHUNK, am.PARTIAL_WARPS), []
-    try:
-        for chunk, warps in itertools.product((2048, 4096, 8192), (2, 4, 8)):
-            am.CHUNK, am.PARTIAL_WARPS = chunk, warps
-            assert torch.equal(am.argmax_rows(xs[0]), want)
-            us = graph_time_us([lambda x=x: am.argmax_rows(x) for x in xs])
-            out.append({"chunk": chunk, "warps": warps, "us": us, "torch_us": torch_us})
-            print_now(f"  chunk {chunk} / {warps} warps: {us:.2f} us")
-    finally:
-        am.CHUNK, am.PARTIAL_WARPS = defaults
-    return out
-
-
-READ_BW_CASE = (256, 192)  # B x context: the K/V bytes of one layer of the 256-row step
-
-
-def _read_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def read_sum(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        """Program p sums the BLOCKs p, p + programs, ... of x (a grid-stride read)."""
-        step = tl.num_programs(0) * BLOCK
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for start in range(tl.program_id(0) * BLOCK, n, step):
-            offs = start + tl.arange(0, BLOCK)
-            acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-        tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
-
-    return read_sum
-
-
-def bench_read_bandwidth(shapes: list[Shape], copy_gbps: float) -> list[dict]:
-    """Read-only bandwidth (graph-timed, bytes read / time): torch.sum and a plain Triton
-    read at a few grids (the best shown), over 1 GiB and over each shape's K/V bytes of
-    one layer at READ_BW_CASE; then decode attention at that case."""
-    from kernels.decode_attention import num_sms
-
-    read_sum = _read_kernel()
-    sms = num_sms(torch.device(DEVICE))
-    batch, context = READ_BW_CASE
-    sizes = [("1 GiB", 2**30, None)] + [
-        (f"{s.name} K/V, {batch}x{context}", batch * context * 4 * s.num_kv_heads * s.head_dim, s)
-        for s in shapes
-    ]  # K and V, 2 bytes each
-    rows = []
-    for name, num_bytes, shape in sizes:
-        copies = num_copies(num_bytes)
-        xs = [torch.randn(num_bytes // 2, device=DEVICE).half() for _ in range(copies)]
-        sum_us = graph_time_us([lambda x=x: x.sum() for x in xs])
-        best_us, best_grid = float("inf"), ""
-        for per_sm, block, warps in ((8, 4096, 8), (16, 2048, 4), (32, 2048, 4), (32, 1024, 4)):
-            grid = (sms * per_sm,)
-            out = torch.empty(grid[0], dtype=torch.float32, device=DEVICE)
-            us = graph_time_us([
-                lambda x=x, out=out, g=grid, b=block, w=warps: read_sum[g](
-                    x, out, x.numel(), BLOCK=b, num_warps=w)
-                for x in xs
-            ])  # fmt: skip
-            if us < best_us:
-                best_us, best_grid = us, f"{per_sm}/SM, {block}x{warps}w"
-        row = {
-            "bytes": name, "MiB": num_bytes / 2**20,
-            "torch.sum GB/s": num_bytes / sum_us / 1e3,
-            "read kernel GB/s": num_bytes / best_us / 1e3, "read grid": best_grid,
-        }  # fmt: skip
-        if shape is not None:
-            decode = bench_decode(shape, batch, context, copy_gbps)
-            row |= {"decode us": decode["us"], "decode GB/s": decode["GB/s"]}
-        best_read = max(row["read kernel GB/s"], row["torch.sum GB/s"])
-        row["% copy (best read)"] = 100 * best_read / copy_gbps
-        print_now(row)
-        rows.append(row)
-        del xs
-    return rows
-
-
 PREFILL_DECODE_CONTEXT = 130
 # (name, prompts, prompt tokens each, one-token decode rows, their context): a 256-prompt
 # burst's steps (64 prompts of 128 alone, then with the running rows riding in the
-# forward, DECODE_IN_PREFILL), a serving step (a 4K chunk beside 192 rows at 2K), and
+# forward, EngineOptions.decode_in_prefill), a serving step (a 4K chunk beside 192 rows at 2K), and
 # long prompts.
 PREFILL_CASES = [
     ("64x128", 64, 128, 0, 0),
@@ -697,12 +599,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="reduced sweep")
     parser.add_argument("--tune", action="store_true", help="decode launch-parameter sweep")
     parser.add_argument(
-        "--argmax", action="store_true", help="kernels.argmax chunk x warps sweep only"
-    )
-    parser.add_argument(
-        "--read-bw", action="store_true", help="read-only bandwidth against decode attention"
-    )
-    parser.add_argument(
         "--prefill", action="store_true",
         help="paged prefill attention against torch SDPA (with --tune: its tiles swept)",
     )  # fmt: skip
@@ -720,7 +616,7 @@ def main(argv: list[str] | None = None) -> None:
         help="launch every kernel without programmatic dependent launch (to compare)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.no_pdl and (args.argmax or args.prefill or args.read_bw or args.tune):
+    if args.no_pdl and (args.prefill or args.tune):
         raise SystemExit("--no-pdl: only the default sweep (append and decode) takes it")
     try:
         args.tune_cases = [tuple(map(int, c.split("x"))) for c in args.tune_cases.split(",")]
@@ -747,22 +643,13 @@ def main(argv: list[str] | None = None) -> None:
         "num_sms": sms,
         "pdl": not args.no_pdl,
     }
-    if args.argmax:
-        payload["argmax"] = sweep_argmax()
-    elif args.prefill:
+    if args.prefill:
         rows = run_prefill(args.shapes, args.tune)
         columns = ["shape", "case", "us", "TFLOPS", "sdpa_us", "sdpa_TFLOPS", "best_us",
                    "best_TFLOPS", "best q/n/warps/stages"]  # fmt: skip
         print_now("\n## Paged prefill attention, graph-timed (causal TFLOPS)\n")
         print_now(markdown_table(rows, [c for c in columns if any(c in r for r in rows)]))
         payload["prefill"] = rows
-    elif args.read_bw:
-        rows = bench_read_bandwidth(args.shapes, copy_gbps)
-        columns = ["bytes", "MiB", "torch.sum GB/s", "read kernel GB/s", "read grid",
-                   "decode us", "decode GB/s", "% copy (best read)"]  # fmt: skip
-        print_now("\n## Read-only bandwidth (graph-timed)\n")
-        print_now(markdown_table(rows, columns))
-        payload["read_bandwidth"] = rows
     elif args.tune:
         best_rows = tune_decode(copy_gbps, args.shapes, args.tune_cases)
         print_now("\n## Decode tuning: best config per case (graph-timed)\n")
