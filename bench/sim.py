@@ -24,9 +24,9 @@ O(sequences that start, finish or move). Measured on a shared 2-core box:
 ran in 356 s (138 us per routing decision), 2.4 GB resident.
 What is approximate: the cost model is linear and fitted on three decode points
 (prefill slope estimated); no network, Ray or host overhead beyond the fitted
-step; routers (--num-routers) see every snapshot at the same time; the prefix
-cache registers a prompt's blocks when its prefill completes; peers are
-re-implementations, not the systems themselves.
+step; routers (--num-routers) see every snapshot at the same time; peers are
+re-implementations, not the systems themselves. What each replica admits per step is
+the real Scheduler's (tests/bench/test_sim_scheduler.py replays a trace through both).
 """
 
 from __future__ import annotations

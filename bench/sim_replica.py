@@ -53,7 +53,7 @@ class ReplicaSimConfig:
 class SimSeq:
     __slots__ = (
         "rid", "prompt_len", "out_left", "computed", "held_hashes", "join_step", "epoch",
-        "num_hit_tokens", "queued_hashes", "num_queued_blocks",
+        "num_hit_tokens", "queued_hashes", "num_queued_blocks", "num_committed",
     )  # fmt: skip
 
     def __init__(self, rid: int, prompt_len: int, out_left: int) -> None:
@@ -67,6 +67,7 @@ class SimSeq:
         self.num_hit_tokens = 0
         self.queued_hashes: list[int] = []  # while waiting, as replica.Scheduler charges it
         self.num_queued_blocks = 0
+        self.num_committed = 0  # leading prompt blocks computed (BlockManager.commit's count)
 
 
 class SimReplica:
@@ -168,13 +169,13 @@ class SimReplica:
         if self.batch:
             for seq, chunk in self.batch:
                 seq.computed += chunk
+                self._commit(seq)
                 if seq.computed == seq.prompt_len:
                     self._finish_prefill(seq, s, now_s)
             self.batch = []
 
     def _finish_prefill(self, seq: SimSeq, s: int, now_s: float) -> None:
         self.prefilling.remove(seq)
-        self._register_prompt_hashes(seq)
         self.tokens_out += 1
         if self.first_token_s[seq.rid] < 0:
             self.first_token_s[seq.rid] = now_s
@@ -254,7 +255,7 @@ class SimReplica:
 
     def _uncomputed_hashes(self, seq: SimSeq) -> list[int]:
         num_full = seq.prompt_len // self.block_size
-        return self.workload.block_hashes(seq.rid, num_full)[len(seq.held_hashes) :]
+        return self.workload.block_hashes(seq.rid, num_full)[seq.num_committed :]
 
     def _first_uncached_hash(self, seq: SimSeq) -> int | None:
         max_hits = (seq.prompt_len - 1) // self.block_size
@@ -297,24 +298,26 @@ class SimReplica:
             resident[h] = refs + 1  # re-insert: most recently used
         self._take_blocks(num_new)
         seq.held_hashes = hits
+        seq.num_committed = len(hits)
         seq.computed = len(hits) * bs
         seq.num_hit_tokens = seq.computed
         self.num_prompt_tokens += seq.prompt_len
         self.num_hit_tokens += seq.computed
         return True
 
-    def _register_prompt_hashes(self, seq: SimSeq) -> None:
-        """Computed full prompt blocks become shareable (a duplicate stays private)."""
-        if not self.config.enable_prefix_caching:
+    def _commit(self, seq: SimSeq) -> None:
+        """Full prompt blocks become shareable once a chunk has computed them, as
+        BlockManager.commit registers them after each step (a duplicate stays private)."""
+        num_full = seq.computed // self.block_size
+        if not self.config.enable_prefix_caching or num_full <= seq.num_committed:
             return
         held = seq.held_hashes
         resident = self.resident
-        for h in self.workload.block_hashes(seq.rid, seq.prompt_len // self.block_size)[
-            len(held) :
-        ]:
+        for h in self.workload.block_hashes(seq.rid, num_full)[seq.num_committed :]:
             if h not in resident:
                 resident[h] = 1
                 held.append(h)
+        seq.num_committed = num_full
 
     def _release(self, seq: SimSeq, kv_len: int) -> None:
         """Free the sequence's blocks; hashed and full generated blocks stay cached (LRU).
@@ -347,6 +350,7 @@ class SimReplica:
             cached[h] = None
         self.num_free += num_private - num_private_cached
         seq.held_hashes = []
+        seq.num_committed = 0
 
     def _retire(self, seq: SimSeq, kv_len: int, now_s: float) -> None:
         del self.running[seq]
@@ -360,14 +364,17 @@ class SimReplica:
         if seq.join_step >= 0:
             self._stop_decoding(seq, s)
             kv_len = seq.prompt_len + s - seq.join_step
+        else:
+            self.prefilling.remove(seq)
+            kv_len = seq.prompt_len
+        # Released while prompt_len is still the prompt's: its full generated blocks stay
+        # cached, as the Scheduler commits them before it frees a preempted sequence.
+        self._release(seq, kv_len)
+        if seq.join_step >= 0:
             seq.prompt_len = kv_len + 1  # recompute every token, including the newest
             seq.out_left -= s - seq.join_step
             seq.join_step = -1
             seq.epoch += 1
-        else:
-            self.prefilling.remove(seq)
-            kv_len = seq.prompt_len
-        self._release(seq, kv_len)
         seq.computed = 0
         self.waiting.appendleft(seq)
         self._queued(seq)
