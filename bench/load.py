@@ -194,7 +194,7 @@ def round_app_name(app_name: str, router: str) -> str:
     used. A process keeps Serve's handle on an (app, deployment) for its life, and that
     handle's request router keeps the router class of the deployment it first saw: with
     one name, every round after the first was routed by the first round's router in the
-    generator processes (until 2026-11-22). A new handle on the same name in a process
+    generator processes. A new handle on the same name in a process
     that holds the old one may never see the new replicas (Serve's shared long-poll
     client), so making one per round is no way out either."""
     return f"{app_name}-{router}"
