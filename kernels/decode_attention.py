@@ -34,7 +34,7 @@ from kernels.pdl import pdl_launch, pdl_prologue
 _LOG2E = 1.4426950408889634
 _MIN_QUERY_ROWS = 16  # tl.dot needs M >= 16
 
-# Split-KV policy (a-priori for H200; `python -m bench.kernels --tune` prints measured values).
+# Split-KV policy, set for H200 from the sweeps below (the sweep tool is in git history).
 # A decode program is one (sequence, kv head, split); memory-bound work needs several
 # programs per SM in flight to cover HBM latency.
 SPLIT_PROGRAMS_PER_SM = 4  # split until about this many programs per SM

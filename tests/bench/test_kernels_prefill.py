@@ -25,21 +25,6 @@ def test_bench_prefill_checks_the_kernel_and_counts_causal_flops(monkeypatch):
     assert timed == [2]  # one timing over both cache copies
     flops = 4 * 4 * 16 * (2 * 20 * 21 / 2 + 3 * bk.PREFILL_DECODE_CONTEXT)
     assert row["TFLOPS"] == pytest.approx(flops / 10.0 / 1e6)
-    assert row["launch"] == "default"
-    tuned = bk.bench_prefill(shape, ("2x20", 2, 20, 0, 0), block_q=16, block_n=16, num_warps=2)
-    assert tuned["launch"] == "16/16/2"
-
-
-def test_prefill_tune_sweeps_query_rows_per_program(monkeypatch):
-    """block_m is query rows: with two query heads per kv head, block_q is half of it."""
-    monkeypatch.setattr(bk, "DEVICE", "cpu")
-    monkeypatch.setattr(bk, "num_copies", lambda num_bytes: 1)
-    monkeypatch.setattr(bk, "graph_time_us", lambda fns: [fn() for fn in fns] and 10.0)
-    grid = {"block_m": (32, 64), "block_n": (16,), "num_warps": (2,), "num_stages": (1,)}
-    monkeypatch.setattr(bk, "PREFILL_TUNE", grid)
-    shape = bk.Shape("tiny", num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
-    rows = list(bk._prefill_tune_rows(shape, ("2x20", 2, 20, 0, 0)))
-    assert [r["launch"] for r in rows] == ["16/16/2/1", "32/16/2/1"]  # q/n/warps/stages
 
 
 def test_fp8_kv_shapes_bench_fp8_caches_and_count_their_bytes(monkeypatch):
@@ -48,7 +33,6 @@ def test_fp8_kv_shapes_bench_fp8_caches_and_count_their_bytes(monkeypatch):
     monkeypatch.setattr(bk, "DEVICE", "cpu")
     monkeypatch.setattr(bk, "num_copies", lambda num_bytes: 1)
     monkeypatch.setattr(bk, "graph_time_us", lambda fns: [fn() for fn in fns] and 10.0)
-    monkeypatch.setattr(bk, "do_bench_us", lambda fns: 10.0)
     wide = bk.Shape("tiny", num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float16)
     shape = bk.fp8_kv(wide)
     assert (shape.name, shape.cache_dtype) == ("tiny+fp8kv", torch.float8_e4m3fn)
@@ -57,48 +41,23 @@ def test_fp8_kv_shapes_bench_fp8_caches_and_count_their_bytes(monkeypatch):
     row = bk.bench_decode(shape, 3, 40, copy_gbps=1000.0)
     assert row["GB/s"] == pytest.approx(2 * 3 * 40 * 2 * 16 / 10.0 / 1e3)
     assert bk.bench_decode(wide, 3, 40, copy_gbps=1000.0)["GB/s"] == 2 * row["GB/s"]
-    assert (
-        bk.bench_prefill(shape, ("2x20 + 3 rows", 2, 20, 3, bk.PREFILL_DECODE_CONTEXT))["launch"]
-        == "default"
-    )
+    row = bk.bench_prefill(shape, ("2x20 + 3 rows", 2, 20, 3, bk.PREFILL_DECODE_CONTEXT))
+    assert row["shape"] == "tiny+fp8kv"
     assert bk.bench_append(shape, 4)["shape"] == "tiny+fp8kv"
 
 
-def test_run_prefill_times_decode_rows_without_short_entries_too(monkeypatch):
-    """A case with decode rows is timed twice: short entries (the engine's launch) and
-    every row in BLOCK_M programs (short_q=0, no_short_us)."""
-    monkeypatch.setattr(bk, "DEVICE", "cpu")
-    monkeypatch.setattr(bk, "num_copies", lambda num_bytes: 1)
-    monkeypatch.setattr(bk, "graph_time_us", lambda fns: [fn() for fn in fns] and 10.0)
-    launches = []
-    real = bk.bench_prefill
-    monkeypatch.setattr(bk, "bench_prefill", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
-    monkeypatch.setattr(
-        bk,
-        "PREFILL_CASES",
-        [("2x20", 2, 20, 0, 0), ("2x20 + 3 rows", 2, 20, 3, bk.PREFILL_DECODE_CONTEXT)],
-    )
-    shape = bk.Shape("tiny", num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
-    rows = bk.run_prefill([shape], tune=False)
-    assert launches == [{}, {}, {"short_q": 0}]
-    assert "no_short_us" not in rows[0] and rows[1]["no_short_us"] == 10.0
-
-
-def test_run_prefill_times_long_prompts_without_the_long_list_too(monkeypatch):
+def test_run_prefill_launches_the_long_list_where_the_engine_would(monkeypatch):
     """A shape with a long tile (head_dim 128) and prompts past LONG_CONTEXT (lowered to
-    16 here): timed on the long list (the engine's launch) and in the main launch
-    (no_long_us); a shape without a long tile only once."""
+    16 here) runs them on the long list, as the engine does; shorter prompts, and a shape
+    without a long tile, launch no long list."""
     from kernels import prefill_attention as pa
 
     monkeypatch.setattr(bk, "DEVICE", "cpu")
     monkeypatch.setattr(bk, "num_copies", lambda num_bytes: 1)
     monkeypatch.setattr(bk, "graph_time_us", lambda fns: [fn() for fn in fns] and 10.0)
     monkeypatch.setattr(pa, "LONG_CONTEXT", 16)
-    launches = []
-    real = bk.bench_prefill
-    monkeypatch.setattr(bk, "bench_prefill", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
     monkeypatch.setattr(bk, "PREFILL_CASES", [("2x20", 2, 20, 0, 0), ("2x8", 2, 8, 0, 0)])
-    long_entries = []  # each launch's long list, as the engine would give it
+    long_entries = []  # each call's long list, as the engine would give it
     real_attention = pa.paged_prefill_attention
 
     def recording_attention(*args, long_work=None, **kwargs):
@@ -108,9 +67,8 @@ def test_run_prefill_times_long_prompts_without_the_long_list_too(monkeypatch):
     monkeypatch.setattr(pa, "paged_prefill_attention", recording_attention)
     wide = bk.Shape("tiny128", num_heads=4, num_kv_heads=2, head_dim=128, dtype=torch.float16)
     narrow = bk.Shape("tiny64", num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16)
-    rows = bk.run_prefill([wide, narrow], tune=False)
-    assert launches == [{}, {"long": False}, {}, {}, {}]
-    assert rows[0]["no_long_us"] == 10.0
-    assert all("no_long_us" not in r for r in rows[1:])
-    # Two 20-token prompts in 64-token long blocks; no list where no chunk is long.
-    assert [n for n in long_entries if n is not None] == [2, 2]
+    rows = bk.run_prefill([wide, narrow])
+    assert [r["case"] for r in rows] == ["2x20", "2x8", "2x20", "2x8"]
+    # Each case is called twice (the check, then the timing over its one copy): two
+    # 20-token prompts in 64-token long blocks, then no list anywhere else.
+    assert long_entries == [2, 2] + [None] * 6
