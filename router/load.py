@@ -69,8 +69,11 @@ def load_fraction(stats: ReplicaStats, request: RouteRequest | None = None) -> f
     leave them). Slots: seq_fraction. A replica with a large cache runs out of
     sequence slots first; by blocks alone, one that has just taken a batch of
     short new requests looks lightest while every new request there must wait
-    for a slot, and routers whose snapshots all say so herd onto it (seen on 4
-    H200s, BENCHMARKS.md). Can exceed 1: waiting work is a queue, not a state.
+    for a slot, and routers whose snapshots all say so herd onto it (on 4 H200s
+    with 32,768 blocks and max_num_seqs 256 per replica, one replica held 256
+    running and 200-370 waiting while the others ran 0-50; docs/design.md, "kv
+    policy and the balance band"). Can exceed 1: waiting work is a queue, not a
+    state.
     """
     num_blocks = stats.num_blocks_used + num_waiting_blocks(stats)
     if request is not None:
