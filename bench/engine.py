@@ -13,8 +13,6 @@ the measured copy bandwidth). Requests decode greedily unless --temperature is g
 from __future__ import annotations
 
 import argparse
-import gc
-import math
 import statistics
 import tempfile
 import time
@@ -23,112 +21,12 @@ import torch
 
 import kernels.pdl
 from bench.common import copy_bandwidth_gbps, host_cpu, markdown_table, percentile, write_json
-from bench.engine_run import GREEDY, EngineRun, Sampling, random_prompts, run_engine
+from bench.engine_run import GREEDY, Sampling, random_prompts, run_engine
 from bench.itl import cohort_itl, format_itl, steady_itl
 from replica import EngineConfig, LLMEngine
 from replica.config_flags import add_config_flags, config_from_args
 from replica.models.layers import uses_triton_linear
 from replica.models.presets import PRESETS
-from replica.options import EngineOptions
-
-HOST_BOUND_WAIT = 0.1  # a step that waited for the device under this share of its wall
-
-
-def step_profile(run: EngineRun, slow_factor: float = 1.25) -> dict:
-    """How the decode steps' walls spread, and what the slow ones (> slow_factor x the
-    median) spent their time on: decode tok/s divides by the sum of walls, so a few slow
-    steps move it while the median (TPOT) stays put. A step is host-bound when it waited
-    for the device's previous step less than HOST_BOUND_WAIT of its wall: the host's own
-    work (schedule, launch, drain) set its pace, and a faster host would have shortened it."""
-    walls = run.decode_step_s
-    if not walls:
-        return {}
-    median = percentile(walls, 50)
-    slow = [i for i, w in enumerate(walls) if w > slow_factor * median]
-
-    def phases_ms(indices: list[int]) -> list[float]:
-        if not indices:
-            return [float("nan")] * 5
-        return [1e3 * statistics.mean(run.decode_phases_s[i][k] for i in indices) for k in range(5)]
-
-    slow_set = set(slow)
-    normal = [i for i in range(len(walls)) if i not in slow_set]
-    others = run.other_steps
-    prof = {
-        "wall_ms": 1e3 * run.wall_s, "add_ms": 1e3 * run.add_s,
-        "decode_total_ms": 1e3 * sum(walls), "num_other_steps": len(others),
-        "other_prompt_tokens": sum(o[5] for o in others),
-        "other_phases_ms": [1e3 * sum(o[k] for o in others) for k in range(5)],
-        "mean_ms": 1e3 * statistics.mean(walls), "p50_ms": 1e3 * median,
-        "p90_ms": 1e3 * percentile(walls, 90), "p99_ms": 1e3 * percentile(walls, 99),
-        "max_ms": 1e3 * max(walls), "num_steps": len(walls), "num_slow": len(slow),
-        "num_slow_at_rollover": sum(run.decode_boundary[i] for i in slow),
-        "num_rollover_steps": sum(run.decode_boundary),
-        "num_host_bound": sum(p[3] < HOST_BOUND_WAIT * p[0] for p in run.decode_phases_s),
-        "excess_share": sum(w - median for w in walls if w > median) / sum(walls),
-        "slow_phases_ms": phases_ms(slow), "normal_phases_ms": phases_ms(normal),
-        "slow_indices": slow,
-        "slow_batch": [run.decode_batch[i] for i in slow],
-        "slow_finished": [run.decode_finished[i] for i in slow],
-        # each slow step's (wall, schedule, launch, wait, drain): what the mean above hides
-        "slow_steps_ms": [[1e3 * x for x in run.decode_phases_s[i]] for i in slow],
-    }  # fmt: skip
-    if run.decode_device_ms:  # StepEvents: (device span, idle before) ms
-        spans = [d[0] for d in run.decode_device_ms if not math.isnan(d[0])]
-        prof["device_p50_ms"] = percentile(spans, 50) if spans else math.nan
-        prof["slow_device_ms"] = [list(run.decode_device_ms[i]) for i in slow]
-        # each prompt step's (wall, schedule, launch, wait, drain, prompt tokens, device
-        # span, idle before), ms
-        prof["other_steps_ms"] = [
-            [1e3 * x for x in o[:5]] + [o[5], *d]
-            for o, d in zip(others, run.other_device_ms, strict=True)
-        ]
-    return prof
-
-
-def format_step_profile(batch: int, prof: dict) -> str:
-    names = ("wall", "schedule", "launch", "wait", "drain")
-    fmt = lambda ms: " ".join(f"{n} {v:.3f}" for n, v in zip(names, ms, strict=True))  # noqa: E731
-    return (
-        f"batch {batch} decode steps: mean {prof['mean_ms']:.3f} ms, p50 {prof['p50_ms']:.3f},"
-        f" p90 {prof['p90_ms']:.3f}, p99 {prof['p99_ms']:.3f}, max {prof['max_ms']:.3f};"
-        f" {prof['num_slow']} of {prof['num_steps']} steps slow (> 1.25x p50),"
-        f" {prof['num_slow_at_rollover']} of them block rollovers"
-        f" ({prof['num_rollover_steps']} rollover steps in all); time above p50:"
-        f" {100 * prof['excess_share']:.1f}% of the decode walls;"
-        f" {prof['num_host_bound']} steps host-bound (waited for the device under"
-        f" {100 * HOST_BOUND_WAIT:.0f}% of their wall)\n"
-        f"  slow steps, mean ms: {fmt(prof['slow_phases_ms'])}; step (batch, requests"
-        " finished): "
-        + ", ".join(
-            f"{i} ({b}, {f})"
-            for i, b, f in zip(
-                prof["slow_indices"], prof["slow_batch"], prof["slow_finished"], strict=True
-            )
-        )  # fmt: skip
-        + "\n"
-        f"  other steps, mean ms: {fmt(prof['normal_phases_ms'])}\n"
-        f"  the run's {prof['wall_ms']:.1f} ms: add_request {prof['add_ms']:.1f},"
-        f" {prof['num_steps']} decode steps {prof['decode_total_ms']:.1f},"
-        f" {prof['num_other_steps']} steps with prompt chunks ({prof['other_prompt_tokens']}"
-        f" tokens) {fmt(prof['other_phases_ms'])} (totals)"
-        + (_format_device(prof) if "device_p50_ms" in prof else "")
-    )
-
-
-def _format_device(prof: dict) -> str:
-    """StepEvents' lines: the decode steps' device span, the slow ones', each prompt step's."""
-    pair = lambda d: f"{d[0]:.3f} (idle before {d[1]:.3f})"  # noqa: E731
-    prompt_steps = "; ".join(
-        f"{int(o[5])} tokens: wall {o[0]:.3f} schedule {o[1]:.3f} launch {o[2]:.3f}"
-        f" wait {o[3]:.3f} drain {o[4]:.3f}, device {pair(o[6:])}"
-        for o in prof["other_steps_ms"]
-    )
-    return (
-        f"\n  device span per decode step (CUDA events), p50 {prof['device_p50_ms']:.3f} ms;"
-        f" slow steps: {', '.join(map(pair, prof['slow_device_ms']))}"
-        f"\n  steps with prompt chunks, ms: {prompt_steps}"
-    )
 
 
 def hf_checkpoint(model: str, dtype: torch.dtype, directory: str) -> torch.nn.Module:
@@ -206,11 +104,6 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(model=None)
 
 
-def options_from_args(args: argparse.Namespace) -> EngineOptions:
-    """The EngineOptions that add_engine_flags' flags (--no-pdl, ...) asked for."""
-    return config_from_args(EngineOptions, args)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_engine_flags(parser)
@@ -232,17 +125,6 @@ def main() -> None:
     parser.add_argument("--itl-batch", type=int, default=0, help="ITL run: batch size")
     parser.add_argument("--itl-steps", type=int, default=1024, help="ITL run: decode steps")
     parser.add_argument(
-        "--no-gc", action="store_true", help="diagnostic: Python's cyclic GC off during the runs"
-    )
-    parser.add_argument(
-        "--step-events", action="store_true",
-        help="CUDA events around each step's launch: its device time and the idle before it",
-    )  # fmt: skip
-    parser.add_argument(
-        "--host-delay-ms", type=float, default=0.0,
-        help="busy-wait this long after each step(), as a slower host would (run_engine)",
-    )  # fmt: skip
-    parser.add_argument(
         "--temperature", type=float, default=0.0,
         help="sample at this temperature (0: greedy); HF's peer samples the same way",
     )  # fmt: skip
@@ -262,8 +144,6 @@ def main() -> None:
         raise SystemExit(f"--repeat: must be at least 1, got {args.repeat}")
 
     on_gpu = torch.cuda.is_available()
-    if args.step_events and not on_gpu:
-        raise SystemExit("--step-events: needs a CUDA device")
     model = args.model or ("gpt2" if on_gpu else "gpt2-tiny")
     prompt_len = args.prompt_len or (128 if on_gpu else 16)
     max_new = args.max_new or (128 if on_gpu else 32)
@@ -283,22 +163,15 @@ def main() -> None:
         )  # fmt: skip
         start_s = time.perf_counter() - start  # weights, KV cache, graph capture
         vocab = engine.model_config.vocab_size
-        if args.no_gc:
-            gc.disable()
         bandwidth = copy_bandwidth_gbps(engine.device) if on_gpu else None
         run_engine(engine, random_prompts(min(4, max_num_seqs), prompt_len, vocab, 99), 8, sampling)
-        rows, profiles = [], {}
+        rows = []
         for num_seqs in args.batch:
             runs, hf_rates = [], []
             for r in range(args.repeat):
                 # Prompts of its own each time: the same ones would be prefix-cache hits.
                 prompts = random_prompts(num_seqs, prompt_len, vocab, num_seqs + 1000 * r)
-                runs.append(
-                    run_engine(
-                        engine, prompts, max_new, sampling, args.step_events,
-                        args.host_delay_ms / 1e3,
-                    )
-                )  # fmt: skip
+                runs.append(run_engine(engine, prompts, max_new, sampling))
                 if hf is not None:
                     hf_rates.append(run_hf(hf, prompts, max_new, engine.device, sampling))
             run = sorted(runs, key=lambda x: x.tokens_per_s)[len(runs) // 2]  # the median
@@ -313,7 +186,6 @@ def main() -> None:
                 "step mean ms": 1e3 * statistics.mean(run.decode_step_s),
                 "step p99 ms": 1e3 * percentile(run.decode_step_s, 99),
             }
-            profiles[num_seqs] = step_profile(run)
             if bandwidth:
                 roof = roofline_decode_tokens_per_s(
                     engine, num_seqs, prompt_len, max_new, bandwidth
@@ -346,7 +218,6 @@ def main() -> None:
           f" fused_append={getattr(engine.runner.backend, 'fuse_decode_append', False)}"
           f" decode_in_prefill={engine.runner.decode_in_prefill}"
           f" mixed_prefill_tokens={engine.config.mixed_prefill_tokens}"
-          f" host_delay_ms={args.host_delay_ms}"
           f" sampling={sampling}"
           f" engine_start={start_s:.2f} s"
           + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else "")
@@ -358,15 +229,11 @@ def main() -> None:
             hf_runs = ", ".join(f"{x:.3g}" for x in row["HF tok/s runs"])
             print(f"batch {row['batch']} runs (the table: the medians): tok/s {runs}"
                   + (f"; HF tok/s {hf_runs}" if hf_runs else ""))  # fmt: skip
-    for num_seqs, prof in profiles.items():
-        if prof:
-            print(format_step_profile(num_seqs, prof))
     if itl:
         print(format_itl(args.itl_batch, itl["cohort"], itl["steady"]))
     write_json(args.out, {"model": args.model or model, "prompt_len": prompt_len,
                           "max_new": max_new, "rows": rows, "sampling": str(sampling),
                           "kv_cache_dtype": str(engine.runner.kv_cache.dtype),
-                          "step_profiles": profiles,
                           "itl": itl, "engine_start_s": start_s,
                           "copy_bw_gbps": bandwidth})  # fmt: skip
 

@@ -281,7 +281,7 @@ class Scheduler:
         defer_release: a running sequence leaves the batch now, but keeps its blocks and
         slot in `retired` until release_retired. The engine defers a sequence that ends
         on a sampled token: when a cohort of requests ends on one step, releasing ~16
-        blocks each there is host work the device waits for (bench.engine's slow steps).
+        blocks each there is host work the device waits for.
         """
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
