@@ -78,7 +78,7 @@ class Client:
     serve_grpc: requests and their token streams go over each replica's gRPC server
     (Serve's by-value handle path, `_by_reference=False`) instead of Ray actor calls:
     the TTFT Serve adds on an H200 host falls from 3.4-3.9 to 2.3-2.9 ms, and a gpt2
-    replica's process spends a third less CPU per request (BENCHMARKS.md, "Serve's
+    replica's process spends a third less CPU per request (docs/design.md, "Serve's
     gRPC path"); False keeps Ray's actor-call path.
 
     Cost per streamed token in the calling process is a few microseconds, a good part of
@@ -370,7 +370,7 @@ def current_loop_handle(app_name: str, deployment_name: str = LLM_DEPLOYMENT) ->
     threads twice in the calling process, and that thread competes for the GIL.
     Routing on the calling loop cut the TTFT that Serve adds from 4.5 to 4.0 ms on
     the H200 host, and caller CPU per unary call from 2.3 to 1.8 ms on the CPU box
-    (BENCHMARKS.md, "Routing on the caller's loop"; bench/serve_handle.py). Not
+    (docs/design.md, "Routing on the caller's loop"). Not
     serve.get_deployment_handle's cached handle: this one belongs to the
     loop it was made on, so Client keeps one per loop, and the loop must keep running
     while it is in use (Client.aclose shuts its router down).

@@ -48,10 +48,11 @@ LOAD_STATS_PERIOD_S = 0.002
 # and on while the device still runs the step in flight; then it steps, and the rest of
 # the commands wait for the next pass, in order. A burst of adds (~30 us each on an H200
 # host) then goes in beside the device's steps instead of holding every running
-# request's next token behind the whole burst. With nothing decoding, a pass runs every
-# command: a burst into an idle replica is added whole and prefilled in full steps.
-# Sliced too, its last requests got their first token up to ~8 ms later on an H200
-# (BENCHMARKS.md, thirty-third session).
+# request's next token behind the whole burst: during a burst of 256 adds the running
+# requests' longest gap was 3.5-6 ms against 15-18 ms unsliced. With nothing decoding, a
+# pass runs every command: a burst into an idle replica is added whole and prefilled in
+# full steps. Sliced too, its last requests got their first token up to ~8 ms later on
+# an H200 (docs/design.md, "Command slices").
 COMMAND_SLICE_S = 0.001
 # The GIL switch interval of a process that runs an EngineLoop (cluster.deployment,
 # cluster.engine_process): its other threads wait for the engine thread up to this long
@@ -313,11 +314,13 @@ def engine_builder(
     """What a replica's EngineLoop builds its engine with (factory: None for LLMEngine).
 
     A CPU replica's engine is built on the engine thread (this module's docstring: with
-    as many torch threads as cores, its steps ran ~4x faster). A GPU replica's is built
-    here, on the caller's thread, as every GPU figure in BENCHMARKS.md had it: built on
-    the engine thread, one replica serving in-thread on an H100 gave 12% fewer
-    requests/s in each of four alternating pairs, for a reason not found (thirty-fourth
-    session).
+    as many torch threads as cores, its steps ran ~4x faster; docs/design.md, "CPU
+    replicas and OpenMP pools"). A GPU replica's is built here, on the caller's thread,
+    where every GPU figure was measured: it gains nothing from the engine-thread build
+    (decode steps took 1.12-1.16 ms either way on an H100), and built on the engine
+    thread, one replica serving in-thread on an H100 gave fewer requests/s in each of
+    four alternating pairs (364-466 against 436-505, 12% on average), for a reason not
+    found.
     """
     build = functools.partial(factory or default_engine_factory, config, replica_id, num_gpus)
     if num_gpus == 0:

@@ -2,12 +2,12 @@
 
 Why: a replica's Serve process handles every request and sends every streamed message
 (~1.6 ms of GIL time per request in all, two thirds of it Serve's request path on the
-replica's loop: py-spy on the CPU box, BENCHMARKS.md); the engine thread's host work
-(scheduling, fan-out) needs the same GIL, so at a few hundred requests/s the step
-waits for Serve. With the engine in its own process, as vLLM's engine core, the two
-no longer share a GIL: the child runs the unchanged EngineLoop; the replica process
-only forwards. One gpt2 replica on an H200: 55.3K -> 86.1K tokens/s (BENCHMARKS.md,
-"Engine in a child process"), the default for replicas with a GPU.
+replica's loop: py-spy on the CPU box); the engine thread's host work (scheduling,
+fan-out) needs the same GIL, so at a few hundred requests/s the step waits for Serve.
+With the engine in its own process, as vLLM's engine core, the two no longer share a
+GIL: the child runs the unchanged EngineLoop; the replica process only forwards. One
+gpt2 replica on an H200 served 1.56x the tokens/s (55.3K -> 86.1K; docs/design.md,
+"Engine in a child process"), so it is the default for replicas with a GPU.
 
 Wire (multiprocessing Connection, pickled tuples; one pipe, both directions):
   parent -> child  ("init", config, replica_id, num_gpus, engine_factory) first, then

@@ -4,12 +4,14 @@ Serve hands every router the replicas' record_routing_stats snapshots through it
 controller: a poll every stats period, then a broadcast to every handle and proxy. Under
 load those snapshots reached routers ~0.25 s old (median; 0.4 s p90, with a 50 ms
 period), about half the life of a 128-token request, long enough for every router to
-send a wave of requests to the one replica its snapshot shows idle (BENCHMARKS.md,
-"herding"). A replica also puts its latest load snapshot on every carrier message it
-sends (CarrierBatch.stats, without the prefix hashes; refreshed on the engine thread at
-most every cluster.engine_loop.LOAD_STATS_PERIOD_S and on every step that ends a
-request), so a process that has requests on a replica holds a snapshot of it a few ms
-plus one message old; KVFleetRequestRouter takes whichever of the two is newer.
+send a wave of requests to the one replica its snapshot shows idle (in the simulator,
+16 routers on 250 ms-old snapshots lost 21% of one router's tokens/s and quadrupled TTFT
+p99; docs/design.md, "Carrier-borne load snapshots"). A replica also puts its latest
+load snapshot on every carrier message it sends (CarrierBatch.stats, without the prefix
+hashes; refreshed on the engine thread at most every
+cluster.engine_loop.LOAD_STATS_PERIOD_S and on every step that ends a request), so a
+process that has requests on a replica holds a snapshot of it a few ms plus one message
+old; KVFleetRequestRouter takes whichever of the two is newer.
 Acks also say when the engine admitted each request (note_admitted), so a router
 releases its reservation for the request at the first snapshot that counts it.
 
