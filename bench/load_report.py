@@ -19,27 +19,6 @@ RATIO_KEYS = (
     ("e2e_ms", "p50"),
     ("e2e_ms", "p99"),
 )
-SUMMARY_COLUMNS = [
-    "router",
-    "completed",
-    "rejected",
-    "errors",
-    "lost",
-    "req/s",
-    "out tok/s",
-    "goodput",
-    "cache hit",
-    "TTFT p50",
-    "TTFT p99",
-    "TPOT p50",
-    "TPOT p99",
-    "ITL p99",
-    "E2E p50",
-    "E2E p99",
-    "leaks",
-    "gen CPU max",
-    "gen tok/CPU-s",
-]
 
 
 def _metric(metrics: dict, key: str, stat: str | None) -> float:
@@ -90,7 +69,8 @@ def _tokens_per_cpu_s(generators: list[dict]) -> float:
 
 def summary_table(runs: dict[str, dict]) -> str:
     """One row per router; latencies in ms, throughputs per second."""
-    return markdown_table([summary_row(r, run) for r, run in runs.items()], SUMMARY_COLUMNS)
+    rows = [summary_row(r, run) for r, run in runs.items()]
+    return markdown_table(rows, list(rows[0]) if rows else [])
 
 
 def ratios_against(runs: dict[str, dict], baseline: str = BASELINE_ROUTER) -> dict[str, dict]:

@@ -32,16 +32,15 @@ the real Scheduler's (tests/bench/test_sim_scheduler.py replays a trace through 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import time
 from dataclasses import replace
 
+from bench.common import write_json
 from bench.sim_core import DEFAULT_NUM_BLOCKS, SimConfig, sim_config, simulate
 from bench.sim_model import cost_model_from_file
 from bench.sim_policies import ALL_POLICIES
 from bench.sim_report import markdown, plot
 from bench.sim_workload import ARRIVALS, DATASETS, Workload, WorkloadConfig
+from replica.config_flags import add_config_flags
 from router import RouterConfig
 
 
@@ -84,23 +83,13 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--stats-period-ms", type=float, default=50.0)
     p.add_argument("--stats-delay-ms", type=float, default=100.0)
-    p.add_argument(
-        "--queue-fraction", type=float, default=0.0,
-        help="kvfleet policies: RouterConfig.queue_fraction",
-    )  # fmt: skip
-    p.add_argument(
-        "--balance-band",
-        type=float,
-        default=RouterConfig.balance_band,
-        help="kv and prefix: RouterConfig.balance_band (0: strict load order)",
+    router = p.add_argument_group(
+        "the kvfleet policies' RouterConfig", "every field but policy (--policies) and seed"
     )
-    p.add_argument(
-        "--balance-abs-threshold", type=float, default=RouterConfig.balance_abs_threshold,
-        help="prefix: RouterConfig.balance_abs_threshold (the imbalance rule's load gap)",
-    )  # fmt: skip
+    add_config_flags(router, RouterConfig, exclude=("policy", "seed"))
     p.add_argument("--slo-ttft-ms", type=float, default=250.0)
     p.add_argument("--slo-tpot-ms", type=float, default=10.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the trace and the routers")
     p.add_argument("--fit", default=None, help="fit file for the cost model (see sim_model.py)")
     p.add_argument(
         "--validate",
@@ -124,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         from bench.sim_validate import validate
 
         payload = validate(args.validate, args, cost)
-        _write(args.out, payload | {"cost_model": cost.as_dict()})
+        write_json(args.out, payload | {"cost_model": cost.as_dict()})
         return
     config = sim_config(args, args.replicas)
     results = []
@@ -143,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         f"arrival={args.arrival} slo ttft<={args.slo_ttft_ms}ms tpot<={args.slo_tpot_ms}ms"
     )
     print(markdown(results))
-    _write(args.out, {"args": vars(args), "cost_model": cost.as_dict(),
+    write_json(args.out, {"args": vars(args), "cost_model": cost.as_dict(),
                       "sim_config": plain(config), "results": results})  # fmt: skip
     if args.plot:
         plot(results, args.plot)
@@ -152,15 +141,6 @@ def main(argv: list[str] | None = None) -> None:
 def plain(config: SimConfig) -> dict:
     router = config.router.__dict__ if config.router is not None else None
     return replace(config).__dict__ | {"replica": config.replica.__dict__, "router": router}
-
-
-def _write(path: str | None, payload: dict) -> None:
-    if not path:
-        return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    payload = {"date": time.strftime("%Y-%m-%d")} | payload
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
 
 
 if __name__ == "__main__":

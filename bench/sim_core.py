@@ -17,6 +17,7 @@ from bench.sim_policies import HELD, REJECTED, make_sim_router
 from bench.sim_replica import ReplicaSimConfig, SimReplica
 from bench.sim_report import summarize
 from bench.sim_workload import Workload
+from replica.config_flags import config_from_args
 from router import RouterConfig
 
 _STEP, _PUBLISH, _RETRY, _ADMIT = 0, 1, 2, 3
@@ -277,12 +278,7 @@ def sim_config(args: argparse.Namespace, num_replicas: int, **overrides: object)
         slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3, seed=args.seed,
         progress_every=args.progress_every, num_routers=args.num_routers,
         concurrency=args.concurrency, serve_request_s=args.serve_request_ms / 1e3,
-        router=RouterConfig(
-            seed=args.seed,
-            queue_fraction=args.queue_fraction,
-            balance_band=args.balance_band,
-            balance_abs_threshold=args.balance_abs_threshold,
-        ),
+        router=config_from_args(RouterConfig, args, seed=args.seed),
     )  # fmt: skip
     fields |= {k: v for k, v in overrides.items() if k not in replica_fields}
     return SimConfig(**fields)

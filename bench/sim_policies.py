@@ -27,7 +27,6 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
 
 import numpy as np
 
@@ -43,32 +42,34 @@ HELD = -1
 REJECTED = -2
 
 
-class SimRouter(Protocol):
+class SimRouter:
     """route() returns (replica index, 0) or (HELD, retry_after_s) or (REJECTED, 0).
 
     observe() hands over a replica's snapshot when it reaches the router (routers
-    with needs_stats); on_first_token / on_finish report progress (tracks_progress).
+    with needs_stats); on_first_token / on_finish report progress (tracks_progress);
+    on_admitted is when the engine takes a routed request. Each does nothing here.
     """
 
-    name: str
-    needs_stats: bool
-    needs_hashes: bool
-    tracks_progress: bool
+    name = ""
+    needs_stats = needs_hashes = tracks_progress = False
 
-    def observe(self, replica: int, stats: ReplicaStats) -> None: ...
+    def route(self, rid: int, now_s: float, attempt: int, held_since_s: float) -> tuple[int, float]:
+        raise NotImplementedError
 
-    def route(
-        self, rid: int, now_s: float, attempt: int, held_since_s: float
-    ) -> tuple[int, float]: ...
+    def observe(self, replica: int, stats: ReplicaStats) -> None:
+        pass
 
-    def on_first_token(self, rid: int, replica: int) -> None: ...
+    def on_first_token(self, rid: int, replica: int) -> None:
+        pass
 
-    def on_finish(self, rid: int, replica: int) -> None: ...
+    def on_finish(self, rid: int, replica: int) -> None:
+        pass
 
-    def on_admitted(self, rid: int, replica: int, admit_s: float) -> None: ...
+    def on_admitted(self, rid: int, replica: int, admit_s: float) -> None:
+        pass
 
 
-class RealRouter:
+class RealRouter(SimRouter):
     """router.Admission + make_policy, as cluster.request_router calls them.
 
     The one difference is how snapshots arrive: the Serve adapter hands Admission
@@ -134,12 +135,6 @@ class RealRouter:
             del admitted_s[next(iter(admitted_s))]
         return self.index_of[replica_id], 0.0
 
-    def on_first_token(self, rid: int, replica: int) -> None:
-        pass
-
-    def on_finish(self, rid: int, replica: int) -> None:
-        pass
-
     def on_admitted(self, rid: int, replica: int, admit_s: float) -> None:
         """The engine takes the request at admit_s, after the replica's request path
         (SimConfig.serve_request_s): its ack says so, as cluster.live_stats does."""
@@ -149,28 +144,15 @@ class RealRouter:
             self.admitted_s[request_id] = (known[0], admit_s)
 
 
-class RandomRouter:
+class RandomRouter(SimRouter):
     name = "random"
-    needs_stats = needs_hashes = tracks_progress = False
 
     def __init__(self, num_replicas: int, seed: int) -> None:
         self.num_replicas = num_replicas
         self.rng = random.Random(seed)
 
-    def observe(self, replica: int, stats: ReplicaStats) -> None:
-        pass
-
     def route(self, rid: int, now_s: float, attempt: int, held_since_s: float) -> tuple[int, float]:
         return self.rng.randrange(self.num_replicas), 0.0
-
-    def on_first_token(self, rid: int, replica: int) -> None:
-        pass
-
-    def on_finish(self, rid: int, replica: int) -> None:
-        pass
-
-    def on_admitted(self, rid: int, replica: int, admit_s: float) -> None:
-        pass
 
 
 class RoundRobinRouter(RandomRouter):
@@ -239,9 +221,8 @@ class ApproxPrefixIndex:
         return self.owners.matched_blocks(hashes, len(self.trees))
 
 
-class SGLangRouter:
+class SGLangRouter(SimRouter):
     name = "sglang"
-    needs_stats = needs_hashes = False
     tracks_progress = True
 
     def __init__(
@@ -261,9 +242,6 @@ class SGLangRouter:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.rng = random.Random(seed)
-
-    def observe(self, replica: int, stats: ReplicaStats) -> None:
-        pass
 
     def route(self, rid: int, now_s: float, attempt: int, held_since_s: float) -> tuple[int, float]:
         wl = self.workload
@@ -290,19 +268,12 @@ class SGLangRouter:
         loads[worker] += 1
         return worker, 0.0
 
-    def on_first_token(self, rid: int, replica: int) -> None:
-        pass
-
     def on_finish(self, rid: int, replica: int) -> None:
         self.loads[replica] -= 1
 
-    def on_admitted(self, rid: int, replica: int, admit_s: float) -> None:
-        pass
 
-
-class DynamoRouter:
+class DynamoRouter(SimRouter):
     name = "dynamo"
-    needs_stats = needs_hashes = False
     tracks_progress = True
 
     def __init__(
@@ -320,9 +291,6 @@ class DynamoRouter:
         self.overlap_weight = overlap_weight
         self.inflight: dict[int, tuple[int, int]] = {}  # rid -> (new prefill blocks, blocks)
         self.rng = np.random.default_rng(seed)
-
-    def observe(self, replica: int, stats: ReplicaStats) -> None:
-        pass
 
     def route(self, rid: int, now_s: float, attempt: int, held_since_s: float) -> tuple[int, float]:
         wl = self.workload
@@ -346,9 +314,6 @@ class DynamoRouter:
 
     def on_finish(self, rid: int, replica: int) -> None:
         self.active_blocks[replica] -= self.inflight.pop(rid)[1]
-
-    def on_admitted(self, rid: int, replica: int, admit_s: float) -> None:
-        pass
 
 
 def make_sim_router(
