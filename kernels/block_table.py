@@ -1,11 +1,12 @@
 """A step's changed block-table rows into the device table, from inside its CUDA graph.
 
-The rows ride in the step's one host-to-device copy (replica.runner.decode_inputs) behind a
-header: their count, then the table row each one replaces. Scattered by a torch
+The rows ride in the step's one host-to-device copy (replica.runner.decode_inputs) behind
+a header: their count, then the table row each one replaces. Scattered by a torch
 index_copy_ between that copy and the graph's replay, they cost a launch from the host
-that the device waited for (bench.step_timeline). This kernel runs first in a decode
-graph and reads the count on the device, so a step that changes no row pays a few
-programs that return at once.
+that the device waited for: on an emulated slow host (0.6 ms of extra host work a step)
+the in-graph scatter made steps 12-15% shorter (docs/design.md, "Slot mapping and step
+inputs"). This kernel runs first in a decode graph and reads the count on the device, so a
+step that changes no row pays a few programs that return at once.
 """
 
 from __future__ import annotations

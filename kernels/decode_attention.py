@@ -40,14 +40,14 @@ _MIN_QUERY_ROWS = 16  # tl.dot needs M >= 16
 SPLIT_PROGRAMS_PER_SM = 4  # split until about this many programs per SM
 ONE_PASS_PROGRAMS_PER_SM = 2  # no split once batch * kv heads reaches this many per SM
 # Per head_dim where measured: (ONE_PASS_PROGRAMS_PER_SM, SPLIT_PROGRAMS_PER_SM). On H200
-# (bench.kernels --tune, 2026-11-22 and 2026-11-24) gpt2 (head_dim 64) at B=64, ctx 528
-# ran 1.31x faster in 2 splits (11.6 programs per SM) than in one pass (5.8), and at
-# B=256, ctx 192, one pass (23 per SM) was best; qwen3 (head_dim 128, twice the bytes a
-# program reads per token) at B=64 was best in one pass at 3.9 programs per SM, with
-# every row at one context. In serving the rows' contexts differ and a one-pass
-# program's work is its row's whole context: qwen3's steady-state ITL at batch 64
-# (bench.itl, ages spread) was 2.40 ms in 3 splits against 2.85 in one pass, while
-# the lockstep cohort went 2.37 against 2.20-2.27. Serving decides: head_dim 128 splits.
+# gpt2 (head_dim 64) at B=64, ctx 528 ran 1.31x faster in 2 splits (11.6 programs per SM)
+# than in one pass (5.8), and at B=256, ctx 192, one pass (23 per SM) was best; qwen3
+# (head_dim 128, twice the bytes a program reads per token) at B=64 was best in one pass
+# at 3.9 programs per SM, with every row at one context. In serving the rows' contexts
+# differ and a one-pass program's work is its row's whole context: qwen3's steady-state
+# ITL at batch 64 (bench.itl, ages spread) was 2.40 ms in 3 splits against 2.85 in one
+# pass, while the lockstep cohort went 2.37 against 2.20-2.27. Serving decides: head_dim
+# 128 splits.
 SPLIT_POLICY = {64: (8, 8), 128: (8, 8)}
 MIN_TOKENS_PER_SPLIT = 128  # two 64-token tiles: a split shorter than this is all latency
 MAX_SPLITS = 128
@@ -69,9 +69,9 @@ class DecodeTiles:
             raise ValueError(f"bad num_warps/num_stages: {self.num_warps}/{self.num_stages}")
 
 
-# Keyed by head_dim; measured by `python -m bench.kernels --tune` on H200 (2026-11-21):
-# one pass at B=256 ctx=1024: 32/2w/2s 98% (gpt2) and 102% (qwen3) of copy bandwidth
-# against 96% / 94% for 64/4w/2s; split at B=1 ctx=8192: 64/4w/2s was best (50% / 52%).
+# Keyed by head_dim; swept on H200: one pass at B=256 ctx=1024: 32/2w/2s 98% (gpt2) and
+# 102% (qwen3) of copy bandwidth against 96% / 94% for 64/4w/2s; split at B=1 ctx=8192:
+# 64/4w/2s was best (50% / 52%).
 ONE_PASS_TILES = {
     64: DecodeTiles(block_n=32, num_warps=2, num_stages=2),
     128: DecodeTiles(block_n=32, num_warps=2, num_stages=2),
@@ -80,12 +80,11 @@ SPLIT_TILES = {
     64: DecodeTiles(block_n=64, num_warps=4, num_stages=2),
     128: DecodeTiles(block_n=64, num_warps=4, num_stages=2),
 }
-# One pass over an fp8 cache (H200, 2026-11-25, bench.kernels --tune --kv-cache-dtype fp8;
-# BENCHMARKS.md "Decode attention over an fp8 (e4m3) cache"): a tile of half the bytes is
-# half the work in flight, so both take 64 tokens: gpt2 256 rows at ctx 192 33.5 us against
-# 42.0 for 32/2w/2s; qwen3 (bf16 queries, once they multiply in fp16: f16_math) 256 rows at
-# ctx 1024 168 against 254 us, and its engine step at 256 rows 2.58 against 2.64 ms.
-# Split tiles stay as above.
+# One pass over an fp8 cache (swept on H200; docs/design.md, "fp8 KV cache"): a tile of
+# half the bytes is half the work in flight, so both take 64 tokens: gpt2 256 rows at ctx
+# 192 33.5 us against 42.0 for 32/2w/2s; qwen3 (bf16 queries, once they multiply in fp16:
+# f16_math) 256 rows at ctx 1024 168 against 254 us, and its engine step at 256 rows 2.58
+# against 2.64 ms. Split tiles stay as above.
 ONE_PASS_TILES_FP8 = {
     64: DecodeTiles(block_n=64, num_warps=2, num_stages=2),
     128: DecodeTiles(block_n=64, num_warps=2, num_stages=2),

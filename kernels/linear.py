@@ -49,13 +49,12 @@ stage take more shared memory, so the tile is the table's for the [2I, K] weight
 half its columns, the stages cut where they would not fit (kernels.linear_tiles.gated_tile).
 Split K works as above, each slice's partial row holding both halves.
 
-`choose_tile(M, N, K)` (kernels.linear_tiles) is the tile table, measured on an
-H200 by bench.gemm; `linear` uses it unless a tile is given (the benchmark's sweep gives one). On
-Hopper the kernel takes part in the decode step's launch overlap (kernels.pdl),
-but for a split launch of a few rows of [N, K] weights (measured slower there:
-`overlap_mode`; GPT-2's few-row launches trigger the next one after their K loop):
-the next kernel touches memory only after this grid completed, so a split
-launch's semaphores are back at zero for it.
+`choose_tile(M, N, K)` (kernels.linear_tiles) is the tile table, measured on an H200;
+`linear` uses it unless a tile is given (a sweep gives one). On Hopper the kernel takes
+part in the decode step's launch overlap (kernels.pdl), but for a split launch of a few
+rows of [N, K] weights (measured slower there: `overlap_mode`; GPT-2's few-row launches
+trigger the next one after their K loop): the next kernel touches memory only after this
+grid completed, so a split launch's semaphores are back at zero for it.
 """
 
 from __future__ import annotations
@@ -281,7 +280,7 @@ def fold_rms_norm(
 # How a launch takes part in the decode step's launch overlap (kernels.pdl), by W's layout
 # and rows. [K, N] (GPT-2) at LATE_TRIGGER_ROWS_KN rows or fewer: every launch joins it,
 # and lets the next kernel launch only after its K loop. Step mean ms on an H200
-# (bench.engine, 2026-11-24), gpt2 fp16 at batch 1 / 8 / 16 / 64: split launches ending the
+# (bench.engine), gpt2 fp16 at batch 1 / 8 / 16 / 64: split launches ending the
 # overlap, the rest triggering at the top 0.323 / 0.347 / 0.394 / 0.538; all joining,
 # triggering at the top 0.406 / 0.466 / 0.475 / 0.537; all joining, triggering after the
 # K loop 0.311 / 0.339 / 0.377 / 0.547. The Llama family's [N, K] weights were slower that

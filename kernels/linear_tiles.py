@@ -1,7 +1,8 @@
 """kernels.linear's tiles: the Tile of a launch, and the table that picks one per shape.
 
-The table is measured, not derived: each entry cites the bench.gemm (or bench.engine)
-run on an H200 that chose it, GPT-2's projections in fp16.
+The table is measured, not derived: each entry keeps the H200 figures that chose it
+(the product alone against cuBLAS, or bench.engine's step), GPT-2's projections in fp16
+and the Llama family's (qwen3-0.6b) in bf16.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ def gated_tile(tile: Tile, elem_bytes: int) -> Tile:
     """The tile for a gated launch (activation "silu_mul") from the table's tile for the
     same [2I, K] weight: half its columns (at least 16), then the stages that fit.
 
-    A gated program loads two W tiles per K step (gate and up) beside the x tile, so
-    with half the columns it keeps the table tile's grid, accumulator registers and W
-    bytes per stage. bench.gemm on an H200 (2026-11-24), qwen3-0.6b's gate_up in bf16,
-    us at M = 1 / 16 / 64: the gated launch in this tile 6.72 / 7.16 / 6.61 against
-    6.60 / 7.38 / 6.40 for the plain gate_up launch, which a silu_and_mul launch then
-    follows. The table is qwen3-0.6b's: other shapes were not swept gated.
+    A gated program loads two W tiles per K step (gate and up) beside the x tile, so with
+    half the columns it keeps the table tile's grid, accumulator registers and W bytes per
+    stage. On an H200, qwen3-0.6b's gate_up in bf16, us at M = 1 / 16 / 64: the gated
+    launch in this tile 6.72 / 7.16 / 6.61 against 6.60 / 7.38 / 6.40 for the plain
+    gate_up launch, which a silu_and_mul launch then follows. The table is qwen3-0.6b's:
+    other shapes were not swept gated.
     A stage takes elem_bytes * (BM * BK + 2 * BK * BN) of shared memory: at most
     SMEM_BYTES over that many stages (at least one, at most the tile's own), since
     64x64x128 in 5 stages of bf16 asked for 240 KiB and failed at start-up on an H200.
@@ -64,24 +65,22 @@ def choose_tile(
     row_stats: the launch is a linear_add, writing RowStats for a linear_norm.
     weight_is_kn False: an nn.Linear weight ([N, K], the Llama family), _nk_tile's table.
 
-    From bench.gemm on an H200, GPT-2's projections. 2026-11-22 (M = 1..512): this
-    table's tiles were within ~6% of the sweep's best; alone they match or beat
-    cuBLAS up to M = 64 and trail it by up to 12% above (c_attn at M = 256: 6.5
-    against 5.8 us); fc + GELU wins at every M, cuBLAS needing a separate GELU
-    kernel. In the engine they also join the launch overlap (kernels.pdl): the
-    gpt2 decode step at 256 rows took 0.925 ms against 0.977 with cuBLAS.
-    2026-11-24 (M = 64 and 256, split K in the sweep): 8 warps / 5 stages took
-    c_attn and fc at M = 64 from 5.3 / 5.8 us to 4.5 / 4.8, and attn.c_proj at
-    M = 256 from 5.0 to 4.2; mlp.c_proj (a long K over a narrow N) at M = 64 in
-    4 K slices took 6.6 us against cuBLAS's 7.5. At M = 256 it is 8.6 us in 2
-    slices against cuBLAS's 7.9 alone, yet the engine's step was 0.2-0.7% shorter
-    with it (three paired runs): a Triton kernel keeps the launch overlap going.
-    cuBLAS keeps every M > 256 (prefill). 2026-11-24 (bench.gemm --fold-sweep, the
-    folded sublayer boundary): attn.c_proj as a linear_add at M = 256 in 64-column
-    tiles (12 statistics tiles for the next launch to merge, not 24) took the
-    boundary from 13.8 to 12.7 us; at M <= 128 the tiles here were within 0.1 us of
-    the sweep's best. mlp.c_proj at M = 1 and 16 in 6 K slices of 16x32x64: 4.6 and
-    5.1 us against cuBLAS's 6.7 and 7.2 (the launch overlap: kernels.linear.overlap_mode).
+    Swept on an H200 over GPT-2's projections. Over M = 1..512, this table's tiles were
+    within ~6% of the sweep's best; alone they match or beat cuBLAS up to M = 64 and trail
+    it by up to 12% above (c_attn at M = 256: 6.5 against 5.8 us); fc + GELU wins at every
+    M, cuBLAS needing a separate GELU kernel. In the engine they also join the launch
+    overlap (kernels.pdl): the gpt2 decode step at 256 rows took 0.925 ms against 0.977
+    with cuBLAS. At M = 64 and 256 with split K in the sweep: 8 warps / 5 stages took
+    c_attn and fc at M = 64 from 5.3 / 5.8 us to 4.5 / 4.8, and attn.c_proj at M = 256
+    from 5.0 to 4.2; mlp.c_proj (a long K over a narrow N) at M = 64 in 4 K slices took
+    6.6 us against cuBLAS's 7.5. At M = 256 it is 8.6 us in 2 slices against cuBLAS's 7.9
+    alone, yet the engine's step was 0.2-0.7% shorter with it (three paired runs): a
+    Triton kernel keeps the launch overlap going. cuBLAS keeps every M > 256 (prefill). At
+    the folded sublayer boundary: attn.c_proj as a linear_add at M = 256 in 64-column
+    tiles (12 statistics tiles for the next launch to merge, not 24) took the boundary
+    from 13.8 to 12.7 us; at M <= 128 the tiles here were within 0.1 us of the sweep's
+    best. mlp.c_proj at M = 1 and 16 in 6 K slices of 16x32x64: 4.6 and 5.1 us against
+    cuBLAS's 6.7 and 7.2 (the launch overlap: kernels.linear.overlap_mode).
     """
     if not weight_is_kn:
         return _nk_tile(num_rows, n, k)
@@ -108,8 +107,8 @@ MAX_ROWS_NK = 64  # [N, K] weights: above this cuBLAS was as fast or faster
 
 
 def _nk_tile(num_rows: int, n: int, k: int) -> Tile | None:
-    """nn.Linear weights ([N, K]), from bench.gemm on an H200, qwen3-0.6b's projections
-    in bf16 (2026-11-24, M = 1, 16, 64, 256; best of the sweep against cuBLAS, us):
+    """nn.Linear weights ([N, K]), swept on an H200 over qwen3-0.6b's projections in
+    bf16 (M = 1, 16, 64, 256; best of the sweep against cuBLAS, us):
 
         M = 1   qkv 5.5 / 5.4, o_proj 4.8 / 13.2, gate_up 6.6 / 6.6, down 5.4 / 6.9
         M = 64  qkv 5.2 / 5.8, o_proj 6.2 / 6.1,  gate_up 6.4 / 6.7, down 7.0 / 7.6
@@ -119,7 +118,7 @@ def _nk_tile(num_rows: int, n: int, k: int) -> Tile | None:
     loads, and the slices run it in parallel. Above 64 rows cuBLAS keeps the shape:
     with the M = 256 row's best tiles up to 256 rows (norms folded there too) the qwen3
     step was slower at 96, 128 and 256 rows (2.15 / 2.40 / 3.08 against 2.09 / 2.34 /
-    2.99 ms, bench.engine, two alternating pairs, 2026-11-24).
+    2.99 ms, bench.engine, two alternating pairs).
     """
     if num_rows > MAX_ROWS_NK:
         return None

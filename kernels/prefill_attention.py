@@ -45,8 +45,9 @@ from kernels.kv_quant import FP8_KV_DTYPE, check_cache_dtype, f16_math, f16_quer
 _LOG2E = 1.4426950408889634
 _SHORT_ROWS = 16  # tl.dot's least
 # A chunk whose context (cached prefix + chunk) reaches this many keys goes on the long
-# list, where the model has a long tile (BENCHMARKS.md: the 128-row tiles gain 2-6% on
-# 2048-token prompts and 12-14% at 8192, and lose 3-7% on 1024-token ones).
+# list, where the model has a long tile (on an H200 the 128-row tiles gain 2-6% on
+# 2048-token prompts and 12-14% at 8192, and lose 3-7% on 1024-token ones;
+# docs/design.md, "Prefill attention").
 LONG_CONTEXT = 2048
 
 
@@ -69,7 +70,7 @@ class PrefillTiles:
 
 
 # (head_dim, fp8 cache) -> the main, long and short launches' tiles (rows, keys, warps,
-# stages), from sweeps on an H200 (BENCHMARKS.md, prefill attention).
+# stages), from sweeps on an H200 (docs/design.md, "Prefill attention").
 _T = PrefillTile
 _TILES = {
     (64, False): PrefillTiles(_T(64, 64, 4, 2), None, _T(16, 64, 2, 2)),

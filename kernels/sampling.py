@@ -1,9 +1,9 @@
 """Triton sampling: temperature, top-k, top-p and greedy rows without a sort.
 
-A sort of every row (what top-p over a softmax needs, done plainly) took gpt2's
-256-row sampled decode step from 0.99 to ~2.9 ms on an H200, and qwen3's (a 152K
-vocabulary) from 2.9 to ~8 ms (BENCHMARKS.md). Here the logits are streamed a few
-times instead:
+A sort of every row (what top-p over a softmax needs, done plainly) took gpt2's 256-row
+sampled decode step from 0.99 to ~2.9 ms on an H200, and qwen3's (a 152K vocabulary)
+from 2.9 to ~8 ms (docs/design.md, "Sampling"). Here the logits are streamed a few times
+instead:
 
 1. the row's maximum, its first index (a greedy row's token, done) and the softmax
    normaliser Z over the row's candidates (its top-k set, else the whole row), in one
@@ -35,8 +35,9 @@ pivot, so the rounds number about ln(vocabulary) (12 for 152K tokens), and 64 of
 are a Poisson tail beyond 1e-20. top_p == 1 accepts the first race.
 
 Top-k is a floor: the row's k-th largest logit. Three launches find it, reading every
-logit twice (a radix select's passes over every logit's bits cost ~4x more:
-BENCHMARKS.md): (1) a lower bound: per whole chunk, each lane's largest logit and the
+logit twice (a radix select's passes over every logit's bits cost ~4x more, and
+qwen3's top-k decode step at 256 rows took 3.51 ms with one against 3.11 with this,
+on an H200): (1) a lower bound: per whole chunk, each lane's largest logit and the
 m-th largest of those lane maxima (m = ceil(k / whole chunks): the chunk holds at least
 m logits at or above it), so that at least k logits of the row are at or above the
 least of its chunks' bounds; (2) every logit at or above that bound gathered (about k
@@ -70,16 +71,18 @@ from kernels.reference import sample_tokens_ref  # noqa: F401  (the torch refere
 
 MAX_ROUNDS = 64
 SPLIT_ROUNDS = 2  # rounds run split over a row's chunks; the rest (rare) by one program a row
-# A top-p launch over at most this many logits (rows x vocabulary) splits round 0 alone: the
-# second split round's two launches cost more there than the finishing program's rare
-# rounds. bench.sampling --split-rounds on an H200 (2026-11-27), top-p 0.95, kernels us
-# with one split round against two, logits of a trained model's spread: gpt2 at 1 / 2 / 4
-# / 8 rows 9.5 / 11.6 / 13.8 / 16.1 against 12.6 / 15.1 / 16.0 / 17.1, qwen3-0.6b (152K)
-# at 1 / 2 rows 13.3 / 17.1 against 15.6 / 16.8. Two rounds win from 16 rows (gpt2) and 4
-# (qwen3) up.
+# A top-p launch over at most this many logits (rows x vocabulary) splits round 0 alone:
+# the second split round's two launches cost more there than the finishing program's rare
+# rounds. On an H200, top-p 0.95, kernels us with one split round against two, logits of a
+# trained model's spread: gpt2 at 1 / 2 / 4 / 8 rows 9.5 / 11.6 / 13.8 / 16.1 against 12.6
+# / 15.1 / 16.0 / 17.1, qwen3-0.6b (152K) at 1 / 2 rows 13.3 / 17.1 against 15.6 / 16.8.
+# Two rounds win from 16 rows (gpt2) and 4 (qwen3) up.
 ONE_ROUND_LOGITS = 1 << 18
 BLOCK = 1024  # logits per lane pass
-TARGET_PROGRAMS = 2048  # a launch's programs, about: rows x chunks (swept: BENCHMARKS.md)
+# A launch's programs, about (rows x chunks). Swept on an H200 against 1024 and 4096:
+# within 1 us of the best for gpt2 and qwen3-0.6b at 1, 64 and 256 rows, but for qwen3's
+# top-p at 256 rows (298 us against 285 at 4096, which cost gpt2 at 64 rows 8 us).
+TARGET_PROGRAMS = 2048
 MAX_CHUNKS = 256  # a row's chunks at most (a combine reads them as one vector)
 NUM_WARPS = 4
 FINISH_WARPS = 16  # the finishing program may stream a whole row (rounds; top-k's floor too)
@@ -163,12 +166,13 @@ def _first_max(values, idx):
 def _race_lanes(s, u, i, pivot, win_key, win_idx):
     """Each lane's race so far, after candidates i (scores s, uniforms u) above pivot.
 
-    The key is s - log(E), E = -log(u) ~ Exp(1), both logs fast ones on the GPU: tl.log
-    is libdevice's exact logf, ~20 instructions, and two of them were ~40% of the race's
-    loop (BENCHMARKS.md). lg2.approx has an absolute error near 2**-22, so E's relative
-    error stays under ~1.2e-6 where E > 0.13, and the key moves by less than its own
-    float32 step (~2e-6 at 16). A winner's E is small (u near 1): for u > 7/8, E is the
-    series of -log(1 - w), w = 1 - u exact, to w**7 (relative error under 1e-7)."""
+    The key is s - log(E), E = -log(u) ~ Exp(1), both logs fast ones on the GPU: tl.log is
+    libdevice's exact logf, ~20 instructions, and two of them were ~40% of the race's loop
+    (~100 instructions a token in its sm_90 PTX). lg2.approx has an absolute error near
+    2**-22, so E's relative error stays under ~1.2e-6 where E > 0.13, and the key moves by
+    less than its own float32 step (~2e-6 at 16). A winner's E is small (u near 1): for
+    u > 7/8, E is the series of -log(1 - w), w = 1 - u exact, to w**7 (relative error
+    under 1e-7)."""
     if _FAST_LOG:
         w = 1.0 - u
         tail = 1 / 4 + w * (1 / 5 + w * (1 / 6 + w / 7))
