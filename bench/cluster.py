@@ -64,8 +64,7 @@ class FakeEngine:
 
     Each step() sleeps step_s (releasing the GIL, as a GPU step would), then emits
     one token for each of the first max_num_seqs requests; a request finishes
-    ("length") after max_tokens. KV usage is computed from token counts. host_s of
-    the step (taken out of step_s) spins holding the GIL, as an engine's host work.
+    ("length") after max_tokens. KV usage is computed from token counts.
     """
 
     def __init__(
@@ -75,11 +74,9 @@ class FakeEngine:
         num_blocks: int = 65536,
         block_size: int = 16,
         max_num_seqs: int = 1024,
-        host_s: float = 0.0,
     ) -> None:
         self.replica_id = replica_id
         self.step_s = step_s
-        self.host_s = min(host_s, step_s)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -107,12 +104,8 @@ class FakeEngine:
         return False  # its step's time passes within step()
 
     def step(self) -> StepOutputs:
-        if self.step_s > self.host_s:
-            time.sleep(self.step_s - self.host_s)
-        if self.host_s > 0:
-            spin_until_s = time.perf_counter() + self.host_s
-            while time.perf_counter() < spin_until_s:  # pure Python: the GIL is held
-                pass
+        if self.step_s > 0:
+            time.sleep(self.step_s)
         outputs = StepOutputs([], [], {})
         for request_id, r in list(self.requests.items())[: self.max_num_seqs]:
             r.num_generated += 1
@@ -166,20 +159,11 @@ class PacedEngine:
 
 
 def fake_engine(
-    config: ClusterConfig,
-    replica_id: str,
-    num_gpus: float,
-    step_s: float = 0.0,
-    host_s: float = 0.0,
+    config: ClusterConfig, replica_id: str, num_gpus: float, step_s: float = 0.0
 ) -> FakeEngine:
     """engine_factory for build_app: functools.partial(fake_engine, step_s=...)."""
     engine = FakeEngine(
-        replica_id,
-        step_s,
-        config.num_blocks or 65536,
-        config.block_size,
-        config.max_num_seqs,
-        host_s,
+        replica_id, step_s, config.num_blocks or 65536, config.block_size, config.max_num_seqs
     )
     gc.freeze()  # the replica has started up: as LLMEngine does, so GC passes skip it
     return engine

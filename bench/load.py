@@ -227,17 +227,12 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
     runs: dict[str, dict] = {}
     pool: GeneratorPool | None = None
     try:
-        # Starts while the first app deploys.
-        client_options = {
-            "route_on_caller_loop": args.route_on_caller_loop,
-            "serve_grpc": not args.serve_actor_calls,
-        }
-        pool = GeneratorPool(num_procs, ray_address, client_options, args.routing_trace)
+        pool = GeneratorPool(num_procs, ray_address, args.routing_trace)  # starts meanwhile
         for router, config in configs.items():
             app_name = args.app_name if config is None else config.app_name
             if config is not None:
                 t_deploy = time.monotonic()
-                deploy(config, args.fake_step_ms, args.fake_host_ms)
+                deploy(config, args.fake_step_ms)
                 print(
                     f"deployed {args.num_replicas} x {args.model} with router {router!r} "
                     f"in {time.monotonic() - t_deploy:.1f} s"
@@ -351,9 +346,8 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
 
 _TARGET_KEYS = (
     "app_name model num_replicas routers router num_blocks max_num_seqs block_size device "
-    "on_overload queue_fraction balance_band num_procs fake_step_ms fake_host_ms "
-    "carrier_messages_per_step access_log engine_process route_on_caller_loop "
-    "serve_actor_calls"
+    "on_overload queue_fraction balance_band num_procs fake_step_ms "
+    "carrier_messages_per_step access_log engine_process"
 ).split()
 
 
@@ -376,16 +370,6 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(model=None, num_replicas=2)
     t.add_argument("--routers", default=None, help="comma list of --router's choices")
     t.add_argument(
-        "--route-on-caller-loop", action="store_true",
-        help="generators route on their own loop (Client option) instead of Serve's router "
-        "thread; a round after a redeploy has been seen to hang in this mode",
-    )  # fmt: skip
-    t.add_argument(
-        "--serve-actor-calls", action="store_true",
-        help="generators reach replicas through Ray actor calls (Serve's by-reference "
-        "handle path) instead of the replicas' gRPC servers (Client serve_grpc=False)",
-    )  # fmt: skip
-    t.add_argument(
         "--engine-thread", dest="engine_process", action="store_const", const=False,
         default=argparse.SUPPRESS, help="the same as --no-engine-process",
     )  # fmt: skip
@@ -397,10 +381,6 @@ def _parser() -> argparse.ArgumentParser:
         "--fake-step-ms", type=float, default=None,
         help="replicas run a model-free FakeEngine stepping every MS (one token per request"
         " per step): measures the generators, not the replicas; --model is then only a name",
-    )  # fmt: skip
-    t.add_argument(
-        "--fake-host-ms", type=float, default=0.0,
-        help="of each FakeEngine step, MS that hold the GIL (an engine's host work)",
     )  # fmt: skip
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", type=int, default=200, help="requests in the trace")

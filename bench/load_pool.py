@@ -43,17 +43,9 @@ class Round:
 class GeneratorPool:
     """num_procs generator processes, each a Ray driver connected to ray_address."""
 
-    def __init__(
-        self,
-        num_procs: int,
-        ray_address: str,
-        client_options: dict | None = None,
-        routing_trace: bool = False,
-    ) -> None:
-        """client_options: keyword arguments of the generators' Clients (e.g.
-        route_on_caller_loop, serve_grpc); routing_trace: each generator records its
-        routers' decisions (WorkerResult.routing_rows)."""
-        self.client_options = client_options or {}
+    def __init__(self, num_procs: int, ray_address: str, routing_trace: bool = False) -> None:
+        """routing_trace: each generator records its routers' decisions
+        (WorkerResult.routing_rows)."""
         self.routing_trace = routing_trace
         ctx = mp.get_context("spawn")
         self.events = ctx.Queue()
@@ -93,7 +85,7 @@ class GeneratorPool:
             if p not in self.dead:
                 plan = WorkerPlan(
                     p, app_name, shares[p], users[p] if users else None, timeout_s,
-                    client_options=self.client_options, routing_trace=self.routing_trace,
+                    routing_trace=self.routing_trace,
                 )  # fmt: skip
                 commands.put(("prepare", plan))
         t_prepare = time.monotonic()

@@ -32,13 +32,12 @@ def attach_ray(address: str) -> str:
     return ray.get_runtime_context().gcs_address
 
 
-def deploy(config: Any, fake_step_ms: float | None = None, fake_host_ms: float = 0.0) -> None:
+def deploy(config: Any, fake_step_ms: float | None = None) -> None:
     """Run build_app(config) as app config.app_name (Python client only, no HTTP route).
 
     fake_step_ms: replicas run bench.cluster's FakeEngine (no model: one token per request
     per step of that length) instead of config.model, so that the generator processes, not
-    the replicas, are what a run measures. fake_host_ms of each step holds the GIL, as an
-    engine's host work does (the rest sleeps, as a GPU step).
+    the replicas, are what a run measures.
     """
     import functools
 
@@ -49,9 +48,7 @@ def deploy(config: Any, fake_step_ms: float | None = None, fake_host_ms: float =
 
     factory = None
     if fake_step_ms is not None:
-        factory = functools.partial(
-            fake_engine, step_s=fake_step_ms / 1e3, host_s=fake_host_ms / 1e3
-        )
+        factory = functools.partial(fake_engine, step_s=fake_step_ms / 1e3)
     serve.run(build_app(config, engine_factory=factory), name=config.app_name, route_prefix=None)
 
 

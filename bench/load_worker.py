@@ -46,7 +46,6 @@ class WorkerPlan:
     concurrency: int | None  # closed-loop users in this process; None: open loop
     timeout_s: float
     warmup: bool = True
-    client_options: dict = field(default_factory=dict)  # Client keyword arguments
     routing_trace: bool = False  # record this process's routing decisions (cluster.routing_trace)
 
 
@@ -93,8 +92,6 @@ def worker_main(proc: int, ray_address: str, events: Any, commands: Any) -> None
         ray.init(address=ray_address, log_to_driver=False, logging_level="ERROR")
         import cluster.client  # noqa: F401  (torch and all: now, while the replicas start)
 
-        # One loop for the process: a Serve router that ran on it (a Client with
-        # route_on_caller_loop) must not outlive its loop.
         uvloop.run(_rounds(proc, events, commands))
     except BaseException:
         events.put(("failed", proc, traceback.format_exc()))
@@ -207,7 +204,7 @@ async def _run(plan: WorkerPlan, events: Any, commands: Any) -> WorkerResult:
     from cluster.client import Client
 
     # A new one per round (the app was redeployed), on this round's loop.
-    client = Client(plan.app_name, **plan.client_options)
+    client = Client(plan.app_name)
     await client.model_info_async()
     if plan.warmup:
         await _warmup(client)
@@ -243,8 +240,7 @@ async def _run(plan: WorkerPlan, events: Any, commands: Any) -> WorkerResult:
     result.cpu_s = time.process_time() - cpu0
     result.records = list(records.values())
     result.routing_rows, result.routing_rows_dropped = routing_trace.drain()
-    # Not client.aclose(): with route_on_caller_loop, a round after a redeploy was once
-    # seen (CI) to hang before "ready" after the previous round's router was shut down
-    # on this loop; the round's client stays referenced for the process's life instead.
+    # Not client.aclose(): a round after a redeploy has hung before "ready" once the
+    # previous round's router was shut down on this loop; the client stays referenced.
     _past_clients.append(client)
     return result
