@@ -59,8 +59,9 @@ def summarize(newest_first: Iterable[np.ndarray], num_hashes: int, limit: int) -
     hash, most recently used first, as integer arrays (chunks, each newest first); it is
     read only as far as the summary needs (replica.hash_log reads its log that way, so
     a snapshot does not walk the whole cache: walking ~2K hashes in Python objects
-    stalled a replica's engine thread every full snapshot, BENCHMARKS.md "A Serve
-    replica's engine thread" and the thirty-second session).
+    stalled a replica's engine thread every full snapshot, which took 0.61-0.79 ms
+    that way against 0.27-0.37 ms from the log on an H200 host, beside ~0.95 ms
+    decode steps).
 
     All of them when they fit. Else the newest limit // 2 in full, then the older ones
     that are multiples of SUMMARY_STRIDE. Routers match a prompt at the deepest block a
