@@ -2,7 +2,7 @@
 
 Every cluster test module starts and stops its own Ray, one after another, on a
 2-core CI machine. A start can fail there for reasons outside the code under test
-(the previous session's processes still exiting, a slow GCS, a node that "timed out
+(the previous module's Ray processes still exiting, a slow GCS, a node that "timed out
 during startup"): init_local_ray and start_local_cluster retry a failed start after
 a clean shutdown instead of failing the module, and print why each failed start
 failed so that a real regression stays visible.
