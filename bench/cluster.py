@@ -1,4 +1,4 @@
-"""Cluster benchmark: the Serve path's overhead, the router's decision time, the transport ceiling.
+"""Cluster benchmark: the Serve path's overhead and the transport ceiling.
 
     python -m bench.cluster --quick                        # CPU, ~1 min
     python -m bench.cluster --model gpt2 --device cuda --out results/cluster.json
@@ -6,10 +6,7 @@
 (a) overhead: TTFT p50 at concurrency 1 through Serve (Client.stream, first chunk)
     against the same preset's LLMEngine in this process (add_request + step until
     the first token); the difference is what the cluster adds (target <= 3 ms).
-(b) router: one routing decision over N fake replicas, p50/p99: the pure router
-    code (router.Admission: admission + policy + reservation) and the Serve
-    adapter's choose_replicas around it (target <= 0.2 ms).
-(c) transport: tokens/s out of one replica into one caller process through the
+(b) transport: tokens/s out of one replica into one caller process through the
     step-batched carrier (LLMServer around FakeEngine, which emits one token per
     request per step_s, so the transport is the bottleneck) against Serve's
     per-request streaming (one chunk per token per request through a
@@ -26,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import gc
 import os
@@ -223,88 +219,7 @@ async def serve_ttft_s(client: Any, prompts: list[list[int]], max_tokens: int) -
     return times
 
 
-# ---- (b) the router's decision time ---------------------------------------------------------
-
-
-def _fake_stats(num_replicas: int, now_s: float, rng: random.Random) -> list[ReplicaStats]:
-    stats = []
-    for i in range(num_replicas):
-        num_used = rng.randrange(0, 800)
-        stats.append(
-            ReplicaStats(
-                replica_id=f"replica-{i}",
-                num_blocks_total=1024,
-                num_blocks_free=1024 - num_used,
-                num_blocks_cached=0,
-                kv_usage=num_used / 1024,
-                num_running=num_used // 8,
-                num_waiting=0,
-                num_preempted_total=0,
-                max_num_seqs=256,
-                tokens_per_s=0.0,
-                cached_prefix_hashes=tuple(rng.getrandbits(63) for _ in range(64)),
-                timestamp_s=now_s,
-            )
-        )
-    return stats
-
-
-def router_decision_s(
-    policy: str, num_replicas: int, num_iters: int, prompt_len: int
-) -> dict[str, list[float]]:
-    """Per-decision times of router.Admission (pure) and of KVFleetRequestRouter.choose_replicas
-    (the Serve adapter: decode routing stats, build the request, admit, reserve, map tiers)."""
-    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
-    from ray.serve.request_router import PendingRequest, ReplicaID
-
-    from cluster.request_router import KVFleetRequestRouter, encode_routing_stats
-    from router import Admission, RouterConfig, RouteRequest
-
-    rng = random.Random(0)
-    now_s = 1_000.0
-    config = RouterConfig(policy=policy)
-    stats = _fake_stats(num_replicas, now_s, rng)
-    prompts = [tuple(rng.randrange(50000) for _ in range(prompt_len)) for _ in range(64)]
-
-    admission = Admission(config)
-    pure = []
-    for i in range(num_iters):
-        start_s = time.perf_counter()
-        request = RouteRequest(f"r{i}", prompts[i % len(prompts)], max_tokens=64)
-        decision = admission.admit(stats, request, now_s)
-        admission.reserve(request, decision.tiers[0][0], now_s)
-        pure.append(time.perf_counter() - start_s)
-        admission.release(request.request_id)
-
-    deployment = DeploymentID(name="LLMServer", app_name="bench")
-    replicas = [
-        SimpleNamespace(
-            replica_id=ReplicaID(s.replica_id, deployment), routing_stats=encode_routing_stats(s)
-        )
-        for s in stats
-    ]
-
-    async def adapter_times() -> list[float]:
-        router = KVFleetRequestRouter(
-            deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN
-        )
-        router.initialize_state(**dataclasses.asdict(config))
-        router.clock = lambda: now_s
-        times = []
-        for i in range(num_iters):
-            wire = {"prompt_token_ids": list(prompts[i % len(prompts)]), "max_tokens": 64}
-            metadata = RequestMetadata(request_id=f"a{i}", internal_request_id=f"a{i}")
-            pending = PendingRequest(args=[wire], kwargs={}, metadata=metadata)
-            start_s = time.perf_counter()
-            await router.choose_replicas(replicas, pending)
-            times.append(time.perf_counter() - start_s)
-            router.admission.release(f"a{i}")
-        return times
-
-    return {"pure": pure, "adapter": asyncio.run(adapter_times())}
-
-
-# ---- (c) the transport ceiling ---------------------------------------------------------------
+# ---- (b) the transport ceiling ---------------------------------------------------------------
 
 
 class TokenStreamer:
@@ -430,24 +345,6 @@ def run_overhead(args: argparse.Namespace) -> list[dict]:
     for path, ttft in served.items():
         rows.append({"path": path, "ttft_p50_ms": _ms(ttft, 50), "ttft_p90_ms": _ms(ttft, 90),
                      "added_p50_ms": _ms(ttft, 50) - _ms(direct, 50)})  # fmt: skip
-    return rows
-
-
-def run_router(args: argparse.Namespace) -> list[dict]:
-    rows = []
-    for policy in ("kv", "prefix", "pow2"):
-        for num_replicas in args.router_replicas:
-            times = router_decision_s(policy, num_replicas, args.router_iters, args.prompt_len)
-            for path, values in times.items():
-                rows.append(
-                    {
-                        "policy": policy,
-                        "replicas": num_replicas,
-                        "code": path,
-                        "p50_ms": _ms(values, 50),
-                        "p99_ms": _ms(values, 99),
-                    }
-                )
     return rows
 
 
@@ -593,8 +490,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--step-ms", type=float, default=1.0, help="FakeEngine step time")
     parser.add_argument("--num-cpus", type=int, default=None, help="Ray logical CPUs")
     parser.add_argument(
-        "--sections", nargs="+", default=["overhead", "router", "transport"],
-        choices=("overhead", "router", "transport"), help="which measurements to run",
+        "--sections", nargs="+", default=["overhead", "transport"],
+        choices=("overhead", "transport"), help="which measurements to run",
     )  # fmt: skip
     parser.add_argument("--out", default=None, help="write results as JSON here")
     return parser
@@ -603,8 +500,6 @@ def _parser() -> argparse.ArgumentParser:
 def _sizes(args: argparse.Namespace) -> None:
     quick = args.quick
     args.ttft_n = 30 if quick else 200
-    args.router_iters = 500 if quick else 5000
-    args.router_replicas = [4, 16] if quick else [4, 16, 64]
     args.streams = 64 if quick else 256
     args.tokens = 100 if quick else 400
     args.baseline_tokens = 20 if quick else 50
@@ -613,31 +508,25 @@ def _sizes(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    import os
-
     import ray
 
     args = _parser().parse_args()
     _sizes(args)
     results: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "out"}}
-    if "router" in args.sections:
-        results["router"] = run_router(args)
-    if {"overhead", "transport"} & set(args.sections):
-        num_cpus = args.num_cpus or max(4, os.cpu_count() or 1)
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-        try:
-            if "overhead" in args.sections:
-                results["overhead"] = run_overhead(args)
-            if "transport" in args.sections:
-                results["transport"] = run_transport(args)
-        finally:
-            from ray import serve
+    num_cpus = args.num_cpus or max(4, os.cpu_count() or 1)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        if "overhead" in args.sections:
+            results["overhead"] = run_overhead(args)
+        if "transport" in args.sections:
+            results["transport"] = run_transport(args)
+    finally:
+        from ray import serve
 
-            serve.shutdown()
-            ray.shutdown()
+        serve.shutdown()
+        ray.shutdown()
     columns = {
         "overhead": ["path", "ttft_p50_ms", "ttft_p90_ms", "added_p50_ms"],
-        "router": ["policy", "replicas", "code", "p50_ms", "p99_ms"],
         "transport": [
             "transport", "replicas", "callers", "streams", "tokens", "wall_s",
             "tokens_per_s_per_replica", "tokens_per_s_per_caller",
@@ -646,7 +535,7 @@ def main() -> None:
         ],
     }  # fmt: skip
     print(f"\n{machine_description()}, {time.strftime('%Y-%m-%d')}")
-    for section in ("overhead", "router", "transport"):
+    for section in ("overhead", "transport"):
         if section in results:
             print(f"\n### {section}\n")
             print(markdown_table(results[section], columns[section]))
