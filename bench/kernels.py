@@ -119,21 +119,6 @@ def graph_time_us(fns: list[Callable[[], object]]) -> float:
     return statistics.median(times_ms) * 1e3 / num_launches
 
 
-def do_bench_us(fns: list[Callable[[], object]]) -> float:
-    """triton do_bench over the rotating calls (host launch included when host-bound)."""
-    import triton.testing
-
-    state = {"i": 0}
-
-    def call() -> object:
-        state["i"] = (state["i"] + 1) % len(fns)
-        return fns[state["i"]]()
-
-    for fn in fns:
-        fn()
-    return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median") * 1e3
-
-
 def _paged_setup(shape: Shape, batch: int, blocks_per_seq: int, gen: torch.Generator):
     """Caches with one shuffled, disjoint block list per sequence (a fragmented pool)."""
     num_blocks = batch * blocks_per_seq
@@ -256,9 +241,13 @@ def bench_decode(
     if splits > 1:
         row["merge_us"] = graph_time_us([lambda: merge_splits(*workspace, out, splits, pdl=pdl)])
     if peer:
-        # The reference reads lengths on the host (.tolist()): not graph-capturable.
+        # The reference reads lengths on the host (.tolist()): not graph-capturable, so
+        # triton's do_bench times it, host launch included.
+        import triton.testing
+
         args = (*caches[0], block_table, slot_mapping, context_lens, scale)
-        row["torch_ref_us"] = do_bench_us([lambda: ref.paged_decode_attention_ref(q, *args)])
+        ref_fn = lambda: ref.paged_decode_attention_ref(q, *args)  # noqa: E731
+        row["torch_ref_us"] = 1e3 * triton.testing.do_bench(ref_fn, return_mode="median")
     return row
 
 

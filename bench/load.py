@@ -68,29 +68,18 @@ STATS_PERIOD_S = 0.2
 
 
 class Progress:
-    """tqdm when installed, else one rewritten stderr line."""
+    """Requests done so far, on one rewritten stderr line."""
 
     def __init__(self, total: int, desc: str) -> None:
-        try:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, mininterval=0.5)
-        except ImportError:
-            self._bar = None
         self.total, self.desc, self.n = total, desc, 0
 
     def update_to(self, n: int) -> None:
-        if self._bar is not None:
-            self._bar.update(n - self._bar.n)
-        elif n != self.n:
+        if n != self.n:
             print(f"\r{self.desc}: {n}/{self.total}", end="", file=sys.stderr, flush=True)
         self.n = n
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-        else:
-            print(file=sys.stderr)
+        print(file=sys.stderr)
 
 
 def run_trace(
@@ -190,13 +179,11 @@ def _ray_num_cpus(configs: dict[str, ClusterConfig]) -> int:
 
 
 def round_app_name(app_name: str, router: str) -> str:
-    """The app each router's round deploys: a name of its own, never one an earlier round
-    used. A process keeps Serve's handle on an (app, deployment) for its life, and that
-    handle's request router keeps the router class of the deployment it first saw: with
-    one name, every round after the first was routed by the first round's router in the
-    generator processes. A new handle on the same name in a process
-    that holds the old one may never see the new replicas (Serve's shared long-poll
-    client), so making one per round is no way out either."""
+    """The app each router's round deploys: a name of its own. A process keeps Serve's
+    handle on an (app, deployment) for its life, and that handle's request router keeps
+    the router class of the deployment it first saw, so with one name every round would
+    be routed by the first round's router (and a new handle on the old name may never
+    see the new replicas: Serve's shared long-poll client)."""
     return f"{app_name}-{router}"
 
 

@@ -1,13 +1,10 @@
 """One generator process of the load test: its own Ray driver, event loop and Client.
 
-Driven by bench.load_pool over two multiprocessing queues: commands in ("prepare",
-WorkerPlan) / ("go", start_wall_s) / ("stop", None), events out ("ready", proc, None),
-("progress", proc, n_done), ("result", proc, WorkerResult) and ("failed", proc,
-traceback). After "go" the process sends its share of the trace against the shared start
-time (wall clock, the same for every process): open loop at each request's arrival
-offset, or closed loop with `concurrency` users each sending its next request when the
-previous one ends. At last arrival + timeout_s (closed loop: start + timeout_s) whatever
-is still in flight is cancelled and stays "lost".
+Driven by bench.load_pool (its docstring has the protocol). After "go" the process sends
+its share of the trace against the shared start time (wall clock): open loop at each
+request's arrival offset, or closed loop with `concurrency` users each sending its next
+request when the previous one ends. At last arrival + timeout_s (closed loop: start +
+timeout_s) whatever is still in flight is cancelled and stays "lost".
 
 A generator process must cost little per token, or it measures itself: its event loop is
 uvloop's (a Ray Serve dependency; asyncio's own loop spends more per task wake-up, and

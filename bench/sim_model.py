@@ -13,12 +13,8 @@ Fit file (`--fit`), either of two shapes:
                "prefill_tokens": 0}, ...]}
       batch = decode sequences in the step, context_tokens = their KV length
       summed, prefill_tokens optional (default 0).
-  bench/engine.py --out JSON: {"rows": [{"batch": 64, "TPOT ms": 1.38}, ...],
-      "prompt_len": 128, "max_new": 128}
-      each row is a decode-only point with context_tokens = batch *
-      (prompt_len + max_new / 2) (the mean KV length over the run). bench/engine.py
-      does not write prompt_len / max_new yet: add them to the JSON by hand or
-      there, or the fit refuses the file.
+  `python -m bench.engine --out` JSON: each row a decode-only point (batch, TPOT ms)
+      with context_tokens = batch * (prompt_len + max_new / 2), the mean KV length.
 Coefficients whose column never varies in the points (e.g. b with decode-only
 points) keep their default value instead of being fitted.
 """

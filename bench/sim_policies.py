@@ -79,7 +79,6 @@ class RealRouter(SimRouter):
     """
 
     needs_stats = True
-    tracks_progress = False
 
     def __init__(self, config: RouterConfig, workload: Workload, num_replicas: int) -> None:
         self.name = config.policy

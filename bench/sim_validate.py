@@ -2,24 +2,17 @@
 
     python -m bench.sim --validate results/load_4gpu.json [--fit results/engine_fit.json]
 
-From the result JSON (bench/load.py's report(): "workload", "target", "runs"):
-  - the trace: bench.load_workload.build_trace(WorkloadConfig(**workload)) gives the
-    very requests the run sent (same seed, prompts, max_tokens, arrival offsets);
-    output lengths are max_tokens (the load test sets ignore_eos); workload
-    "concurrency" (closed loop) becomes SimConfig.concurrency, and target "num_procs"
-    (one Serve handle, so one router, per generator process) SimConfig.num_routers;
-  - the replicas: target replicas, block_size, max_num_seqs, and num_blocks; when
-    the run sized its KV pool from memory (num_blocks null), --num-blocks if given,
-    else the pool size implied by the run's kv_samples ((free + cached) / (1 -
-    kv_usage)); max_num_batched_tokens, prefix caching and the hash summary cap are
-    EngineConfig's defaults, which the load test does not change; stats period and
-    delay are the simulator's flags (defaults: ClusterConfig's 50 ms period);
-  - the routers: every run in "runs", mapped to the simulator's policy of the same
-    algorithm (LOAD_ROUTER_POLICIES); the kvfleet ones with target on_overload,
-    queue_fraction and the run's seed, as ClusterConfig.router_config() builds them.
+From the result JSON ("workload", "target", "runs"):
+  - the trace: build_trace(WorkloadConfig(**workload)) gives the very requests the run
+    sent, output lengths max_tokens (the load test sets ignore_eos); a closed loop's
+    concurrency and one router per generator process (num_procs) carry over;
+  - the replicas: the target's replicas, block_size, max_num_seqs and num_blocks (a
+    pool sized from memory: --num-blocks, else the size its kv_samples imply);
+    EngineConfig's defaults for what the load test does not set;
+  - the routers: every run, as the simulator's policy of the same algorithm
+    (LOAD_ROUTER_POLICIES), with the target's on_overload and queue_fraction.
 For each router it prints predicted vs measured output-token throughput, request
-throughput and TTFT p50/p99 (bench.load's definitions; bench/sim_report.py
-computes the same ones) with the relative error (predicted - measured) / measured.
+throughput and TTFT p50/p99 (bench.load's definitions) with the relative error.
 """
 
 from __future__ import annotations

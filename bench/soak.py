@@ -236,6 +236,8 @@ async def _drive(soak: Soak, duration_s: float, concurrency: int, kill_at_s: flo
 
 def _leaks(client: Any, num_replicas: int, victim: str, timeout_s: float) -> list[str]:
     """Why replicas are not clean; waits for the victim's replacement and for idleness."""
+    from bench.load_target import is_drained
+
     deadline_s = time.monotonic() + timeout_s
     problems = ["no stats"]
     while time.monotonic() < deadline_s:
@@ -246,14 +248,12 @@ def _leaks(client: Any, num_replicas: int, victim: str, timeout_s: float) -> lis
         problems = []
         if len(stats) != num_replicas or any(s.replica_id == victim for s in stats):
             problems.append(f"{len(stats)} replicas report stats, {num_replicas} expected")
-        for s in stats:
-            if s.num_running or s.num_waiting:
-                problems.append(f"{s.replica_id}: {s.num_running} running, {s.num_waiting} waiting")
-            if s.num_blocks_free + s.num_blocks_cached != s.num_blocks_total:
-                problems.append(
-                    f"{s.replica_id}: free {s.num_blocks_free} + cached {s.num_blocks_cached} "
-                    f"!= total {s.num_blocks_total}"
-                )
+        problems += [
+            f"{s.replica_id}: {s.num_running} running, {s.num_waiting} waiting, free "
+            f"{s.num_blocks_free} + cached {s.num_blocks_cached} of {s.num_blocks_total}"
+            for s in stats
+            if not is_drained(s)
+        ]
         if not problems:
             return []
         time.sleep(0.5)
@@ -272,10 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
 
-    import ray
-    from ray import serve
-
-    from cluster import Client, ClusterConfig, build_app
+    from bench.load_target import deploy, shutdown, start_local_ray
+    from cluster import Client, ClusterConfig
     from replica import LLMEngine, SamplingParams
 
     config = ClusterConfig(
@@ -298,11 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     greedy_expected = [o.token_ids for o in engine.generate(greedy_prompts, greedy)]
     del engine
 
-    ray.init(num_cpus=args.replicas + 1, include_dashboard=False, log_to_driver=False)
+    start_local_ray(args.replicas + 1)
     started_s = time.monotonic()
     try:
-        serve.start()
-        serve.run(build_app(config), name=APP_NAME, route_prefix=None)
+        deploy(config)
         client = Client(APP_NAME, carrier_timeout_s=10.0)
         info = client.model_info()
         soak = Soak(
@@ -322,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         soak.tally.retries = client.num_retries
         leaks = _leaks(client, args.replicas, victim, timeout_s=120.0)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        shutdown()
 
     tally = soak.tally
     accounted = tally.completed + tally.typed_error + tally.rejected + tally.aborted + tally.lost
