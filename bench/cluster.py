@@ -317,15 +317,12 @@ def run_overhead(args: argparse.Namespace) -> list[dict]:
     # The peer: Serve's default handle, whose router runs on a thread of its own and
     # which reaches replicas through Ray actor calls.
     threaded = serve.get_deployment_handle(LLM_DEPLOYMENT, config.app_name)
-    clients = {
-        "Serve (Client.stream), router on caller loop, gRPC (default)": Client(
+    clients = {  # the three paths a caller takes: the HTTP ingress's, Client's, Serve's
+        "Serve, router on the caller's loop, gRPC (the HTTP ingress)": Client(
             config.app_name, route_on_caller_loop=True
         ),
-        "Serve (Client.stream), router thread, gRPC": Client(handle=threaded),
-        "Serve (Client.stream), router on caller loop, actor calls": Client(
-            config.app_name, route_on_caller_loop=True, serve_grpc=False
-        ),
-        "Serve (Client.stream), router thread, actor calls (Serve's default)": Client(
+        "Serve, router thread, gRPC (Client's default)": Client(handle=threaded),
+        "Serve, router thread, actor calls (Serve's default handle)": Client(
             handle=threaded, serve_grpc=False
         ),
     }
