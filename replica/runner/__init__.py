@@ -1,11 +1,13 @@
 """The model runner: runs the model for a scheduled batch, the only place that builds
 device tensors. One concept a module:
 
-    model_runner    ModelRunner: construction, launch() of a step, its forwards
-    step_handle     StepHandle: a launched step's tokens on their way to the host
+    model_runner    ModelRunner: construction, launch() of a step, graphs or eager forwards
+    step_plan       which forward each of a step's sequences runs in (mixed, decode in prefill)
+    forwards        Forwards: the prefill and decode forwards over the persistent buffers
+    step_handle     TokenStaging, StepHandle: a step's sampled tokens on their way to the host
     decode_inputs   a decode (or mixed) step's inputs and changed block-table rows, one copy
     prefill_inputs  a prefill step's inputs, padded to captured buckets on CUDA
-    graphs          CUDA graph capture and the sizes graphs are captured at
+    graphs          CUDA graph capture of the forwards and the sizes they are captured at
     eager_graph     EagerGraph: a CUDA graph's stand-in on the CPU (tests)
     sampling        StepSampler: a step's sampled rows outside the graphs
     sampling_batch  SamplingBatch and the two ways to sample it (torch ops, kernels.sampling)

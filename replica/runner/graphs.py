@@ -12,12 +12,16 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from replica.runner.eager_graph import EagerGraph
 from replica.runner.graph_sampling import GRAPH_KINDS
+
+if TYPE_CHECKING:
+    from replica.runner.forwards import Forwards
+    from replica.runner.prefill_inputs import PrefillBucket
 
 
 def graphs_on(device: torch.device, emulate_on_cpu: bool = False) -> bool:
@@ -100,3 +104,34 @@ def capture_sampling_graphs(
             pool = graph.pool()
             graphs[mixed, size, kind] = graph
     return graphs
+
+
+def capture_forward_graphs(
+    forwards: Forwards,
+    graph_sizes: list[int],
+    mixed_graph_sizes: list[int],
+    prefill_buckets: list[PrefillBucket],
+    sampling: bool,
+    device: torch.device,
+) -> tuple[dict, dict, dict, dict]:
+    """Decode and mixed graphs per row count, prefill graphs per PrefillBucket, and (if
+    sampling) the sampling graphs over the decode and mixed ones' logits (their own pool:
+    one replays after a forward's graph), as capture_shapes' and capture_sampling_graphs'
+    dicts: (decode, mixed, prefill, sampling). The inputs the forwards read must be
+    uploaded (padding rows point at the null row and block).
+
+    Two pools, because a step may replay a prefill graph and then a decode graph
+    and sample from both outputs: graphs that share a pool share output memory.
+    A step replays a decode or a mixed graph, never both: those share one.
+    """
+    mixed_forward = functools.partial(forwards.decode, append_first=True)
+    mixed_graphs, sampling_graphs = {}, {}
+    with torch.inference_mode():
+        graphs, pool = capture_shapes(graph_sizes, forwards.decode, device)
+        if mixed_graph_sizes:
+            mixed_graphs, _ = capture_shapes(mixed_graph_sizes, mixed_forward, device, pool)
+        prefill_graphs, _ = capture_shapes(prefill_buckets, forwards.prefill, device)
+        if sampling:
+            forward_graphs = {False: graphs, True: mixed_graphs}
+            sampling_graphs = capture_sampling_graphs(forward_graphs, forwards.sample_rows, device)
+    return graphs, mixed_graphs, prefill_graphs, sampling_graphs

@@ -17,6 +17,7 @@ chunk's earlier tokens), where plain decode graphs fuse the append into attentio
 The other way round, a step with longer prompt chunks runs its decode sequences as
 one-token chunks of the prefill forward (EngineOptions.decode_in_prefill), so that step
 too makes one pass over the weights, not a prefill forward and then a decode forward.
+replica.runner.step_plan arranges a step so; replica.runner.forwards runs the forwards.
 
 A decode step's sampled rows (temperature, top-p, top-k) sample in a second graph,
 captured per graph size over the forward graph's logits and replayed after it; its
@@ -26,74 +27,32 @@ step whose prefill forward samples) go through replica.runner.sampling;
 replica.runner.graphs captures the graphs.
 
 Steps overlap with the host: launch() enqueues a step and returns at once with
-a StepHandle. Sampled tokens stay on the device too (token_buf, one entry per
-table row), so the next step's decode reads a token the host has not seen yet
-(a PLACEHOLDER on the host side) straight from token_buf. Host staging buffers
-alternate between two copies, so a step's inputs are never overwritten while
-its copies may still be pending.
+a StepHandle (replica.runner.step_handle). Sampled tokens stay on the device too
+(token_buf, one entry per table row), so the next step's decode reads a token the host
+has not seen yet (a PLACEHOLDER on the host side) straight from token_buf. Host staging
+buffers alternate between two copies by the step's parity, so a step's inputs are never
+overwritten while its copies may still be pending.
 """
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
-from replica.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from replica.config import EngineConfig
 from replica.models import ModelConfig, load_model
-from replica.options import EngineOptions
 from replica.runner import kv_cache
-from replica.runner.decode_inputs import (
-    CONTEXT_LENS,
-    INPUT_IDS,
-    OUT_SLOTS,
-    POSITIONS,
-    SLOTS,
-    DecodeInputs,
-)
+from replica.runner.decode_inputs import SLOTS, DecodeInputs
+from replica.runner.forwards import Forwards, make_attention_backend
 from replica.runner.graph_sampling import GraphSamplingInputs
-from replica.runner.graphs import (
-    capture_sampling_graphs,
-    capture_shapes,
-    graph_batch_sizes,
-    graphs_on,
-    padded_size,
-)
+from replica.runner.graphs import capture_forward_graphs, graph_batch_sizes, graphs_on, padded_size
 from replica.runner.prefill_inputs import PrefillBucket, PrefillInputs
 from replica.runner.sampling import StepSampler, all_greedy
-from replica.runner.step_handle import StepHandle
+from replica.runner.step_handle import StepHandle, TokenStaging
+from replica.runner.step_plan import arrange, completes_any
 from replica.runner.warm_up import warm_up
 from replica.scheduler import ScheduledBatch
 from replica.sequence import Sequence
-
-
-def _device_kernels(device: torch.device, pdl: bool, *names: str) -> tuple:
-    """The kernels named: Triton kernels on CUDA (kernels' entry points, launched with
-    PDL where pdl), their torch references on CPU (kernels.reference's <name>_ref)."""
-    import kernels
-
-    if device.type == "cuda":
-        return tuple(functools.partial(getattr(kernels, name), pdl=pdl) for name in names)
-    return tuple(getattr(kernels.reference, f"{name}_ref") for name in names)
-
-
-def make_attention_backend(device: torch.device, options: EngineOptions) -> AttentionBackend:
-    """Torch references on CPU, Triton kernels on CUDA; chosen once, never per call."""
-    if device.type == "cpu":
-        return TorchAttention()
-    from replica.triton_attention import TritonAttention
-
-    return TritonAttention(fuse_decode_append=options.fuse_decode_append, pdl=options.pdl)
-
-
-def _completes_any(batch: ScheduledBatch) -> bool:
-    """Whether a prompt chunk of the batch reaches its sequence's last token (samples)."""
-    return any(
-        s.num_computed_tokens + n == len(s.token_ids)
-        for s, n in zip(batch.prefill_seqs, batch.prefill_lens, strict=True)
-    )
 
 
 class ModelRunner:
@@ -132,11 +91,6 @@ class ModelRunner:
             options=options,
         )
         self.vocab_size = self.model_config.vocab_size
-        # Greedy sampling into token_buf, the next step's read of it, and the step's
-        # changed block-table rows (inside the decode graphs on CUDA).
-        self.argmax_rows, self.resolve_placeholders, self.scatter_table_rows = _device_kernels(
-            device, options.pdl, "argmax_rows", "resolve_placeholders", "scatter_table_rows"
-        )
         # On CUDA (or the CPU emulating it), eager decode pads to the same buckets as the
         # graphs, so that graphs on and off run identical shapes (cuBLAS tiling, split-KV
         # choice) and give identical tokens.
@@ -171,14 +125,10 @@ class ModelRunner:
             GraphSamplingInputs.buffer_length(sampling_rows) if sampling_rows else 0,
         )  # fmt: skip
         self.decode_inputs = self.step_inputs.inputs  # [5, max_rows] on the device
-        self.token_staging = torch.zeros((2, self.max_num_seqs), dtype=torch.int64, pin_memory=pin)
-        # One event per parity marks a step's tokens on the host: a step's handle is waited
-        # on before the step after next records its parity's event again (LLMEngine.step).
-        self.token_events = [torch.cuda.Event() for _ in range(2)] if pin else []
+        self.token_staging = TokenStaging(self.max_num_seqs, device, self.use_cuda_graphs)
         self.parity = 0
         self._launched: list[StepHandle | None] = [None, None]  # each parity's last step
         self.token_buf = torch.zeros(rows, dtype=torch.int64, device=device)  # last token per slot
-        self._greedy_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         # Sampling outside the graphs (replica.runner.sampling): kernels.sampling on CUDA,
         # torch ops on the CPU.
         self.sampler = StepSampler(device, self.vocab_size, config.seed, fused=graph_path)
@@ -202,6 +152,10 @@ class ModelRunner:
             null_row=self.max_num_seqs, device=device, padded=graph_path,
         )  # fmt: skip
         self.prefill_graphs: dict[PrefillBucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.forwards = Forwards(
+            self.model, device, config.options.pdl, self.block_table, self.token_buf,
+            self.step_inputs, self.prefill, self.graph_sampling,
+        )  # fmt: skip
 
     # ---- set-up ---------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -219,6 +173,7 @@ class ModelRunner:
         self.null_block = num_blocks
         shape = (mc.num_layers, 2, num_blocks + 1, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        self.forwards.kv_cache = self.kv_cache
         self.block_table.fill_(self.null_block)
         self.step_inputs.fill_padding(self.parity)
         if self.use_cuda_graphs:
@@ -255,7 +210,9 @@ class ModelRunner:
     def _launch(
         self, batch: ScheduledBatch, block_table: np.ndarray, dirty_slots: list[int]
     ) -> StepHandle:
-        prefill_seqs, prefill_lens, decode_seqs, mixed = self._arrange(batch)
+        prefill_seqs, prefill_lens, decode_seqs, mixed = arrange(
+            batch, self.mixed_prefill_tokens, self.decode_in_prefill
+        )
         chunks = list(zip(prefill_seqs, prefill_lens, strict=True)) if mixed else []
         num_rows = len(decode_seqs) + (sum(prefill_lens) if mixed else 0)
         padded = self._padded_rows(num_rows, mixed)
@@ -270,7 +227,7 @@ class ModelRunner:
         # graph's argmax; alone and not, the sampling graph's parameters are staged now, to
         # ride in the step's one copy.
         rows_seqs = done + decode_seqs
-        alone = num_rows > 0 and not (prefill_forward and _completes_any(batch))
+        alone = num_rows > 0 and not (prefill_forward and completes_any(batch))
         greedy_alone = alone and all_greedy(rows_seqs)
         graph_kind = None
         if alone and not greedy_alone and self.graph_sampling is not None:
@@ -292,33 +249,15 @@ class ModelRunner:
             )  # fmt: skip
         if greedy_alone and not prefill_forward:  # most steps
             _, decode_greedy = self._run_decode(padded, mixed)
-            if num_rows == first:
-                return StepHandle(self.token_staging[self.parity, :0], None)
-            return self.tokens_to_host(*self._greedy_rows(decode_greedy, mixed, first, num_rows))
+            return self.token_staging.greedy_to_host(
+                decode_greedy, mixed, first, num_rows, self.parity
+            )
         if not prefill_forward:
             prefill_seqs = []
         rows = slice(first, num_rows) if num_rows else None
         return self._launch_sampled(
             prefill_seqs, prefill_lens, padded, rows, rows_seqs, mixed, graph_kind
         )
-
-    def _arrange(
-        self, batch: ScheduledBatch
-    ) -> tuple[list[Sequence], list[int], list[Sequence], bool]:
-        """The step's prompt chunks and decode sequences, and whether it is mixed: its
-        prompt tokens (at most mixed_prefill_tokens) ride in the decode forward."""
-        num_prefill = sum(batch.prefill_lens)
-        mixed = 0 < num_prefill <= self.mixed_prefill_tokens
-        prefill_seqs, prefill_lens = batch.prefill_seqs, batch.prefill_lens
-        decode_seqs = batch.decode_seqs
-        if prefill_seqs and not mixed and decode_seqs and self.decode_in_prefill:
-            # Each decode sequence's newest token (its num_computed_tokens is one short) is
-            # a chunk of one that completes it, after the prompt chunks: the sampling order
-            # stays prompt chunks that complete, then decode sequences.
-            prefill_seqs = prefill_seqs + decode_seqs
-            prefill_lens = prefill_lens + [1] * len(decode_seqs)
-            decode_seqs = []
-        return prefill_seqs, prefill_lens, decode_seqs, mixed
 
     def _launch_sampled(
         self,
@@ -348,39 +287,15 @@ class ModelRunner:
             slots.append(self.decode_inputs[SLOTS, rows])
             greedy.append(decode_greedy[rows])  # already in token_buf
             sampled_seqs += rows_seqs
-        host = self.token_staging[self.parity, : len(sampled_seqs)]
+        host = self.token_staging.host[self.parity, : len(sampled_seqs)]
         if not sampled_seqs:
             return StepHandle(host, None)
         if graph_kind is not None:  # only the decode (or mixed) forward samples
             self.sampling_graphs[mixed, padded, graph_kind].replay()
-            return self.tokens_to_host(self.graph_sampling.tokens[rows], host)
+            return self.token_staging.to_host(self.graph_sampling.tokens[rows], host, self.parity)
         sampling = self.sampler.batch(sampled_seqs)
         tokens = self.sampler.sample(logits, slots, greedy, sampling, self.token_buf)
-        return self.tokens_to_host(tokens, host)
-
-    def _greedy_rows(
-        self, greedy: torch.Tensor, mixed: bool, first: int, num_rows: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A greedy decode forward's sampled rows of its argmax, and their host staging.
-        A graph's outputs never move, so their views are made once (a view is a few us
-        of the host's time, which on a slow host sets a 256-row step's pace)."""
-        key = (mixed, len(greedy), first, num_rows, self.parity)  # len: the graph's size
-        views = self._greedy_views.get(key)
-        if views is None:
-            views = greedy[first:num_rows], self.token_staging[self.parity, : num_rows - first]
-            if self.use_cuda_graphs:
-                self._greedy_views[key] = views
-        return views
-
-    def tokens_to_host(self, tokens: torch.Tensor, host: torch.Tensor) -> StepHandle:
-        """Copy a step's tokens to their host staging; the handle waits for the copy."""
-        if self.device.type == "cpu":
-            host.copy_(tokens)
-            return StepHandle(host, None)
-        host.copy_(tokens, non_blocking=True)
-        event = self.token_events[self.parity]
-        event.record()
-        return StepHandle(host, event)
+        return self.token_staging.to_host(tokens, host, self.parity)
 
     def warm_up(self) -> None:
         """Run every device op a step may launch outside the graphs once (replica.runner.
@@ -401,17 +316,8 @@ class ModelRunner:
             graph, logits = self.prefill_graphs[step.bucket]
             graph.replay()
         else:
-            logits = self._prefill_forward(step.bucket)
+            logits = self.forwards.prefill(step.bucket)
         return logits[:num_done], step.done, done_slots
-
-    def _prefill_forward(self, bucket: PrefillBucket) -> torch.Tensor:  # [num_seqs, vocab]
-        meta = self.prefill.metadata(bucket, self.block_table)
-        views = self.prefill.device_views(bucket)
-        # A decode sequence's token (decode_in_prefill) may be the one the step before
-        # sampled: a PLACEHOLDER, read from token_buf as the decode forward does.
-        ids = self.resolve_placeholders(views["ids"], self.token_buf, views["token_slots"])
-        hidden = self.model(ids, meta.positions, self.kv_cache, meta)
-        return self.model.compute_logits(hidden[views["last_rows"]])
 
     def _run_decode(self, padded: int, mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [padded, vocab] and greedy tokens [padded] of the uploaded rows."""
@@ -419,72 +325,23 @@ class ModelRunner:
             graph, (logits, greedy) = (self.mixed_graphs if mixed else self.graphs)[padded]
             graph.replay()
             return logits, greedy
-        return self._decode_forward(padded, append_first=mixed)
-
-    def _decode_forward(
-        self, num_rows: int, append_first: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [num_rows, vocab] and their argmax [num_rows], already in token_buf.
-
-        Greedy sampling is part of the decode forward (and so of its CUDA graph): a
-        greedy batch launches nothing after the graph but the tokens' copy to the host.
-        append_first: rows may share a sequence (a mixed step's prompt chunks).
-        """
-        step = self.step_inputs  # the block-table rows this step changed, if upload left them
-        self.scatter_table_rows(self.block_table, step.table_header, step.table_rows)
-        inputs = self.decode_inputs[:, :num_rows]
-        meta = AttentionMetadata(
-            is_decode=True,
-            block_table=self.block_table,
-            slot_mapping=inputs[SLOTS],
-            context_lens=inputs[CONTEXT_LENS],
-            positions=inputs[POSITIONS],
-            append_first=append_first,
-        )
-        # A PLACEHOLDER (negative) id is the token the previous step sampled into token_buf.
-        ids = self.resolve_placeholders(inputs[INPUT_IDS], self.token_buf, inputs[SLOTS])
-        hidden = self.model(ids, meta.positions, self.kv_cache, meta)
-        logits = self.model.compute_logits(hidden)
-        # token_buf[OUT_SLOTS] = greedy; the null row takes the rows that sample nothing
-        greedy = self.argmax_rows(logits, token_buf=self.token_buf, token_rows=inputs[OUT_SLOTS])
-        return logits, greedy
+        return self.forwards.decode(padded, append_first=mixed)
 
     def decode_forward_eager(self, num_rows: int) -> torch.Tensor:  # [num_rows, vocab]
         """One decode forward outside any graph, on whatever the decode buffers hold (profiling)."""
-        return self._decode_forward(num_rows)[0]
+        return self.forwards.decode(num_rows)[0]
 
     def _padded_rows(self, num_rows: int, mixed: bool) -> int:
         """The captured size a step of num_rows runs at (on CUDA, graphs on or off)."""
         return padded_size(self.mixed_graph_sizes if mixed else self.graph_sizes, num_rows)
 
     def _capture_graphs(self) -> None:
-        """Decode and mixed graphs per row count, prefill graphs per PrefillBucket, and
-        the sampling graphs over the decode and mixed ones' logits (their own pool: one
-        replays after a forward's graph).
-
-        Two pools, because a step may replay a prefill graph and then a decode graph
-        and sample from both outputs: graphs that share a pool share output memory.
-        A step replays a decode or a mixed graph, never both: those share one.
-        """
+        """Every graph a step replays (replica.runner.graphs), over inputs whose padding
+        rows write only the null row and block."""
         self.step_inputs.upload(self.parity, True)
-        self.prefill.fill_padding(self.parity)  # padding rows write only the null block
-        mixed_forward = functools.partial(self._decode_forward, append_first=True)
-        device = self.device
-        with torch.inference_mode():
-            self.graphs, pool = capture_shapes(self.graph_sizes, self._decode_forward, device)
-            if self.mixed_graph_sizes:
-                self.mixed_graphs, _ = capture_shapes(
-                    self.mixed_graph_sizes, mixed_forward, device, pool
-                )
-            self.prefill_graphs, _ = capture_shapes(
-                self.prefill.buckets(), self._prefill_forward, device
-            )
-            if self.graph_sampling:
-                forwards = {False: self.graphs, True: self.mixed_graphs}
-                self.sampling_graphs = capture_sampling_graphs(forwards, self._sample_rows, device)
-
-    def _sample_rows(self, logits: torch.Tensor, rows: int, kind: tuple[bool, bool]) -> None:
-        """kernels.sampling over logits into graph_sampling.tokens and token_buf (rows that
-        sample nothing into the null row, as the forward's argmax)."""
-        tokens = self.graph_sampling.sample(logits, *kind)
-        self.token_buf.index_copy_(0, self.decode_inputs[OUT_SLOTS, :rows], tokens)
+        self.prefill.fill_padding(self.parity)
+        graphs = capture_forward_graphs(
+            self.forwards, self.graph_sizes, self.mixed_graph_sizes, self.prefill.buckets(),
+            self.graph_sampling is not None, self.device,
+        )  # fmt: skip
+        self.graphs, self.mixed_graphs, self.prefill_graphs, self.sampling_graphs = graphs

@@ -26,7 +26,7 @@ def warm_up(runner: ModelRunner) -> None:
     rows, null = runner.max_num_seqs, runner.max_num_seqs  # the null row of token_buf
     logits = torch.zeros((rows, runner.vocab_size), dtype=runner.dtype, device=runner.device)
     slots = torch.full((rows,), null, dtype=torch.long, device=runner.device)
-    greedy = runner.argmax_rows(logits, token_buf=runner.token_buf, token_rows=slots)
+    greedy = runner.forwards.argmax_rows(logits, token_buf=runner.token_buf, token_rows=slots)
     half = rows - rows // 2  # a prefill forward's rows, then a decode forward's
     parts = [(logits[:half], slots[:half], None), (logits[half:], slots[half:], greedy[half:])]
     logits_parts, slot_parts, greedy_parts = (
@@ -48,14 +48,14 @@ def warm_up(runner: ModelRunner) -> None:
                 params, [None] * rows, runner.vocab_size, runner.device, positions=[0] * rows
             )
         )
-    host = runner.token_staging[runner.parity, :rows]
+    host = runner.token_staging.host[runner.parity, :rows]
     generator = runner.sampler.generator
     state = generator.get_state()  # the warm-up draws no numbers a request would see
     for sampling in batches:
         tokens = runner.sampler.sample(
             logits_parts, slot_parts, greedy_parts, sampling, runner.token_buf
         )
-        runner.tokens_to_host(tokens, host).wait()
+        runner.token_staging.to_host(tokens, host, runner.parity).wait()
     generator.set_state(state)
     runner.step_inputs.upload(
         runner.parity, False, runner.block_table.cpu().numpy(), [null], runner.block_table
