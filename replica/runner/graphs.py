@@ -5,6 +5,10 @@ forward captured once per shape serves every step of that shape: the inputs are
 copied into the persistent buffers it reads, and its outputs are read where the
 capture left them. On the CPU, with the runner's emulate_graphs_on_cpu (tests), a
 graph is an EagerGraph (replica.runner.eager_graph).
+
+Invariant: graphs whose outputs one step reads together never share a memory pool (the
+decode and mixed graphs share one, since a step replays one of them; prefill graphs and
+sampling graphs each have their own), and a pool's graphs are captured largest first.
 """
 
 from __future__ import annotations

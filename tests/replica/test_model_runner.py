@@ -6,6 +6,10 @@ import pytest
 import torch
 
 from replica import EngineConfig, LLMEngine, SamplingParams
+from replica.runner.step_handle import TokenStaging
+from replica.runner.step_plan import arrange, completes_any
+from replica.scheduler import ScheduledBatch
+from replica.sequence import Sequence
 
 
 def test_warm_up_touches_only_the_null_row_and_block():
@@ -45,3 +49,38 @@ def test_a_launch_refuses_while_the_step_before_last_is_unwaited():
     first.handle.wait()
     second.handle.wait()
     engine.runner.launch(engine.scheduler.schedule(), engine.block_manager.block_table, [])
+
+
+def _seq(name: str, prompt_len: int, num_computed: int) -> Sequence:
+    seq = Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=4))
+    seq.num_computed_tokens = num_computed
+    return seq
+
+
+def test_a_step_is_arranged_into_one_forward_where_it_can():
+    """Prompt tokens up to mixed_prefill_tokens ride in the decode forward (mixed); longer
+    ones take the decode sequences into the prefill forward, one token each, after the
+    prompt chunks (decode_in_prefill), or leave them to a decode forward without it."""
+    prompt, other = _seq("p", 10, 0), _seq("q", 10, 4)
+    decodes = [_seq("d1", 3, 2), _seq("d2", 3, 2)]
+    short = ScheduledBatch([prompt, other], [2, 3], decodes)
+    assert arrange(short, 5, True) == ([prompt, other], [2, 3], decodes, True)
+    long = ScheduledBatch([prompt, other], [4, 6], decodes)
+    assert arrange(long, 5, True) == ([prompt, other, *decodes], [4, 6, 1, 1], [], False)
+    assert arrange(long, 5, False) == ([prompt, other], [4, 6], decodes, False)
+    assert arrange(ScheduledBatch([], [], decodes), 0, True) == ([], [], decodes, False)
+    assert not completes_any(short) and completes_any(long)  # other's chunk ends its prompt
+
+
+def test_token_staging_keeps_greedy_views_only_of_graph_outputs():
+    """A greedy step's views of its argmax rows are kept per (mixed, size, rows, parity)
+    where the argmax is a graph's output, which never moves: a later step of that shape
+    reads the same tensor. Made afresh otherwise; a step without sampled rows yields none."""
+    graph_out, moved = torch.tensor([5, 6, 7]), torch.tensor([8, 9, 10])
+    for cache_views, want in ((True, [6, 7]), (False, [9, 10])):
+        staging = TokenStaging(4, torch.device("cpu"), cache_views)
+        assert staging.greedy_to_host(graph_out, False, 1, 3, 0).wait() == [6, 7]
+        assert staging.greedy_to_host(moved, False, 1, 3, 0).wait() == want
+        assert staging.greedy_to_host(moved, True, 1, 3, 0).wait() == [9, 10]  # mixed: its own
+        assert staging.greedy_to_host(moved, False, 1, 3, 1).wait() == [9, 10]  # other parity
+        assert staging.greedy_to_host(moved, False, 2, 2, 1).wait() == []
