@@ -8,7 +8,7 @@ graph is an EagerGraph (replica.runner.eager_graph).
 
 Invariant: graphs whose outputs one step reads together never share a memory pool (the
 decode and mixed graphs share one, since a step replays one of them; prefill graphs and
-sampling graphs each have their own), and a pool's graphs are captured largest first.
+sampling graphs each have their own), and each kind's graphs are captured largest first.
 """
 
 from __future__ import annotations
