@@ -22,7 +22,7 @@ import torch
 import kernels.pdl
 from bench.common import copy_bandwidth_gbps, host_cpu, markdown_table, percentile, write_json
 from bench.engine_run import GREEDY, Sampling, random_prompts, run_engine
-from bench.itl import cohort_itl, format_itl, steady_itl
+from bench.itl import format_itl, steady_itl
 from replica import EngineConfig, LLMEngine
 from replica.config_flags import add_config_flags, config_from_args
 from replica.models.layers import uses_triton_linear
@@ -198,14 +198,7 @@ def main() -> None:
                 row["tok/s runs"] = [x.tokens_per_s for x in runs]
                 row["HF tok/s runs"] = hf_rates
             rows.append(row)
-        itl = None
-        if args.itl_batch:
-            itl = {
-                "steady": steady_itl(engine, args.itl_batch, args.itl_steps, vocab),
-                "cohort": cohort_itl(
-                    engine, args.itl_batch, args.itl_steps, args.block_size, vocab
-                ),
-            }
+        itl = steady_itl(engine, args.itl_batch, args.itl_steps, vocab) if args.itl_batch else None
     columns = ["batch", "tok/s", "HF tok/s", "x HF", "decode tok/s", "roofline tok/s",
                "% roofline", "TPOT ms", "step mean ms", "step p99 ms", "sched+drain ms",
                "sched+drain p99", "launch ms"]  # fmt: skip
@@ -230,7 +223,7 @@ def main() -> None:
             print(f"batch {row['batch']} runs (the table: the medians): tok/s {runs}"
                   + (f"; HF tok/s {hf_runs}" if hf_runs else ""))  # fmt: skip
     if itl:
-        print(format_itl(args.itl_batch, itl["cohort"], itl["steady"]))
+        print(format_itl(args.itl_batch, itl))
     write_json(args.out, {"model": args.model or model, "prompt_len": prompt_len,
                           "max_new": max_new, "rows": rows, "sampling": str(sampling),
                           "kv_cache_dtype": str(engine.runner.kv_cache.dtype),

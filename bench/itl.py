@@ -1,18 +1,11 @@
-"""Inter-token latency runs of bench.engine: a lockstep cohort, and a steady state.
+"""Inter-token latency of bench.engine, in the steady state of serving.
 
-cohort: batch sequences start together with 16-token prompts and decode `steps`
-tokens each. Their context grows from 16 to 16 + steps, so the attention part of a
-step grows with it and p99/p50 over the run measures that growth as much as any
-spike; steps are also compared with their own neighbourhood, and block rollovers
-(all sequences at once) are reported apart.
-
-steady: batch requests are always in flight, as in serving. Each lives `steps`
-tokens; the first wave's lengths are spread (1/batch, 2/batch, ... of that), and a
-request that finishes is replaced by a new one, whose 16-token prefill joins the
-next step. After one lifetime of warm-up the requests' ages are spread evenly, the
-batch's total context is stationary, and rollovers, prefills and host pauses are
-what moves a step. Every step of the `steps` measured counts: each gives one token
-to every request in flight.
+batch requests are always in flight. Each lives `steps` tokens; the first wave's
+lengths are spread (1/batch, 2/batch, ... of that), and a request that finishes is
+replaced by a new one, whose 16-token prefill joins the next step. After one lifetime
+of warm-up the requests' ages are spread evenly, the batch's total context is
+stationary, and rollovers, prefills and host pauses are what moves a step. Every step
+of the `steps` measured counts: each gives one token to every request in flight.
 """
 
 from __future__ import annotations
@@ -22,7 +15,6 @@ import statistics
 import time
 
 from bench.common import percentile
-from bench.engine_run import random_prompts, run_engine
 from replica import LLMEngine, SamplingParams
 
 PROMPT_LEN = 16
@@ -31,25 +23,6 @@ PROMPT_LEN = 16
 def max_lifetime(engine: LLMEngine) -> int:
     """The most decode steps one request can live: GPT-2's 1024 positions hold 16 + 1007."""
     return engine.max_model_len - PROMPT_LEN - 1
-
-
-def cohort_itl(engine: LLMEngine, batch: int, steps: int, block_size: int, vocab: int) -> dict:
-    """Per-step latency over a long lockstep decode (see the module docstring); at most
-    max_lifetime steps."""
-    steps = min(steps, max_lifetime(engine))
-    run = run_engine(engine, random_prompts(batch, PROMPT_LEN, vocab, 7), steps + 1)
-    walls = run.decode_step_s
-    # Decode step j writes position PROMPT_LEN + j: a new block when that is a multiple.
-    boundary = [t for j, t in enumerate(walls) if (PROMPT_LEN + j) % block_size == 0]
-    inner = [t for j, t in enumerate(walls) if (PROMPT_LEN + j) % block_size != 0]
-    local = [t / statistics.median(walls[max(0, j - 16) : j + 17]) for j, t in enumerate(walls)]
-    return _summary(walls) | {
-        "boundary_p50_ms": 1e3 * percentile(boundary, 50),
-        "inner_p50_ms": 1e3 * percentile(inner, 50),
-        "first_50_p50_ms": 1e3 * percentile(walls[:50], 50),
-        "last_50_p50_ms": 1e3 * percentile(walls[-50:], 50),
-        "local_p99_ratio": percentile(local, 99), "local_max_ratio": max(local),
-    }  # fmt: skip
 
 
 def steady_itl(engine: LLMEngine, batch: int, steps: int, vocab: int) -> dict:
@@ -98,19 +71,11 @@ def _summary(walls: list[float]) -> dict:
     }  # fmt: skip
 
 
-def format_itl(batch: int, cohort: dict, steady: dict) -> str:
+def format_itl(batch: int, steady: dict) -> str:
     return (
         f"ITL at batch {batch}, steady state over {steady['steps']} steps (mean batch"
         f" {steady['mean_batch']:.1f}, {steady['num_requests']} requests of"
         f" {PROMPT_LEN} + {steady['lifetime']} tokens): p50"
         f" {steady['p50_ms']:.3f} ms, p90 {steady['p90_ms']:.3f}, p99 {steady['p99_ms']:.3f},"
-        f" p99/p50 {steady['p99_over_p50']:.2f}, max {steady['max_ms']:.3f}\n"
-        f"ITL at batch {batch}, lockstep cohort over {cohort['steps']} decode steps (context"
-        f" {PROMPT_LEN} -> {PROMPT_LEN + cohort['steps']}): p50 {cohort['p50_ms']:.3f} ms, p99"
-        f" {cohort['p99_ms']:.3f}, p99/p50 {cohort['p99_over_p50']:.2f}, max"
-        f" {cohort['max_ms']:.3f}; p50 at block rollovers {cohort['boundary_p50_ms']:.3f},"
-        f" elsewhere {cohort['inner_p50_ms']:.3f}; first 50 steps p50"
-        f" {cohort['first_50_p50_ms']:.3f}, last 50 {cohort['last_50_p50_ms']:.3f}; step /"
-        f" median of its 33-step neighbourhood: p99 {cohort['local_p99_ratio']:.2f}, max"
-        f" {cohort['local_max_ratio']:.2f}"
+        f" p99/p50 {steady['p99_over_p50']:.2f}, max {steady['max_ms']:.3f}"
     )
