@@ -44,7 +44,6 @@ from bench.load_target import (
     deploy,
     leak_check,
     prefix_cache_hits,
-    serving_rows,
     shutdown,
     start_local_ray,
     stats_rows,
@@ -97,14 +96,11 @@ def run_trace(
     bar = Progress(len(trace), router)
     next_poll_s = 0.0
 
-    counters: list[dict] = []  # each replica's serving counters as the round starts
     stats_at_start = client.stats()  # the prefix-cache counters before any request
 
     def on_tick(state: Round) -> None:
-        nonlocal next_poll_s, counters
+        nonlocal next_poll_s
         t_s = time.time() - state.start_wall_s
-        if t_s >= 0 and not counters:
-            counters = client.serving_counters()
         if time.monotonic() >= next_poll_s and t_s >= 0:
             samples.extend(stats_rows(client.stats(), t_s))
             next_poll_s = time.monotonic() + STATS_PERIOD_S
@@ -112,7 +108,6 @@ def run_trace(
 
     state = pool.run_round(app_name, trace, args.concurrency, args.timeout_s, on_tick)
     round_end_s = time.time()  # the clock of the replicas' snapshot stamps
-    replicas = serving_rows(counters, client.serving_counters())
     bar.update_to(sum(state.done_by_proc.values()))
     bar.close()
     records = [r for res in state.results.values() for r in res.records]
@@ -135,7 +130,6 @@ def run_trace(
             for p in range(pool.num_procs)
         ],
         "kv_samples": samples,
-        "replicas": replicas,
     }
 
 
@@ -262,15 +256,6 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
             status = 1
         else:
             print(f"{router}: leak check ok ({len(leaks['replicas'])} replicas drained)")
-        for rep in run["replicas"]:
-            engine = rep["engine_cpu_fraction"]
-            print(
-                f"{router}: replica {rep['replica_id']}: {rep['submits_per_s']:.0f} submits/s,"
-                f" {rep['messages_per_s']:.0f} carrier messages/s, process CPU"
-                f" {rep['cpu_fraction']:.0%}"
-                + ("" if engine is None else f", engine process CPU {engine:.0%}")
-                + f", engine TTFT mean {rep['engine_ttft_mean_ms']} ms"
-            )
         cache = run["prefix_cache"]
         if cache["query_tokens"]:
             per_replica = ", ".join(

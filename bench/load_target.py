@@ -83,38 +83,6 @@ def stats_rows(stats: list[ReplicaStats], t_s: float) -> list[dict]:
     ]
 
 
-def serving_rows(before: list[dict], after: list[dict]) -> list[dict]:
-    """Per replica, what its process did between two LLMServer.serving_counters polls:
-    submits and carrier messages per second, the CPU it used (a fraction of one core,
-    all threads; the engine child's separately with engine_process), and the mean
-    engine-side TTFT (admission to first token) of the requests that got one."""
-    first = {c["replica_id"]: c for c in before}
-    rows = []
-    for c in after:
-        b = first.get(c["replica_id"])
-        if b is None or c["time_s"] <= b["time_s"]:
-            continue
-        dt = c["time_s"] - b["time_s"]
-        engine = None
-        if c["engine_cpu_s"] is not None and b["engine_cpu_s"] is not None:
-            engine = round((c["engine_cpu_s"] - b["engine_cpu_s"]) / dt, 3)
-        num_ttft = c["num_ttft"] - b["num_ttft"]
-        ttft_ms = (c["ttft_total_s"] - b["ttft_total_s"]) / num_ttft * 1e3 if num_ttft else None
-        rows.append(
-            {
-                "replica_id": c["replica_id"],
-                "seconds": round(dt, 3),
-                "submits_per_s": round((c["submits"] - b["submits"]) / dt, 1),
-                "messages_per_s": round((c["messages"] - b["messages"]) / dt, 1),
-                "heartbeats": c["heartbeats"] - b["heartbeats"],
-                "cpu_fraction": round((c["cpu_s"] - b["cpu_s"]) / dt, 3),
-                "engine_cpu_fraction": engine,
-                "engine_ttft_mean_ms": None if ttft_ms is None else round(ttft_ms, 2),
-            }
-        )
-    return rows
-
-
 def prefix_cache_hits(before: list[ReplicaStats], after: list[ReplicaStats]) -> dict:
     """The prefix-cache hit rate between two snapshots of every replica: cached tokens over
     the tokens of the sequences admitted in between, overall and per replica (None where

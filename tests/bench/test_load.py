@@ -14,7 +14,7 @@ import pytest
 
 from bench.load_metrics import SLO, RequestRecord, account, compute_metrics, prefix_placement
 from bench.load_report import plot_kv_usage, plot_latency_cdfs, ratios_against
-from bench.load_target import leak_check, prefix_cache_hits, serving_rows
+from bench.load_target import leak_check, prefix_cache_hits
 from bench.load_worker import send_one
 from bench.load_workload import (
     RequestSpec,
@@ -355,30 +355,6 @@ def test_prefix_placement_is_the_share_on_each_prefixs_most_used_replica() -> No
         "prefixes": 2, "top_replica_share": 0.75, "mean_replicas_per_prefix": 1.5
     }  # fmt: skip
     assert prefix_placement(records, {})["top_replica_share"] is None
-
-
-def test_serving_rows_difference_each_replicas_counters() -> None:
-    def counters(rid, t, submits, messages, cpu, engine, ttft_total, num_ttft):
-        return {
-            "replica_id": rid, "time_s": t, "submits": submits, "messages": messages,
-            "heartbeats": 0, "cpu_s": cpu, "engine_cpu_s": engine,
-            "ttft_total_s": ttft_total, "num_ttft": num_ttft,
-        }  # fmt: skip
-
-    before = [
-        counters("a", 10.0, 5, 7, 1.0, 2.0, 0.5, 5),
-        counters("b", 10.0, 0, 0, 1.0, None, 0, 0),
-    ]
-    after = [
-        counters("a", 12.0, 405, 207, 2.5, 4.0, 1.7, 405),
-        counters("b", 12.0, 0, 0, 1.2, None, 0, 0),
-        counters("new", 12.0, 9, 9, 9.0, None, 0, 0),  # not polled before: left out
-    ]
-    a, b = serving_rows(before, after)
-    assert (a["submits_per_s"], a["messages_per_s"], a["cpu_fraction"]) == (200.0, 100.0, 0.75)
-    assert a["engine_cpu_fraction"] == 1.0 and a["engine_ttft_mean_ms"] == 3.0
-    assert b["engine_cpu_fraction"] is None and b["engine_ttft_mean_ms"] is None
-    assert b["cpu_fraction"] == 0.1
 
 
 def test_leak_check_ends_on_snapshots_stamped_after_the_round() -> None:
