@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import gc
 import os
@@ -33,12 +32,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from bench.common import (
-    machine_description,
-    markdown_table,
-    percentile,
-    write_json,
-)
+from bench.common import machine_description, markdown_table, percentile, write_json
 from cluster.config import ClusterConfig
 from replica.config_flags import add_config_flags, config_from_args
 from replica.outputs import StepOutputs
@@ -229,6 +223,10 @@ class TokenStreamer:
         for i in range(num_tokens):
             yield i
 
+    def cpu_s(self) -> float:
+        """This replica process's CPU seconds so far (all its threads)."""
+        return time.process_time()
+
 
 @dataclass
 class StreamRun:
@@ -358,27 +356,10 @@ class CallerProcess:
         return asyncio.run(carrier_run(self.client, num_streams, num_tokens))
 
 
-def replica_pids(app_name: str) -> list[int]:
-    """PIDs of the app's Serve replica processes on this machine, from /proc (Linux): Ray
-    titles an actor's process ray::ServeReplica:<app>:<deployment>."""
-    marker = f"ServeReplica:{app_name}:".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as f:
-                if marker in f.read():
-                    pids.append(int(entry))
-    return pids
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of these processes so far (all their threads)."""
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+def replica_cpu_s(client: Any) -> float:
+    """CPU seconds the app's replica processes have used so far: LLMServer.serving_counters,
+    all their threads, and the engine child's with engine_process."""
+    return sum(c["cpu_s"] + (c["engine_cpu_s"] or 0.0) for c in client.serving_counters())
 
 
 def run_carrier(args: argparse.Namespace, num_replicas: int, num_callers: int) -> dict:
@@ -407,17 +388,14 @@ def run_carrier(args: argparse.Namespace, num_replicas: int, num_callers: int) -
     ray.get([o.run.remote(4, 4) for o in others])  # warm: carriers, model info
     asyncio.run(carrier_run(client, 4, 4))
     gc.freeze()  # as a caller process that has started up (the engine does the same)
-    pids = replica_pids(config.app_name)
-    replica_cpu_s = cpu_seconds(pids)
+    cpu_s = replica_cpu_s(client)
     pending = [o.run.remote(args.streams, args.tokens) for o in others]
     runs = [asyncio.run(carrier_run(client, args.streams, args.tokens)), *ray.get(pending)]
-    replica_cpu_s = cpu_seconds(pids) - replica_cpu_s
+    cpu_s = replica_cpu_s(client) - cpu_s
     for other in others:
         ray.kill(other)
     serve.delete(config.app_name)
-    return _transport_row(
-        "step-batched carrier", num_replicas, num_callers, args, runs, replica_cpu_s
-    )
+    return _transport_row("step-batched carrier", num_replicas, num_callers, args, runs, cpu_s)
 
 
 def run_transport(args: argparse.Namespace) -> list[dict]:
@@ -432,12 +410,11 @@ def run_transport(args: argparse.Namespace) -> list[dict]:
     )  # fmt: skip
     handle = serve.run(streamer.bind(), name="bench-per-request", route_prefix=None)
     asyncio.run(per_request_run(handle, 4, 4))
-    pids = replica_pids("bench-per-request")
-    replica_cpu_s = cpu_seconds(pids)
+    cpu_s = handle.cpu_s.remote().result()
     run = asyncio.run(per_request_run(handle, args.streams, args.baseline_tokens))
-    replica_cpu_s = cpu_seconds(pids) - replica_cpu_s
+    cpu_s = handle.cpu_s.remote().result() - cpu_s
     serve.delete("bench-per-request")
-    rows.append(_transport_row("per-request stream (baseline)", 1, 1, args, [run], replica_cpu_s))
+    rows.append(_transport_row("per-request stream (baseline)", 1, 1, args, [run], cpu_s))
     return rows
 
 
@@ -477,10 +454,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_config_flags(app, ClusterConfig, exclude=("replica_id", "policy"))
     parser.set_defaults(num_blocks=1024, max_num_seqs=64, app_name="bench-overhead")
-    app.add_argument(
-        "--engine-thread", dest="engine_process", action="store_const", const=False,
-        default=argparse.SUPPRESS, help="the same as --no-engine-process",
-    )  # fmt: skip
     parser.add_argument(
         "--prompt-len", type=int, default=64, help="overhead: prompt tokens of a TTFT request"
     )
