@@ -83,14 +83,6 @@ def roofline_decode_tokens_per_s(
 # EngineConfig fields bench.engine has no flag for: it runs one engine, which no cluster
 # names, and its batch is what --batch / --itl-batch ask for.
 ENGINE_EXCLUDED = ("replica_id", "max_num_seqs")
-# Older spellings of EngineConfig flags (--no-cuda-graphs, --no-triton-linear,
-# --no-fused-append, --max-batched-tokens), kept working.
-ENGINE_ALIASES = {
-    "enable_cuda_graphs": ["--cuda-graphs"],
-    "enable_triton_linear": ["--triton-linear"],
-    "fuse_decode_append": ["--fused-append"],
-    "max_num_batched_tokens": ["--max-batched-tokens"],
-}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +92,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--model defaults to gpt2 on a GPU, gpt2-tiny on CPU; --max-model-len to the "
         "model's positions, at most 2048; max_num_seqs is the largest --batch / --itl-batch",
     )
-    add_config_flags(group, EngineConfig, exclude=ENGINE_EXCLUDED, aliases=ENGINE_ALIASES)
+    add_config_flags(group, EngineConfig, exclude=ENGINE_EXCLUDED)
     parser.set_defaults(model=None)
 
 

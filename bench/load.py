@@ -50,13 +50,7 @@ from bench.load_target import (
     undeploy,
 )
 from bench.load_worker import WorkerResult
-from bench.load_workload import (
-    DATASETS,
-    TAILS,
-    RequestSpec,
-    WorkloadConfig,
-    build_trace,
-)
+from bench.load_workload import DATASETS, TAILS, RequestSpec, WorkloadConfig, build_trace
 from cluster import routing_trace
 from cluster.config import ADMISSION_FIELDS, ROUTERS, ClusterConfig
 from replica.config_flags import add_config_flags, flag_values
@@ -341,10 +335,6 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.set_defaults(model=None, num_replicas=2)
     t.add_argument("--routers", default=None, help="comma list of --router's choices")
-    t.add_argument(
-        "--engine-thread", dest="engine_process", action="store_const", const=False,
-        default=argparse.SUPPRESS, help="the same as --no-engine-process",
-    )  # fmt: skip
     t.add_argument(
         "--ray-num-cpus", type=int, default=None,
         help="a local Ray's CPUs (default: the replicas' and two for Serve)",
