@@ -17,6 +17,7 @@ reproduce what the caller has already seen.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import uuid
 import weakref
@@ -27,6 +28,7 @@ from typing import Any, TypeVar
 from cluster.errors import ReplicaDiedError, ReplicaError
 from cluster.metrics import CallerMetrics
 from cluster.transport import CallerTransport, DeltaStream, TokenDelta, broadcast
+from replica.detokenizer import TextStream
 from replica.models.loader import load_tokenizer
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
@@ -42,7 +44,9 @@ class Chunk:
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
-    text: str | None = None  # decoded delta when the model has a tokenizer
+    # The text this delta adds when the model has a tokenizer (replica.detokenizer:
+    # incremental, held back while it may still become a stop string).
+    text: str | None = None
     replica_id: str = ""
 
 
@@ -160,9 +164,16 @@ class Client:
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         prompt_ids = await self._encode(prompt, params)
+        if params.max_tokens is None:  # the room left in the context (_encode checked it)
+            room = (await self.model_info_async()).max_model_len
+            if room is not None:
+                params = dataclasses.replace(params, max_tokens=room - len(prompt_ids))
         rid = request_id or uuid.uuid4().hex
         transport = self._transport()
         token_ids: list[int] = []
+        text = None
+        if self._tokenizer is not None:
+            text = TextStream(self._tokenizer, prompt_ids, params.stop)
         for attempt in range(self.max_retries + 1):
             wire_id = rid if attempt == 0 else f"{rid}~{attempt}"
             done = False  # the attempt ended; no abort needed
@@ -194,9 +205,19 @@ class Client:
                         self.num_retries += 1
                         break
                     done = item.finished
-                    token_ids += item.token_ids
-                    text = None if self._tokenizer is None else self._decode(item)
-                    yield Chunk(rid, item.token_ids, item.finish_reason, text, replica_id)
+                    if text is None:
+                        token_ids += item.token_ids
+                        yield Chunk(rid, item.token_ids, item.finish_reason, None, replica_id)
+                    else:
+                        delta = text.add(item.token_ids, item.finished)
+                        kept = item.token_ids[: delta.num_token_ids]
+                        token_ids += kept
+                        # A stop string ends the request here; leaving the loop without
+                        # `done` aborts it on its replica, which frees its blocks.
+                        reason = "stop" if delta.stopped else item.finish_reason
+                        yield Chunk(rid, kept, reason, delta.text, replica_id)
+                        if delta.stopped:
+                            return
                     if done:
                         return
             finally:
@@ -208,13 +229,16 @@ class Client:
         self, prompt: list[int] | str, params: SamplingParams | None = None
     ) -> Completion:
         token_ids: list[int] = []
+        texts: list[str] = []
         last: Chunk | None = None
         async for chunk in self.stream(prompt, params):
             token_ids.extend(chunk.token_ids)
+            if chunk.text is not None:
+                texts.append(chunk.text)
             last = chunk
         assert last is not None and last.finish_reason is not None
-        text = self._tokenizer.decode(token_ids) if self._tokenizer is not None else None
-        prompt_ids = await self._encode(prompt, params)
+        text = "".join(texts) if self._tokenizer is not None else None
+        prompt_ids = await self._encode(prompt, params or SamplingParams())
         return Completion(
             last.request_id, prompt_ids, token_ids, last.finish_reason, text, last.replica_id
         )
@@ -333,23 +357,24 @@ class Client:
             )
         if not prompt_ids:
             raise ValueError("prompt_token_ids must not be empty")
+        if params.stop and self._tokenizer is None:
+            raise ValueError("stop: stop strings need a model with a tokenizer")
         max_len = info.max_model_len
         if max_len is not None and len(prompt_ids) >= max_len:
             raise ValueError(
                 f"prompt_token_ids: {len(prompt_ids)} tokens leave no room under "
                 f"max_model_len ({max_len})"
             )
-        if max_len is not None and len(prompt_ids) + params.max_tokens > max_len:
+        if (
+            max_len is not None
+            and params.max_tokens is not None
+            and len(prompt_ids) + params.max_tokens > max_len
+        ):
             raise ValueError(
                 f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens "
                 f"({params.max_tokens}) exceeds max_model_len ({max_len})"
             )
         return prompt_ids
-
-    def _decode(self, delta: TokenDelta) -> str | None:
-        if self._tokenizer is None or not delta.token_ids:
-            return None
-        return self._tokenizer.decode(delta.token_ids)
 
     def _run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
         with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections import deque
@@ -12,6 +13,7 @@ import torch
 
 from replica.block_manager import BlockManager
 from replica.config import CacheConfig, EngineConfig, SchedulerConfig
+from replica.detokenizer import TextStream
 from replica.in_flight import InFlightStep
 from replica.models import load_model_config, load_tokenizer
 from replica.outputs import CompletionOutput, StepOutputs
@@ -137,6 +139,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt = self._validate_prompt(prompt_token_ids)
+        if params.max_tokens is None:  # the room left in the context
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(prompt))
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -330,6 +334,8 @@ class LLMEngine:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         if len(per_prompt) != len(prompts):
             raise ValueError("params: one SamplingParams per prompt, or one for all")
+        if self.tokenizer is None and any(p.stop for p in per_prompt):
+            raise ValueError("stop: stop strings need a model with a tokenizer")
         ids = []
         try:
             for prompt, p in zip(prompts, per_prompt, strict=True):
@@ -343,12 +349,30 @@ class LLMEngine:
             raise ValueError(f"prompts[{len(ids)}]: {e}") from None
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         finals: dict[str, tuple[str, int, int]] = {}  # (reason, prompt tokens, cached tokens)
+        texts = {  # stop strings are matched on the detokenized text
+            i: TextStream(self.tokenizer, prompt, p.stop)
+            for i, prompt, p in zip(ids, prompts, per_prompt, strict=True)
+            if p.stop
+        }
         while len(finals) < len(ids):
             outs = self.step()
+            stopped = []
             for request_id, token in zip(outs.request_ids, outs.token_ids, strict=True):
+                if request_id in finals:  # ended on a stop string
+                    continue
                 tokens[request_id].append(token)
+                text = texts.get(request_id)
+                if text is not None and text.add([token]).stopped:
+                    stopped.append(request_id)
             for i, end in outs.finishes.items():
-                finals[outs.request_ids[i]] = end
+                finals.setdefault(outs.request_ids[i], end)
+            for request_id in stopped:
+                seq = self.requests.get(request_id)
+                if seq is None:  # its last token both ended it and completed the stop string
+                    finals[request_id] = ("stop", *finals[request_id][1:])
+                else:
+                    finals[request_id] = ("stop", seq.num_prompt_tokens, seq.num_cached_tokens)
+                    self.abort(request_id)
         return [
             CompletionOutput(i, list(p), tokens[i], finals[i][0], finals[i][2])
             for i, p in zip(ids, prompts, strict=True)

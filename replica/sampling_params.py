@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 _INT64_MAX = 2**63 - 1  # seeds, top_k and token ids become int64 tensors in the sampler
+MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
 
 
 def _is_int(value: object) -> bool:
@@ -18,20 +19,24 @@ class SamplingParams:
 
     temperature 0 is greedy; top_k <= 0 and top_p == 1 disable those filters;
     seed makes a sampled request reproducible whatever else is in its batch.
+    max_tokens None: the room left in the context (max_model_len - prompt length).
+    stop: up to MAX_STOP_STRINGS strings matched on the detokenized output (needs a
+    model with a tokenizer); the output ends before the first one, finish_reason "stop".
     Invalid values raise ValueError naming the field.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
         if (
             isinstance(self.temperature, bool)
             or not isinstance(self.temperature, int | float)
@@ -59,6 +64,17 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if (
+            not isinstance(stop, list | tuple)
+            or not all(isinstance(s, str) and s for s in stop)
+            or len(stop) > MAX_STOP_STRINGS
+        ):
+            raise ValueError(
+                f"stop must be a string or a list of at most {MAX_STOP_STRINGS} non-empty "
+                f"strings, got {self.stop!r}"
+            )
+        object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
@@ -80,7 +96,8 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__dataclass_fields__} | {
-            "stop_token_ids": list(self.stop_token_ids)
+            "stop_token_ids": list(self.stop_token_ids),
+            "stop": list(self.stop),
         }
 
 
