@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -20,6 +21,13 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summary_ms(values_s: list[float]) -> dict[str, float]:
+    """mean and p50/p90/p99, in ms, of durations in seconds (NaNs left out; NaN for none)."""
+    values = [1e3 * v for v in values_s if not math.isnan(v)]
+    out = {"mean": sum(values) / len(values) if values else math.nan}
+    return out | {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
 
 
 def copy_bandwidth_gbps(device: torch.device, num_bytes: int = 2**30, repeats: int = 20) -> float:

@@ -21,10 +21,9 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from bench.common import percentile
+from bench.common import summary_ms
 
 OUTCOMES = ("ok", "rejected", "error", "lost")
-PERCENTILES = (50, 90, 99)
 
 
 @dataclass
@@ -150,14 +149,6 @@ def account(records: list[RequestRecord], expected_indices: list[int]) -> Accoun
     )
 
 
-def summarize(values: list[float]) -> dict[str, float]:
-    """mean and p50/p90/p99 (linear interpolation, as numpy's default); NaN-free input."""
-    out = {"mean": sum(values) / len(values) if values else math.nan}
-    for q in PERCENTILES:
-        out[f"p{q}"] = percentile(values, q)
-    return out
-
-
 def compute_metrics(
     records: list[RequestRecord], expected_indices: list[int], slo: SLO | None = None
 ) -> dict:
@@ -168,9 +159,6 @@ def compute_metrics(
     duration_s = max(ended) if ended else math.nan
     input_tokens = sum(r.num_prompt_tokens for r in done)
     output_tokens = sum(r.num_output_tokens for r in done)
-
-    def ms(values: list[float]) -> dict[str, float]:
-        return {k: v * 1e3 for k, v in summarize([x for x in values if not math.isnan(x)]).items()}
 
     def per_s(count: float) -> float:
         return count / duration_s if duration_s > 0 else math.nan
@@ -190,12 +178,12 @@ def compute_metrics(
         "request_throughput": per_s(acc.num_ok),
         "output_token_throughput": per_s(output_tokens),
         "total_token_throughput": per_s(input_tokens + output_tokens),
-        "ttft_ms": ms([r.ttft_s for r in done]),
-        "tpot_ms": ms([r.tpot_s for r in done]),
-        "itl_ms": ms([gap for r in done for gap in r.itls_s]),
-        "e2e_ms": ms([r.e2e_s for r in done]),
-        "send_lag_ms": ms([r.send_lag_s for r in records if not math.isnan(r.sent_s)]),
-        "admit_ms": ms([r.admit_s for r in done]),  # ms() leaves out the NaNs (no ack)
+        "ttft_ms": summary_ms([r.ttft_s for r in done]),
+        "tpot_ms": summary_ms([r.tpot_s for r in done]),
+        "itl_ms": summary_ms([gap for r in done for gap in r.itls_s]),
+        "e2e_ms": summary_ms([r.e2e_s for r in done]),
+        "send_lag_ms": summary_ms([r.send_lag_s for r in records if not math.isnan(r.sent_s)]),
+        "admit_ms": summary_ms([r.admit_s for r in done]),  # leaves out the NaNs (no ack)
         "requests_per_replica": dict(sorted(Counter(r.replica_id for r in done).items())),
     }
     if slo is not None and slo.is_set:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
 
+from bench.common import summary_ms
 from bench.sim_replica import SimReplica
 from bench.sim_workload import Workload
 
@@ -38,21 +38,15 @@ def summarize(
     makespan_s = float(finish[done].max() - arrival[0]) if done.any() else float("nan")
     num_prompt = sum(r.num_prompt_tokens for r in replicas)
 
-    def pct(values: np.ndarray) -> dict[str, float]:
-        if not len(values):
-            return {"p50": math.nan, "p90": math.nan, "p99": math.nan}
-        p50, p90, p99 = np.percentile(values, [50, 90, 99]) * 1e3
-        return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
-
     return {
         "num_replicas": len(replicas),
         "num_requests": len(arrival),
         "num_completed": int(done.sum()),
         "offered_rate": float(workload.offered_rate),
         "sim_s": makespan_s,
-        "ttft_ms": pct(ttft),
-        "tpot_ms": pct(tpot),
-        "e2e_ms": pct(e2e),
+        "ttft_ms": summary_ms(ttft.tolist()),
+        "tpot_ms": summary_ms(tpot.tolist()),
+        "e2e_ms": summary_ms(e2e.tolist()),
         "throughput_req_s": float(done.sum() / makespan_s),
         "output_tokens_per_s": float(output[done].sum() / makespan_s),
         "goodput_req_s": float(good.sum() / makespan_s),
