@@ -21,8 +21,7 @@ import torch
 
 import kernels.pdl
 from bench.common import copy_bandwidth_gbps, host_cpu, markdown_table, percentile, write_json
-from bench.engine_run import GREEDY, Sampling, random_prompts, run_engine
-from bench.itl import format_itl, steady_itl
+from bench.engine_run import GREEDY, Sampling, format_itl, random_prompts, run_engine, steady_itl
 from replica import EngineConfig, LLMEngine
 from replica.config_flags import add_config_flags, config_from_args
 from replica.models.layers import uses_triton_linear

@@ -45,7 +45,7 @@ ONE_PASS_PROGRAMS_PER_SM = 2  # no split once batch * kv heads reaches this many
 # (head_dim 128, twice the bytes a program reads per token) at B=64 was best in one pass
 # at 3.9 programs per SM, with every row at one context. In serving the rows' contexts
 # differ and a one-pass program's work is its row's whole context: qwen3's steady-state
-# ITL at batch 64 (bench.itl, ages spread) was 2.40 ms in 3 splits against 2.85 in one
+# ITL at batch 64 (bench.engine, ages spread) was 2.40 ms in 3 splits against 2.85 in one
 # pass, while the lockstep cohort went 2.37 against 2.20-2.27. Serving decides: head_dim
 # 128 splits.
 SPLIT_POLICY = {64: (8, 8), 128: (8, 8)}
