@@ -3,9 +3,6 @@
     # start 2 local CPU replicas of gpt2-tiny, same trace under two routers
     python -m bench.load --model gpt2-tiny --replicas 2 --device cpu --num-blocks 256 \
         --routers kv,pow2 --num-requests 64 --rate 20 --input-len 64 --output-len 16 --out r.json
-    # the generators' own ceiling: model-free replicas (FakeEngine, a step every 2 ms)
-    python -m bench.load --model fake --fake-step-ms 2 --replicas 1 --concurrency 256 \
-        --num-requests 2048 --input-len 16 --output-len 128 --num-procs 1
     # attach to a running app (python -m cluster serve ...), closed loop of 32 users
     python -m bench.load --app-name kvfleet --concurrency 32 --dataset prefix --num-prefixes 8
 
@@ -207,7 +204,7 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
             app_name = args.app_name if config is None else config.app_name
             if config is not None:
                 t_deploy = time.monotonic()
-                deploy(config, args.fake_step_ms)
+                deploy(config)
                 print(
                     f"deployed {args.num_replicas} x {args.model} with router {router!r} "
                     f"in {time.monotonic() - t_deploy:.1f} s"
@@ -312,7 +309,7 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
 
 _TARGET_KEYS = (
     "app_name model num_replicas routers router num_blocks max_num_seqs block_size device "
-    "on_overload queue_fraction balance_band num_procs fake_step_ms "
+    "on_overload queue_fraction balance_band num_procs "
     "carrier_messages_per_step access_log engine_process"
 ).split()
 
@@ -338,11 +335,6 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--ray-num-cpus", type=int, default=None,
         help="a local Ray's CPUs (default: the replicas' and two for Serve)",
-    )  # fmt: skip
-    t.add_argument(
-        "--fake-step-ms", type=float, default=None,
-        help="replicas run a model-free FakeEngine stepping every MS (one token per request"
-        " per step): measures the generators, not the replicas; --model is then only a name",
     )  # fmt: skip
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", type=int, default=200, help="requests in the trace")

@@ -32,24 +32,13 @@ def attach_ray(address: str) -> str:
     return ray.get_runtime_context().gcs_address
 
 
-def deploy(config: Any, fake_step_ms: float | None = None) -> None:
-    """Run build_app(config) as app config.app_name (Python client only, no HTTP route).
-
-    fake_step_ms: replicas run bench.cluster's FakeEngine (no model: one token per request
-    per step of that length) instead of config.model, so that the generator processes, not
-    the replicas, are what a run measures.
-    """
-    import functools
-
+def deploy(config: Any) -> None:
+    """Run build_app(config) as app config.app_name (Python client only, no HTTP route)."""
     from ray import serve
 
-    from bench.cluster import fake_engine
     from cluster.app import build_app
 
-    factory = None
-    if fake_step_ms is not None:
-        factory = functools.partial(fake_engine, step_s=fake_step_ms / 1e3)
-    serve.run(build_app(config, engine_factory=factory), name=config.app_name, route_prefix=None)
+    serve.run(build_app(config), name=config.app_name, route_prefix=None)
 
 
 def undeploy(app_name: str) -> None:
