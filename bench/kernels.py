@@ -142,7 +142,7 @@ def _random_caches(cache_shape: tuple[int, ...], shape: Shape, gen: torch.Genera
     return [(one(), one()) for _ in range(copies)]
 
 
-def bench_append(shape: Shape, batch: int, pdl: bool = True) -> dict:
+def bench_append(shape: Shape, batch: int) -> dict:
     from kernels.kv_append import append_kv_slots
 
     gen = torch.Generator(device=DEVICE).manual_seed(batch)
@@ -162,13 +162,13 @@ def bench_append(shape: Shape, batch: int, pdl: bool = True) -> dict:
     v_cache = torch.zeros_like(k_cache)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     k, v = inputs[0]
-    append_kv_slots(k, v, k_cache, v_cache, block_table, slot_mapping, positions, pdl=pdl)
+    append_kv_slots(k, v, k_cache, v_cache, block_table, slot_mapping, positions)
     ref.append_kv_slots_ref(k, v, k_ref, v_ref, block_table, slot_mapping, positions)
     same = [torch.equal(a.view(torch.uint8), b.view(torch.uint8))
             for a, b in ((k_cache, k_ref), (v_cache, v_ref))]  # fmt: skip
     assert all(same), "append mismatch"
     tail = (k_cache, v_cache, block_table, slot_mapping, positions)
-    triton_fns = [lambda k=k, v=v: append_kv_slots(k, v, *tail, pdl=pdl) for k, v in inputs]
+    triton_fns = [lambda k=k, v=v: append_kv_slots(k, v, *tail) for k, v in inputs]
     torch_fns = [lambda k=k, v=v: ref.append_kv_slots_ref(k, v, *tail) for k, v in inputs]
     triton_us, torch_us = graph_time_us(triton_fns), graph_time_us(torch_fns)
     return {
@@ -194,7 +194,7 @@ def _decode_inputs(shape: Shape, batch: int, context: int):
 
 
 def bench_decode(
-    shape: Shape, batch: int, context: int, copy_gbps: float, peer: bool = False, pdl: bool = True
+    shape: Shape, batch: int, context: int, copy_gbps: float, peer: bool = False
 ) -> dict:
     """One decode config with the kernel's own launch choice, graph-timed; peer adds the
     torch reference's time."""
@@ -224,7 +224,7 @@ def bench_decode(
     fns = [
         lambda c=c: paged_decode_attention(
             q, *c, block_table, slot_mapping, context_lens, scale, out=out,
-            max_context_len=context, workspace=workspace, pdl=pdl,
+            max_context_len=context, workspace=workspace,
         )
         for c in caches
     ]  # fmt: skip
@@ -239,7 +239,7 @@ def bench_decode(
         "GB/s": gbps, "%copy": 100 * gbps / copy_gbps,
     }  # fmt: skip
     if splits > 1:
-        row["merge_us"] = graph_time_us([lambda: merge_splits(*workspace, out, splits, pdl=pdl)])
+        row["merge_us"] = graph_time_us([lambda: merge_splits(*workspace, out, splits)])
     if peer:
         # The reference reads lengths on the host (.tolist()): not graph-capturable, so
         # triton's do_bench times it, host launch included.
@@ -263,12 +263,12 @@ def run_sweep(args: argparse.Namespace, copy_gbps: float) -> dict:
     contexts = QUICK_CONTEXTS if args.quick else CONTEXTS
     append_rows = []
     for shape, batch in itertools.product(args.shapes, append_batches):
-        append_rows.append(bench_append(shape, batch, pdl=not args.no_pdl))
+        append_rows.append(bench_append(shape, batch))
         print_now(f"append {shape.name} B={batch}: {append_rows[-1]['triton_us']:.1f} us")
     decode_rows = []
     for shape, batch, context in itertools.product(args.shapes, decode_batches, contexts):
         peer = batch <= 8 and context <= 1024
-        decode_rows.append(bench_decode(shape, batch, context, copy_gbps, peer, not args.no_pdl))
+        decode_rows.append(bench_decode(shape, batch, context, copy_gbps, peer))
         r = decode_rows[-1]
         print_now(f"decode {shape.name} B={batch} ctx={context}: {r['us']:.1f} us "
                   f"{r['%copy']:.0f}% of copy")  # fmt: skip
@@ -434,13 +434,7 @@ def main(argv: list[str] | None = None) -> None:
         "--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
         help="fp8: the caches hold float8 e4m3 (each shape's name gets +fp8kv)",
     )  # fmt: skip
-    parser.add_argument(
-        "--no-pdl", action="store_true",
-        help="launch every kernel without programmatic dependent launch (to compare)",
-    )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.no_pdl and args.prefill:
-        raise SystemExit("--no-pdl: only the default sweep (append and decode) takes it")
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     names = args.shapes.split(",")
@@ -460,7 +454,6 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "kernels",
         "copy_gbps": copy_gbps,
         "num_sms": sms,
-        "pdl": not args.no_pdl,
     }
     if args.prefill:
         rows = run_prefill(args.shapes)
