@@ -153,18 +153,12 @@ def validate(path: str, args: argparse.Namespace, cost: CostModel) -> dict:
                 f"| {100 * row['rel_error']:+.1f}% |"
             )
         report[router] = {"policy": policy, "metrics": rows, "predicted": predicted}
-    if args.serve_request_ms:
-        path_note = (
-            f"each replica's request path as {args.serve_request_ms} ms per request, one "
-            "at a time (--serve-request-ms); not modeled: its output side (first token -> "
-            "caller), the client's own time"
-        )
-    else:
-        path_note = (
-            "not modeled: Serve routing, transport and client time on each request (the "
-            "measured TTFT includes them; --serve-request-ms models the replica's part)"
-        )
-    print(f"{path_note}, generator send lag, stats propagation beyond --stats-delay-ms")
+    modeled = f"{args.serve_request_ms} ms a request" if args.serve_request_ms else "no"
+    print(
+        f"each replica's request path (--serve-request-ms): {modeled}; not modeled: the"
+        " output side (first token -> caller), the client's own time, generator send lag,"
+        " stats propagation beyond --stats-delay-ms (the measured TTFT includes them)"
+    )
     return {
         "validation": report,
         "measured_file": path,
