@@ -31,9 +31,6 @@ class EngineRun:
     # Per step() that collects a pure-decode step (run_engine): (wall, schedule, launch,
     # wait, drain) seconds.
     decode_phases_s: list[tuple[float, float, float, float, float]] = field(default_factory=list)
-    # The other step() calls (collecting a step with a prompt chunk in it, or none): wall,
-    # the four phases, the prompt tokens of the step collected.
-    other_steps: list[tuple[float, float, float, float, float, int]] = field(default_factory=list)
 
     @property
     def decode_step_s(self) -> list[float]:
@@ -137,8 +134,6 @@ def run_engine(
         if collected and not collected[0]:  # a decode step: no prompt tokens
             run.decode_tokens += collected[1]
             run.decode_phases_s.append(phases)
-        else:
-            run.other_steps.append((*phases, collected[0] if collected else 0))
         last = now
     run.wall_s = time.perf_counter() - start
     engine.check_invariants()

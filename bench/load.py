@@ -134,7 +134,6 @@ def _generator_row(proc: int, result: WorkerResult | None, failure: str | None) 
         "cpu_s": round(result.cpu_s, 3),
         "num_output_tokens": sum(r.num_output_tokens for r in result.records),
         "tokens_per_cpu_s": round(result.tokens_per_cpu_s),
-        "requests_per_cpu_s": round(result.requests_per_cpu_s, 1),
         "cpu_max_window": round(max(result.cpu_windows, default=math.nan), 3),
         "saturated_windows": result.num_saturated_windows,
         "num_windows": len(result.cpu_windows),

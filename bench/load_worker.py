@@ -67,11 +67,6 @@ class WorkerResult:
         return num_tokens / self.cpu_s if self.cpu_s > 0 else math.nan
 
     @property
-    def requests_per_cpu_s(self) -> float:
-        num_sent = sum(1 for r in self.records if not math.isnan(r.sent_s))
-        return num_sent / self.cpu_s if self.cpu_s > 0 else math.nan
-
-    @property
     def num_saturated_windows(self) -> int:
         return sum(1 for w in self.cpu_windows if w > SATURATION_FRACTION)
 

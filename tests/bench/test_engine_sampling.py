@@ -42,7 +42,6 @@ def test_calls_count_as_decode_by_the_step_they_collect():
     assert run.output_tokens == 4 * 6 and run.decode_tokens == 4 * 5
     # A prompt step and five decode steps in seven calls: the first collects nothing, the
     # second the prompt step, each later one a decode step (the last launches nothing).
-    assert [o[5] for o in run.other_steps] == [0, 4 * 6]
     assert len(run.decode_phases_s) == 5
 
 
