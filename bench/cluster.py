@@ -495,20 +495,11 @@ def main() -> None:
 
         serve.shutdown()
         ray.shutdown()
-    columns = {
-        "overhead": ["path", "ttft_p50_ms", "ttft_p90_ms", "added_p50_ms"],
-        "transport": [
-            "transport", "replicas", "callers", "streams", "tokens", "wall_s",
-            "tokens_per_s_per_replica", "tokens_per_s_per_caller",
-            "steady_tokens_per_s_per_replica", "chunk_gap_p50_ms",
-            "caller_cpu_us_per_token", "replica_cpu_us_per_token",
-        ],
-    }  # fmt: skip
     print(f"\n{machine_description()}, {time.strftime('%Y-%m-%d')}")
     for section in ("overhead", "transport"):
         if section in results:
             print(f"\n### {section}\n")
-            print(markdown_table(results[section], columns[section]))
+            print(markdown_table(results[section]))
     write_json(args.out, results)
 
 

@@ -78,7 +78,10 @@ def write_json(path: str | None, payload: dict) -> None:
         json.dump(payload, f, indent=2)
 
 
-def markdown_table(rows: list[dict], columns: list[str]) -> str:
+def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """rows as a markdown table; columns: by default every key of the rows, first seen first."""
+    columns = columns or list(dict.fromkeys(k for r in rows for k in r))
+
     def fmt(v):
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 

@@ -274,8 +274,7 @@ def run_sweep(args: argparse.Namespace, copy_gbps: float) -> dict:
                   f"{r['%copy']:.0f}% of copy")  # fmt: skip
     print_now(f"\n## Copy bandwidth: {copy_gbps:.0f} GB/s (read + written)\n")
     print_now("## KV append, graph-timed (append_kv_slots vs append_kv_slots_ref)\n")
-    columns = ["shape", "B", "triton_us", "torch_us", "speedup", "GB/s"]
-    print_now(markdown_table(append_rows, columns))
+    print_now(markdown_table(append_rows))
     print_now("\n## Paged decode attention, graph-timed (K/V bytes read / time)\n")
     columns = ["shape", "B", "ctx", "splits", "tile", "us", "GB/s", "%copy", "merge_us",
                "torch_ref_us"]  # fmt: skip
@@ -457,9 +456,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.prefill:
         rows = run_prefill(args.shapes)
-        columns = ["shape", "case", "us", "TFLOPS", "sdpa_us", "sdpa_TFLOPS"]
         print_now("\n## Paged prefill attention, graph-timed (causal TFLOPS)\n")
-        print_now(markdown_table(rows, columns))
+        print_now(markdown_table(rows))
         payload["prefill"] = rows
     else:
         payload |= run_sweep(args, copy_gbps)

@@ -57,21 +57,6 @@ SERVE_ROUTERS = ("serve-pow2", "serve-round-robin", "serve-consistent-hash")
 STATS_PERIOD_S = 0.2
 
 
-class Progress:
-    """Requests done so far, on one rewritten stderr line."""
-
-    def __init__(self, total: int, desc: str) -> None:
-        self.total, self.desc, self.n = total, desc, 0
-
-    def update_to(self, n: int) -> None:
-        if n != self.n:
-            print(f"\r{self.desc}: {n}/{self.total}", end="", file=sys.stderr, flush=True)
-        self.n = n
-
-    def close(self) -> None:
-        print(file=sys.stderr)
-
-
 def run_trace(
     args: argparse.Namespace,
     router: str,
@@ -84,10 +69,13 @@ def run_trace(
 
     client = Client(app_name)
     samples: list[dict] = []
-    bar = Progress(len(trace), router)
     next_poll_s = 0.0
 
     stats_at_start = client.stats()  # the prefix-cache counters before any request
+
+    def show_progress(state: Round, end: str = "") -> None:  # one rewritten stderr line
+        done = f"{sum(state.done_by_proc.values())}/{len(trace)}"
+        print(f"\r{router}: {done} requests done", end=end, file=sys.stderr, flush=True)
 
     def on_tick(state: Round) -> None:
         nonlocal next_poll_s
@@ -95,12 +83,11 @@ def run_trace(
         if time.monotonic() >= next_poll_s and t_s >= 0:
             samples.extend(stats_rows(client.stats(), t_s))
             next_poll_s = time.monotonic() + STATS_PERIOD_S
-        bar.update_to(sum(state.done_by_proc.values()))
+        show_progress(state)
 
     state = pool.run_round(app_name, trace, args.concurrency, args.timeout_s, on_tick)
     round_end_s = time.time()  # the clock of the replicas' snapshot stamps
-    bar.update_to(sum(state.done_by_proc.values()))
-    bar.close()
+    show_progress(state, end="\n")
     records = [r for res in state.results.values() for r in res.records]
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
     leaks, stats_at_end = leak_check(client, not_before_s=round_end_s)

@@ -70,7 +70,7 @@ def _tokens_per_cpu_s(generators: list[dict]) -> float:
 def summary_table(runs: dict[str, dict]) -> str:
     """One row per router; latencies in ms, throughputs per second."""
     rows = [summary_row(r, run) for r, run in runs.items()]
-    return markdown_table(rows, list(rows[0]) if rows else [])
+    return markdown_table(rows)
 
 
 def ratios_against(runs: dict[str, dict], baseline: str = BASELINE_ROUTER) -> dict[str, dict]:
@@ -90,10 +90,7 @@ def ratios_against(runs: dict[str, dict], baseline: str = BASELINE_ROUTER) -> di
 
 
 def ratio_table(ratios: dict[str, dict]) -> str:
-    if not ratios:
-        return ""
-    columns = ["router", *next(iter(ratios.values())).keys()]
-    return markdown_table([{"router": r} | row for r, row in ratios.items()], columns)
+    return markdown_table([{"router": r} | row for r, row in ratios.items()])
 
 
 def _cdf(values: list[float]) -> tuple[list[float], list[float]]:
