@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from dataclasses import asdict
 
 from bench.common import write_json
-from bench.load_metrics import SLO, RequestRecord, compute_metrics, prefix_placement
+from bench.load_metrics import SLO, compute_metrics, prefix_placement
 from bench.load_pool import GeneratorPool, Round
 from bench.load_report import (
     BASELINE_ROUTER,
-    plot_kv_usage,
-    plot_latency_cdfs,
     ratio_table,
     ratios_against,
     routing_line,
@@ -212,7 +209,7 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
 
 
 def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> int:
-    """Print the tables, write JSON and plots; the exit status."""
+    """Print the tables, write the JSON; the exit status."""
     print("\n" + summary_table(runs))
     ratios = ratios_against(runs)
     if ratios:
@@ -285,11 +282,7 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
             "ratios_vs_" + BASELINE_ROUTER: ratios,
         }
         write_json(args.out, payload)
-        prefix = os.path.splitext(args.out)[0]
-        records: dict[str, list[RequestRecord]] = {r: run["records"] for r, run in runs.items()}
-        plot_latency_cdfs(records, prefix + "_latency_cdf.png")
-        plot_kv_usage({r: run["kv_samples"] for r, run in runs.items()}, prefix + "_kv_usage.png")
-        print(f"wrote {args.out}, {prefix}_latency_cdf.png, {prefix}_kv_usage.png")
+        print(f"wrote {args.out}")
     return status
 
 
@@ -356,7 +349,7 @@ def _parser() -> argparse.ArgumentParser:
         "--num-procs", type=int, default=2, help="generator processes (bench.load_worker)"
     )
     m.add_argument("--timeout-s", type=float, default=300.0, help="after the last arrival")
-    m.add_argument("--out", default=None, help="JSON path; PNGs are written beside it")
+    m.add_argument("--out", default=None, help="write the results as JSON here")
     m.add_argument("--save-requests", action="store_true", help="per-request rows in JSON")
     m.add_argument(
         "--routing-trace",

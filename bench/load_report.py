@@ -1,11 +1,11 @@
-"""Tables and PNG plots of load runs: latency CDFs per router, KV usage per replica over time."""
+"""The load test's report: a summary row per router, ratios against Serve's default router,
+the routing trace's line."""
 
 from __future__ import annotations
 
 import math
 
 from bench.common import markdown_table
-from bench.load_metrics import RequestRecord
 
 BASELINE_ROUTER = "serve-pow2"  # Ray Serve's default request router
 RATIO_KEYS = (
@@ -91,70 +91,6 @@ def ratios_against(runs: dict[str, dict], baseline: str = BASELINE_ROUTER) -> di
 
 def ratio_table(ratios: dict[str, dict]) -> str:
     return markdown_table([{"router": r} | row for r, row in ratios.items()])
-
-
-def _cdf(values: list[float]) -> tuple[list[float], list[float]]:
-    xs = sorted(v for v in values if not math.isnan(v))
-    return xs, [(i + 1) / len(xs) for i in range(len(xs))]
-
-
-def plot_latency_cdfs(records_by_router: dict[str, list[RequestRecord]], path: str) -> None:
-    """TTFT, TPOT and E2E CDFs (ms) of completed requests, one line per router."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = (
-        ("TTFT", lambda r: r.ttft_s),
-        ("TPOT", lambda r: r.tpot_s),
-        ("E2E", lambda r: r.e2e_s),
-    )
-    for ax, (title, get) in zip(axes, panels):
-        for router, records in records_by_router.items():
-            xs, ys = _cdf([get(r) * 1e3 for r in records if r.outcome == "ok"])
-            if xs:
-                ax.step(xs, ys, where="post", label=router)
-        ax.set_title(f"{title} CDF")
-        ax.set_xscale("log")  # tails span orders of magnitude
-        ax.set_xlabel("ms (log)")
-        ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_kv_usage(samples_by_router: dict[str, list[dict]], path: str) -> None:
-    """KV usage of each replica over the run, one panel per router."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = len(samples_by_router)
-    fig, axes = plt.subplots(n, 1, figsize=(10, 3 * n), squeeze=False)
-    for ax, (router, samples) in zip(axes[:, 0], samples_by_router.items()):
-        replicas = sorted({s["replica_id"] for s in samples})
-        for index, replica in enumerate(replicas):
-            mine = [s for s in samples if s["replica_id"] == replica]
-            ax.plot(
-                [s["t_s"] for s in mine],
-                [s["kv_usage"] for s in mine],
-                label=f"replica {index} ({replica[-8:]})",
-            )
-        ax.set_title(f"KV usage per replica: {router}")
-        ax.set_xlabel("s since start")
-        ax.set_ylabel("kv_usage")
-        ax.set_ylim(0, 1.05)
-        ax.grid(alpha=0.3)
-        if replicas:
-            ax.legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def routing_line(routing: dict) -> str:

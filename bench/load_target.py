@@ -57,7 +57,7 @@ def shutdown() -> None:
 
 
 def stats_rows(stats: list[ReplicaStats], t_s: float) -> list[dict]:
-    """One sample row per replica for the KV-usage-over-time plot."""
+    """One sample row per replica: KV usage over time (the JSON's kv_samples)."""
     return [
         {
             "t_s": round(t_s, 4),
