@@ -321,24 +321,10 @@ def _prefill_inputs(shape: Shape, case: tuple, block_q: int, short_q: int, long_
                     np.int64)  # fmt: skip
     prefill_work_list(q_lens, block_q, work, short, short_q, context_lens=contexts,
                       long_out=long if long_q else None, long_q=long_q)  # fmt: skip
-    flops = (
-        4
-        * shape.num_heads
-        * shape.head_dim
-        * (prompts * q_len * (q_len + 1) / 2 + decodes * decode_ctx)
-    )  # the two matmuls over the visible keys
-    return (
-        caches,
-        q,
-        block_table,
-        slot_mapping,
-        cu,
-        context_lens,
-        torch.tensor(work, device=DEVICE),
-        torch.tensor(short, device=DEVICE),
-        torch.tensor(long, device=DEVICE),
-        flops,
-    )
+    visible_keys = prompts * q_len * (q_len + 1) / 2 + decodes * decode_ctx
+    flops = 4 * shape.num_heads * shape.head_dim * visible_keys  # the two matmuls over them
+    work, short, long = (torch.tensor(a, device=DEVICE) for a in (work, short, long))
+    return caches, q, block_table, slot_mapping, cu, context_lens, work, short, long, flops
 
 
 def bench_prefill(shape: Shape, case: tuple) -> dict:

@@ -21,7 +21,7 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 from bench.common import write_json
 from bench.load_metrics import SLO, compute_metrics, prefix_placement
@@ -156,10 +156,7 @@ def round_app_name(app_name: str, router: str) -> str:
 
 
 def _workload(args: argparse.Namespace, vocab_size: int) -> WorkloadConfig:
-    names = (
-        "num_requests rate burstiness dataset input_len output_len range_ratio num_prefixes "
-        "prefix_len tail sigma alpha max_input_len max_output_len seed"
-    ).split()
+    names = {f.name for f in fields(WorkloadConfig)} - {"vocab_size"}  # a flag each
     return WorkloadConfig(**{n: getattr(args, n) for n in names}, vocab_size=vocab_size)
 
 

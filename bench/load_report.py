@@ -8,23 +8,18 @@ import math
 from bench.common import markdown_table
 
 BASELINE_ROUTER = "serve-pow2"  # Ray Serve's default request router
+# The metrics compared: keys of bench.load_metrics.compute_metrics, or KEY_STAT for a
+# percentile of one (ttft_ms_p50: metrics["ttft_ms"]["p50"]).
 RATIO_KEYS = (
-    ("request_throughput", None),
-    ("output_token_throughput", None),
-    ("goodput", None),
-    ("ttft_ms", "p50"),
-    ("ttft_ms", "p99"),
-    ("tpot_ms", "p50"),
-    ("tpot_ms", "p99"),
-    ("e2e_ms", "p50"),
-    ("e2e_ms", "p99"),
-)
+    "request_throughput output_token_throughput goodput ttft_ms_p50 ttft_ms_p99 tpot_ms_p50 "
+    "tpot_ms_p99 e2e_ms_p50 e2e_ms_p99"
+).split()
 
 
-def _metric(metrics: dict, key: str, stat: str | None) -> float:
-    value = metrics.get(key, math.nan)
-    if stat is not None:
-        value = value.get(stat, math.nan) if isinstance(value, dict) else math.nan
+def _metric(metrics: dict, name: str) -> float:
+    """metrics[name], else metrics[KEY][STAT] for a name KEY_STAT; NaN when neither is set."""
+    key, _, stat = name.rpartition("_")
+    value = metrics.get(name, metrics.get(key, {}).get(stat))
     return math.nan if value is None else float(value)
 
 
@@ -81,9 +76,8 @@ def ratios_against(runs: dict[str, dict], baseline: str = BASELINE_ROUTER) -> di
     out: dict[str, dict] = {}
     for router, run in runs.items():
         row = {}
-        for key, stat in RATIO_KEYS:
-            b, v = _metric(base, key, stat), _metric(run["metrics"], key, stat)
-            name = key if stat is None else f"{key}_{stat}"
+        for name in RATIO_KEYS:
+            b, v = _metric(base, name), _metric(run["metrics"], name)
             row[name] = v / b if b and not math.isnan(b) and not math.isnan(v) else math.nan
         out[router] = row
     return out

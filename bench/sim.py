@@ -32,10 +32,10 @@ the real Scheduler's (tests/bench/test_sim_scheduler.py replays a trace through 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+from dataclasses import asdict
 
 from bench.common import write_json
-from bench.sim_core import DEFAULT_NUM_BLOCKS, SimConfig, sim_config, simulate
+from bench.sim_core import DEFAULT_NUM_BLOCKS, sim_config, simulate
 from bench.sim_model import cost_model_from_file
 from bench.sim_policies import ALL_POLICIES
 from bench.sim_report import markdown, plot
@@ -133,14 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(markdown(results))
     write_json(args.out, {"args": vars(args), "cost_model": cost.as_dict(),
-                      "sim_config": plain(config), "results": results})  # fmt: skip
+                      "sim_config": asdict(config), "results": results})  # fmt: skip
     if args.plot:
         plot(results, args.plot)
-
-
-def plain(config: SimConfig) -> dict:
-    router = config.router.__dict__ if config.router is not None else None
-    return replace(config).__dict__ | {"replica": config.replica.__dict__, "router": router}
 
 
 if __name__ == "__main__":
