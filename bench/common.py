@@ -78,12 +78,13 @@ def write_json(path: str | None, payload: dict) -> None:
         json.dump(payload, f, indent=2)
 
 
-def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
-    """rows as a markdown table; columns: by default every key of the rows, first seen first."""
+def markdown_table(rows: list[dict], columns: list[str] | None = None, digits: int = 3) -> str:
+    """rows as a markdown table, floats to `digits` significant digits; columns: by default
+    every key of the rows, first seen first."""
     columns = columns or list(dict.fromkeys(k for r in rows for k in r))
 
     def fmt(v):
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
+        return f"{v:.{digits}g}" if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]

@@ -24,6 +24,7 @@ from bench.common import copy_bandwidth_gbps, host_cpu, markdown_table, percenti
 from bench.engine_run import GREEDY, Sampling, format_itl, random_prompts, run_engine, steady_itl
 from replica import EngineConfig, LLMEngine
 from replica.config_flags import add_config_flags, config_from_args
+from replica.models import load_model_config
 from replica.models.layers import uses_triton_linear
 from replica.models.presets import PRESETS
 
@@ -145,11 +146,12 @@ def main() -> None:
             dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.dtype)
             hf = hf_checkpoint(model, dtype or torch.float32, tmp)
             model = tmp
+        max_positions = load_model_config(model).max_position_embeddings
         start = time.perf_counter()
         engine = LLMEngine(
             config_from_args(
                 EngineConfig, args, model=model, max_num_seqs=max_num_seqs,
-                max_model_len=args.max_model_len or min(2048, _max_positions(model)),
+                max_model_len=args.max_model_len or min(2048, max_positions),
             )
         )  # fmt: skip
         start_s = time.perf_counter() - start  # weights, KV cache, graph capture
@@ -220,12 +222,6 @@ def main() -> None:
                           "kv_cache_dtype": str(engine.runner.kv_cache.dtype),
                           "itl": itl, "engine_start_s": start_s,
                           "copy_bw_gbps": bandwidth})  # fmt: skip
-
-
-def _max_positions(model: str) -> int:
-    from replica.models import load_model_config
-
-    return load_model_config(model).max_position_embeddings
 
 
 if __name__ == "__main__":

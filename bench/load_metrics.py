@@ -74,11 +74,6 @@ class RequestRecord:
         t = self.chunk_times_s
         return [b - a for a, b in zip(t, t[1:])]
 
-    @property
-    def send_lag_s(self) -> float:
-        """How late the generator sent it against the trace: a generator bottleneck sign."""
-        return self.sent_s - self.scheduled_s
-
 
 @dataclass(frozen=True)
 class SLO:
@@ -182,7 +177,6 @@ def compute_metrics(
         "tpot_ms": summary_ms([r.tpot_s for r in done]),
         "itl_ms": summary_ms([gap for r in done for gap in r.itls_s]),
         "e2e_ms": summary_ms([r.e2e_s for r in done]),
-        "send_lag_ms": summary_ms([r.send_lag_s for r in records if not math.isnan(r.sent_s)]),
         "admit_ms": summary_ms([r.admit_s for r in done]),  # leaves out the NaNs (no ack)
         "requests_per_replica": dict(sorted(Counter(r.replica_id for r in done).items())),
     }

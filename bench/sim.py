@@ -99,7 +99,6 @@ def parser() -> argparse.ArgumentParser:
         "its replicas, blocks, block size, max seqs and routers override the flags above, "
         "except --num-blocks when the run sized its KV pool from memory",
     )
-    p.add_argument("--progress-every", type=int, default=0)
     p.add_argument("--out", default=None, help="write JSON results here")
     p.add_argument("--plot", default=None, help="write a goodput-vs-load PNG here")
     return p

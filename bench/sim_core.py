@@ -37,7 +37,6 @@ class SimConfig:
     # sending the next request of the trace when their previous one ends.
     concurrency: int | None = None
     router: RouterConfig | None = None  # the real policies' config (None: defaults, seed)
-    progress_every: int = 0  # print progress every this many routed requests (0: never)
     # Independent routers, as Serve runs one per handle and proxy: request i is routed
     # by router i % num_routers, each with its own reservations (or in-flight counts),
     # all seeing the same snapshots. Many routers on stale snapshots herd.
@@ -204,8 +203,6 @@ def _simulate(
             raise RuntimeError(f"simulation stalled with {n - num_done} requests unfinished")
         else:
             now, rid, attempt, held_since_s = t_arrival, arrivals.pop(), 0, t_arrival
-            if config.progress_every and arrivals.next % config.progress_every == 0:
-                _progress(arrivals.next, n, now, num_done, wall_start, route_s, num_decisions)
         while visible and visible[0][0] <= now:
             _, i, snapshot = visible.popleft()
             for each in routers:
@@ -250,17 +247,6 @@ def _simulate(
     return result
 
 
-def _progress(i: int, n: int, now: float, done: int, wall_start: float, route_s: float,
-              decisions: int) -> None:  # fmt: skip
-    wall = time.perf_counter() - wall_start
-    print(
-        f"  routed {i}/{n} sim {now:.2f}s done {done} wall {wall:.0f}s "
-        f"route {1e6 * route_s / max(1, decisions):.0f} us/decision "
-        f"(projected total wall {wall * n / i:.0f}s)",
-        flush=True,
-    )
-
-
 def sim_config(args: argparse.Namespace, num_replicas: int, **overrides: object) -> SimConfig:
     """The SimConfig of the command line; overrides replace fields of the replica config
     (num_blocks, block_size, max_num_seqs, ...) or of the SimConfig itself."""
@@ -276,7 +262,7 @@ def sim_config(args: argparse.Namespace, num_replicas: int, **overrides: object)
         num_replicas=num_replicas, replica=ReplicaSimConfig(**replica_fields),
         stats_period_s=args.stats_period_ms / 1e3, stats_delay_s=args.stats_delay_ms / 1e3,
         slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3, seed=args.seed,
-        progress_every=args.progress_every, num_routers=args.num_routers,
+        num_routers=args.num_routers,
         concurrency=args.concurrency, serve_request_s=args.serve_request_ms / 1e3,
         router=config_from_args(RouterConfig, args, seed=args.seed),
     )  # fmt: skip

@@ -327,14 +327,10 @@ def make_sim_router(
         base = router_config or RouterConfig(seed=seed)
         config = RouterConfig(**{**base.__dict__, "policy": name})
         return RealRouter(config, workload, num_replicas)
-    if name == "sglang":
-        return SGLangRouter(workload, num_replicas, max_blocks, seed)
-    if name == "dynamo":
-        return DynamoRouter(workload, num_replicas, max_blocks, seed)
-    if name == "random":
-        return RandomRouter(num_replicas, seed)
-    if name == "round_robin":
-        return RoundRobinRouter(num_replicas, seed)
-    if name == "serve_pow2":
-        return ServePow2Router(num_replicas, seed)
+    if name in ("sglang", "dynamo"):  # router-side prefix trees of max_blocks per replica
+        cls = SGLangRouter if name == "sglang" else DynamoRouter
+        return cls(workload, num_replicas, max_blocks, seed)
+    peers = {"random": RandomRouter, "round_robin": RoundRobinRouter, "serve_pow2": ServePow2Router}
+    if name in peers:
+        return peers[name](num_replicas, seed)
     raise ValueError(f"policy must be one of {ALL_POLICIES}, got {name!r}")

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from bench.common import summary_ms
+from bench.common import markdown_table, summary_ms
 from bench.sim_replica import SimReplica
 from bench.sim_workload import Workload
 
@@ -72,13 +72,7 @@ def table_row(result: dict) -> dict:
 
 
 def markdown(results: list[dict]) -> str:
-    def fmt(v: object) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in map(table_row, results):
-        lines.append("| " + " | ".join(fmt(r[c]) for c in COLUMNS) + " |")
-    return "\n".join(lines)
+    return markdown_table([table_row(r) for r in results], list(COLUMNS), digits=4)
 
 
 def plot(results: list[dict], path: str) -> None:
