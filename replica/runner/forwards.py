@@ -1,8 +1,8 @@
 """The model's forwards over the runner's persistent buffers, and the kernels they launch.
 
 A decode (or mixed) forward takes its rows from the decode inputs' device buffer
-(replica.runner.decode_inputs), a prefill forward a PrefillBucket's from the prefill
-inputs' (replica.runner.prefill_inputs); both read a PLACEHOLDER id's token from
+(replica.runner.decode_inputs), a prefill forward takes a PrefillBucket's from the
+prefill inputs' (replica.runner.prefill_inputs); both read a PLACEHOLDER id's token from
 token_buf. Invariant: a forward reads its inputs only from those persistent buffers,
 token_buf, the block table and the KV cache, never from a tensor made for the call, so
 that a CUDA graph captured over it (replica.runner.graphs) replays each step's new
