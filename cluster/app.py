@@ -71,7 +71,9 @@ def build_app(
         return llm
     from cluster.ingress import Ingress
 
-    return Ingress.options(logging_config=logging_config).bind(llm, config.model)
+    return Ingress.options(logging_config=logging_config).bind(
+        llm, config.model, config.model_name, config.num_replicas
+    )
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -48,6 +48,7 @@ class Chunk:
     # incremental, held back while it may still become a stop string).
     text: str | None = None
     replica_id: str = ""
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ class Client:
             if room is not None:
                 params = dataclasses.replace(params, max_tokens=room - len(prompt_ids))
         rid = request_id or uuid.uuid4().hex
+        num_prompt = len(prompt_ids)
         transport = self._transport()
         token_ids: list[int] = []
         text = None
@@ -207,7 +209,9 @@ class Client:
                     done = item.finished
                     if text is None:
                         token_ids += item.token_ids
-                        yield Chunk(rid, item.token_ids, item.finish_reason, None, replica_id)
+                        yield Chunk(
+                            rid, item.token_ids, item.finish_reason, None, replica_id, num_prompt
+                        )
                     else:
                         delta = text.add(item.token_ids, item.finished)
                         kept = item.token_ids[: delta.num_token_ids]
@@ -215,7 +219,7 @@ class Client:
                         # A stop string ends the request here; leaving the loop without
                         # `done` aborts it on its replica, which frees its blocks.
                         reason = "stop" if delta.stopped else item.finish_reason
-                        yield Chunk(rid, kept, reason, delta.text, replica_id)
+                        yield Chunk(rid, kept, reason, delta.text, replica_id, num_prompt)
                         if delta.stopped:
                             return
                     if done:
@@ -242,6 +246,29 @@ class Client:
         return Completion(
             last.request_id, prompt_ids, token_ids, last.finish_reason, text, last.replica_id
         )
+
+    async def chat_stream(
+        self, messages: list[dict[str, str]], params: SamplingParams | None = None
+    ) -> AsyncIterator[Chunk]:
+        """stream() of the prompt the model's chat template makes of messages
+        ([{"role": ..., "content": ...}], a generation prompt added)."""
+        async for chunk in self.stream(await self.chat_prompt_async(messages), params):
+            yield chunk
+
+    async def chat_async(
+        self, messages: list[dict[str, str]], params: SamplingParams | None = None
+    ) -> Completion:
+        return await self.generate_async(await self.chat_prompt_async(messages), params)
+
+    async def chat_prompt_async(self, messages: list[dict[str, str]]) -> list[int]:
+        """The token ids of messages through the model's chat template; ValueError when
+        the model has no tokenizer or no chat template."""
+        return chat_prompt_ids(await self.tokenizer_async(), messages)
+
+    async def tokenizer_async(self) -> Any | None:
+        """The model's tokenizer (loaded here once), None for a model without one."""
+        await self.model_info_async()
+        return self._tokenizer
 
     async def stats_async(self) -> list[ReplicaStats]:
         """One ReplicaStats per live replica, fresh to within the stats period."""
@@ -283,6 +310,11 @@ class Client:
 
     def generate(self, prompt: list[int] | str, params: SamplingParams | None = None) -> Completion:
         return self._run_sync(self.generate_async(prompt, params))
+
+    def chat(
+        self, messages: list[dict[str, str]], params: SamplingParams | None = None
+    ) -> Completion:
+        return self._run_sync(self.chat_async(messages, params))
 
     def stats(self) -> list[ReplicaStats]:
         return self._run_sync(self.stats_async())
@@ -385,6 +417,18 @@ class Client:
                 ).start()
                 self._thread_loop = loop
         return asyncio.run_coroutine_threadsafe(coro, self._thread_loop).result()
+
+
+def chat_prompt_ids(tokenizer: Any | None, messages: list[dict[str, str]]) -> list[int]:
+    """messages through the tokenizer's chat template, a generation prompt added."""
+    if tokenizer is None:
+        raise ValueError("messages: chat needs a model with a tokenizer; this one has none")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: the model's tokenizer has no chat_template")
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids)
 
 
 def current_loop_handle(app_name: str, deployment_name: str = LLM_DEPLOYMENT) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -143,6 +144,14 @@ class ClusterConfig:
         },
     )
     app_name: str = field(default="kvfleet", metadata={"help": "the Serve application's name"})
+    served_model_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "the model's id in the HTTP API (/v1/models, each response's model; a "
+            "request's model must be it or the model path); none: the model directory's "
+            "basename, or the preset name"
+        },
+    )
 
     def __init__(self, **kwargs: Any) -> None:
         if "policy" in kwargs:
@@ -212,6 +221,15 @@ class ClusterConfig:
         is_bool("access_log", self.access_log)
         is_bool("engine_process", self.engine_process, allow_none=True)
         non_empty_str("app_name", self.app_name)
+        if self.served_model_name is not None:
+            non_empty_str("served_model_name", self.served_model_name)
+
+    @property
+    def model_name(self) -> str:
+        """The served model's id: served_model_name, else the model's basename."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        return os.path.basename(os.path.normpath(self.engine.model))
 
     @property
     def is_serve_router(self) -> bool:

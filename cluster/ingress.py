@@ -1,12 +1,17 @@
 """OpenAI-compatible HTTP ingress (Serve FastAPI integration) in front of LLMServer.
 
-POST /v1/completions (prompt: string or token ids; stream: SSE), GET /v1/models,
-/health, /stats. Bad input (malformed JSON, unknown or invalid fields) -> 400 naming
-the field; a body over MAX_BODY_BYTES -> 413; OverloadedError -> 503 with Retry-After;
-a replica failing mid-request -> 502 (or, once an SSE stream has started, an error
-event before [DONE]); anything else -> 500. An SSE stream is one unit per request
+POST /v1/completions (prompt: a string, token ids, or a list of either: one choice per
+prompt, each its own request, run concurrently), POST /v1/chat/completions (the model's
+chat template), GET /v1/models, POST /tokenize and /detokenize, GET /version, /health
+(503 until every replica answers), /stats. Bodies are cluster.openai_api's pydantic
+models. Bad input (malformed JSON, an invalid known field) -> 400 naming the field;
+unknown fields are ignored with one warning (a log line and the x-kvfleet-ignored-fields
+header); a body over MAX_BODY_BYTES -> 413; OverloadedError -> 503 with Retry-After; a
+replica failing mid-request -> 502 (or, once an SSE stream has started, an error event
+before [DONE]); anything else -> a typed 500. An SSE stream is one unit per request
 anyway, so it carries one event per engine step per request. A client that disconnects
-aborts its request (the stream is closed, which aborts it on its replica).
+aborts its requests (their streams are closed, which aborts them on their replicas).
+Text, stop strings and their hold-back come from the Client (replica.detokenizer).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handler signatures
@@ -14,76 +19,79 @@ aborts its request (the stream is closed, which aborts it on its replica).
 # helper the handlers call is defined above the class: Serve pickles the wrapped class
 # with the module globals that exist when it is decorated.
 
+import asyncio
+import contextvars
+import importlib.metadata
 import json
+import logging
 import math
-import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from ray import serve
 
-from cluster.client import Chunk, Client
+from cluster.client import Chunk, Client, Completion, chat_prompt_ids
 from cluster.errors import ReplicaError
-from replica.sampling_params import SamplingParams
+from cluster.openai_api import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    TokenizeRequest,
+    Usage,
+    parse,
+)
 from router.errors import OverloadedError
 
 api = FastAPI(title="kvfleet")
+logger = logging.getLogger("ray.serve")
 
 MAX_BODY_BYTES = 1 << 20
-
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids")
-_OTHER_FIELDS = ("model", "prompt", "stream", "ignore_eos", "n", "user")
+IGNORED_FIELDS_HEADER = "x-kvfleet-ignored-fields"
+DONE_EVENT = "data: [DONE]\n\n"
+T = TypeVar("T")
 
 
 class BodyTooLargeError(ValueError):
     """The request body is over MAX_BODY_BYTES."""
 
 
-def parse_completion_request(
-    body: Any, model: str | None = None
-) -> tuple[list[int] | str, SamplingParams, bool]:
-    """(prompt, params, stream) from an OpenAI /v1/completions body; ValueError names the field.
-
-    model: the served model's name; a body naming another one is refused.
-    """
-    if not isinstance(body, dict):
-        raise ValueError("body: must be a JSON object")
-    unknown = sorted(set(body) - set(_SAMPLING_FIELDS) - set(_OTHER_FIELDS))
-    if unknown:
-        raise ValueError(f"unknown field(s): {', '.join(map(str, unknown))}")
-    if body.get("model") is not None and model is not None and body["model"] != model:
-        raise ValueError(f"model: {body['model']!r} is not served here (serving {model!r})")
-    n = body.get("n", 1)
-    if n is not None and (n != 1 or isinstance(n, bool)):
-        raise ValueError("n: only n=1 is supported")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
-        if len(prompt) != 1:
-            raise ValueError(f"prompt: one prompt per request, got a batch of {len(prompt)}")
-        prompt = prompt[0]  # OpenAI's batch-of-one form
-    if not isinstance(prompt, str | list):
-        raise ValueError("prompt: must be a string or a list of token ids")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ValueError(f"stream: must be a bool, got {stream!r}")
-    sampling = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
-    sampling["ignore_eos"] = body.get("ignore_eos", False)
-    if "temperature" not in sampling:
-        sampling["temperature"] = 1.0
-    return prompt, SamplingParams.from_dict(sampling), stream
-
-
 def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind}}, status, headers=headers)
 
 
-def _overloaded(error: OverloadedError) -> JSONResponse:
-    retry_after = str(max(1, math.ceil(error.retry_after_s)))
-    return _error(503, str(error), "overloaded", {"Retry-After": retry_after})
+def _error_response(exc: Exception) -> JSONResponse:
+    """The typed JSON error for an exception raised before a response started."""
+    if isinstance(exc, BodyTooLargeError):
+        return _error(413, str(exc), "invalid_request_error")
+    if isinstance(exc, ValueError):
+        return _error(400, str(exc), "invalid_request_error")
+    if isinstance(exc, OverloadedError):
+        retry_after = str(max(1, math.ceil(exc.retry_after_s)))
+        return _error(503, str(exc), "overloaded", {"Retry-After": retry_after})
+    if isinstance(exc, ReplicaError):
+        return _error(502, str(exc), "replica_error")
+    # Never a hang or a bare 500 page: a typed JSON error.
+    return _error(500, f"internal error: {exc!r}", "internal_error")
+
+
+def _error_event(exc: Exception) -> str:
+    """An error once an SSE stream has started: an event before [DONE]."""
+    kind = "replica_error" if isinstance(exc, ReplicaError) else "internal_error"
+    message = str(exc) if isinstance(exc, ReplicaError) else f"internal error: {exc!r}"
+    return f"data: {json.dumps({'error': {'message': message, 'type': kind}})}\n\n"
 
 
 async def _read_body(request: Request) -> bytes:
@@ -99,111 +107,331 @@ async def _read_body(request: Request) -> bytes:
     return bytes(body)
 
 
+async def _json_body(request: Request) -> Any:
+    body = await _read_body(request)
+    try:
+        return json.loads(body)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError("body: not valid JSON") from None
+
+
+def _sse(event: BaseModel) -> str:
+    return f"data: {event.model_dump_json()}\n\n"
+
+
+def _new_task(job: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """A task outside the HTTP request's context: Serve's handle takes its request id
+    from the context, and two calls under one id from one caller hang (one prompt of a
+    list of two never got its answer)."""
+    return asyncio.get_running_loop().create_task(job, context=contextvars.Context())
+
+
+async def _gather_or_cancel(jobs: Sequence[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """All results, or the first failure with the other jobs cancelled (which aborts
+    their requests)."""
+    tasks = [_new_task(job) for job in jobs]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _open_streams(
+    streams: list[AsyncIterator[Chunk]],
+) -> AsyncIterator[tuple[int, Chunk]]:
+    """Each stream's first chunk awaited now, so bad input or overload is a status code
+    rather than an error event; then an iterator over (prompt index, chunk) of all."""
+    try:
+        firsts = await _gather_or_cancel([anext(s) for s in streams])
+    except BaseException:
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+        raise
+    return _merge(firsts, streams)
+
+
+async def _merge(
+    firsts: list[Chunk], streams: list[AsyncIterator[Chunk]]
+) -> AsyncIterator[tuple[int, Chunk]]:
+    """(index, chunk) from every stream as chunks come; closing it closes them all."""
+    for i, first in enumerate(firsts):
+        yield i, first
+    if len(streams) == 1:  # no task and queue for the common case
+        try:
+            async for chunk in streams[0]:
+                yield 0, chunk
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue[tuple[int, Chunk | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((i, chunk, None))
+            queue.put_nowait((i, None, None))
+        except Exception as exc:
+            queue.put_nowait((i, None, exc))
+        finally:
+            await stream.aclose()
+
+    tasks = [_new_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, chunk, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if chunk is None:
+                remaining -= 1
+            else:
+                yield i, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _with_ignored_fields(response: Response, ignored: list[str], route: str) -> Response:
+    if ignored:
+        names = ", ".join(ignored)
+        logger.warning("%s: ignored unknown field(s): %s", route, names)
+        response.headers[IGNORED_FIELDS_HEADER] = names
+    return response
+
+
+class _UsageCounter:
+    """Prompt and completion tokens per choice of a streamed response."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens: dict[int, int] = {}
+        self.completion_tokens: dict[int, int] = {}
+
+    def add(self, index: int, chunk: Chunk) -> None:
+        self.prompt_tokens[index] = chunk.num_prompt_tokens
+        self.completion_tokens[index] = self.completion_tokens.get(index, 0) + len(chunk.token_ids)
+
+    def of(self, index: int) -> Usage:
+        return Usage.of(self.prompt_tokens[index], self.completion_tokens[index])
+
+    def total(self) -> Usage:
+        return Usage.of(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
+
+
+def _kvfleet_version() -> str:
+    return importlib.metadata.version("kvfleet")
+
+
 @serve.deployment(name="Ingress", max_ongoing_requests=4096)
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, llm_handle: Any, model: str) -> None:
-        self.model = model
+    """model_path: the engine's model (a directory or a preset); model_name: its id in
+    the API (ClusterConfig.model_name); num_replicas: how many /health waits for."""
+
+    def __init__(
+        self, llm_handle: Any, model_path: str, model_name: str, num_replicas: int
+    ) -> None:
+        self.model_path = model_path
+        self.model_name = model_name
+        self.num_replicas = num_replicas
         # Its own handle rather than llm_handle (which binds LLMServer into the app), to
         # route on this replica's loop, which lives as long as the replica.
         self.client = Client(llm_handle.app_name, route_on_caller_loop=True)
 
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, self.model_path):
+            raise ValueError(f"model: {model!r} is not served here (serving {self.model_name!r})")
+
     @api.get("/health")
-    async def health(self) -> dict:
+    async def health(self) -> Any:
+        # One stats call to every replica: cheap, and answered only by a replica whose
+        # engine is up.
+        try:
+            num_ready = len(await self.client.stats_async())
+        except Exception as exc:
+            return _error(503, f"replicas not reachable: {exc!r}", "unavailable")
+        if num_ready < self.num_replicas:
+            message = f"{num_ready} of {self.num_replicas} replicas ready"
+            return _error(503, message, "unavailable")
         return {"status": "ok"}
 
+    @api.get("/version")
+    async def version(self) -> dict:
+        return {"version": _kvfleet_version()}
+
     @api.get("/v1/models")
-    async def models(self) -> dict:
-        return {
-            "object": "list",
-            "data": [{"id": self.model, "object": "model", "owned_by": "kvfleet"}],
+    async def models(self) -> Any:
+        try:
+            info = await self.client.model_info_async()
+        except Exception as exc:
+            return _error_response(exc)
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "owned_by": "kvfleet",
+            "root": self.model_path,
+            "max_model_len": info.max_model_len,
         }
+        return {"object": "list", "data": [card]}
 
     @api.get("/stats")
     async def stats(self) -> dict:
         return {"replicas": [asdict(s) for s in await self.client.stats_async()]}
 
-    @api.post("/v1/completions")
-    async def completions(self, request: Request) -> Any:
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> Any:
         try:
-            body = json.loads(await _read_body(request))
-        except BodyTooLargeError as exc:
-            return _error(413, str(exc), "invalid_request_error")
-        except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            return _error(400, "body: not valid JSON", "invalid_request_error")
-        chunks: AsyncIterator[Chunk] | None = None
-        try:
-            prompt, params, stream = parse_completion_request(body, self.model)
-            if stream:
-                chunks = self.client.stream(prompt, params)
-                first = await chunks.__anext__()  # surfaces bad input / overload as a status
-                response = StreamingResponse(
-                    self._sse(first, chunks), media_type="text/event-stream"
-                )
-                chunks = None  # the response owns it now
-                return response
-            done = await self.client.generate_async(prompt, params)
-        except ValueError as exc:
-            return _error(400, str(exc), "invalid_request_error")
-        except OverloadedError as exc:
-            return _overloaded(exc)
-        except ReplicaError as exc:
-            return _error(502, str(exc), "replica_error")
-        except Exception as exc:  # never a hang or a bare 500 page: a typed JSON error
-            return _error(500, f"internal error: {exc!r}", "internal_error")
-        finally:
-            if chunks is not None:
-                await chunks.aclose()
-        return {
-            "id": f"cmpl-{done.request_id}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": done.text or "",
-                    "token_ids": done.token_ids,
-                    "finish_reason": done.finish_reason,
-                    "logprobs": None,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": len(done.prompt_token_ids),
-                "completion_tokens": len(done.token_ids),
-                "total_tokens": len(done.prompt_token_ids) + len(done.token_ids),
-            },
-        }
-
-    async def _sse(self, first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[str]:
-        cmpl_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        chunk: Chunk | None = first
-        try:
-            while chunk is not None:
-                event = {
-                    "id": cmpl_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.model,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "text": chunk.text or "",
-                            "token_ids": chunk.token_ids,
-                            "finish_reason": chunk.finish_reason,
-                            "logprobs": None,
-                        }
-                    ],
-                }
-                yield f"data: {json.dumps(event)}\n\n"
-                chunk = await anext(chunks, None)
-        except ReplicaError as exc:
-            error = {"error": {"message": str(exc), "type": "replica_error"}}
-            yield f"data: {json.dumps(error)}\n\n"
+            body = parse(TokenizeRequest, await _json_body(request))
+            self._check_model(body.model)
+            tokenizer = await self.client.tokenizer_async()
+            if tokenizer is None:
+                raise ValueError("prompt: the model has no tokenizer")
+            if (body.prompt is None) == (body.messages is None):
+                raise ValueError("prompt: give exactly one of prompt or messages")
+            if body.messages is not None:
+                tokens = chat_prompt_ids(tokenizer, [m.template_dict() for m in body.messages])
+            else:
+                tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            info = await self.client.model_info_async()
         except Exception as exc:
-            error = {"error": {"message": f"internal error: {exc!r}", "type": "internal_error"}}
-            yield f"data: {json.dumps(error)}\n\n"
+            return _error_response(exc)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len}
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request) -> Any:
+        try:
+            body = parse(DetokenizeRequest, await _json_body(request))
+            self._check_model(body.model)
+            tokenizer = await self.client.tokenizer_async()
+            if tokenizer is None:
+                raise ValueError("tokens: the model has no tokenizer")
+            vocab_size = (await self.client.model_info_async()).vocab_size
+            for i, token in enumerate(body.tokens):
+                if not 0 <= token < vocab_size:
+                    raise ValueError(f"tokens[{i}] = {token} is outside [0, {vocab_size})")
+            return {"prompt": tokenizer.decode(body.tokens)}
+        except Exception as exc:
+            return _error_response(exc)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        try:
+            body = parse(CompletionRequest, await _json_body(request))
+            self._check_model(body.model)
+            body.check_supported()
+            prompts = body.prompts()
+            params = body.sampling_params(body.max_tokens)
+            if body.stream:
+                chunks = await _open_streams([self.client.stream(p, params) for p in prompts])
+                events = self._completion_events(body, chunks)
+                response = StreamingResponse(events, media_type="text/event-stream")
+            else:
+                dones = await _gather_or_cancel(
+                    [self.client.generate_async(p, params) for p in prompts]
+                )
+                response = JSONResponse(self._completion(dones).model_dump())
+        except Exception as exc:
+            return _error_response(exc)
+        return _with_ignored_fields(response, body.ignored_fields, "/v1/completions")
+
+    def _completion(self, dones: list[Completion]) -> CompletionResponse:
+        choices = [
+            CompletionChoice(
+                index=i, text=d.text or "", finish_reason=d.finish_reason, token_ids=d.token_ids
+            )
+            for i, d in enumerate(dones)
+        ]
+        usage = Usage.of(
+            sum(len(d.prompt_token_ids) for d in dones), sum(len(d.token_ids) for d in dones)
+        )
+        return CompletionResponse(
+            id=f"cmpl-{dones[0].request_id}", model=self.model_name, choices=choices, usage=usage
+        )
+
+    async def _completion_events(
+        self, body: CompletionRequest, chunks: AsyncIterator[tuple[int, Chunk]]
+    ) -> AsyncIterator[str]:
+        head = CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", model=self.model_name, choices=[])
+        usage = _UsageCounter()
+        try:
+            async for i, chunk in chunks:
+                usage.add(i, chunk)
+                choice = CompletionChoice(
+                    index=i,
+                    text=chunk.text or "",
+                    finish_reason=chunk.finish_reason,
+                    token_ids=chunk.token_ids,
+                )
+                yield _sse(
+                    head.model_copy(
+                        update={
+                            "choices": [choice],
+                            "usage": usage.of(i) if body.continuous_usage else None,
+                        }
+                    )
+                )
+            if body.include_usage:
+                yield _sse(head.model_copy(update={"usage": usage.total()}))
+        except Exception as exc:
+            yield _error_event(exc)
         finally:
-            await chunks.aclose()  # aborts the request if the client disconnected
-        yield "data: [DONE]\n\n"
+            await chunks.aclose()  # aborts the requests if the client disconnected
+        yield DONE_EVENT
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body = parse(ChatCompletionRequest, await _json_body(request))
+            self._check_model(body.model)
+            body.check_supported()
+            params = body.sampling_params(body.max_new_tokens)
+            prompt = await self.client.chat_prompt_async(body.chat_messages())
+            if body.stream:
+                chunks = await _open_streams([self.client.stream(prompt, params)])
+                events = self._chat_events(body, chunks)
+                response = StreamingResponse(events, media_type="text/event-stream")
+            else:
+                done = await self.client.generate_async(prompt, params)
+                message = ChatResponseMessage(content=done.text or "")
+                choice = ChatChoice(index=0, message=message, finish_reason=done.finish_reason)
+                result = ChatCompletionResponse(
+                    id=f"chatcmpl-{done.request_id}",
+                    model=self.model_name,
+                    choices=[choice],
+                    usage=Usage.of(len(done.prompt_token_ids), len(done.token_ids)),
+                )
+                response = JSONResponse(result.model_dump())
+        except Exception as exc:
+            return _error_response(exc)
+        return _with_ignored_fields(response, body.ignored_fields, "/v1/chat/completions")
+
+    async def _chat_events(
+        self, body: ChatCompletionRequest, chunks: AsyncIterator[tuple[int, Chunk]]
+    ) -> AsyncIterator[str]:
+        """The role delta, content deltas, a finish chunk, the usage chunk if asked."""
+        head = ChatCompletionChunk(
+            id=f"chatcmpl-{uuid.uuid4().hex}", model=self.model_name, choices=[]
+        )
+        usage = _UsageCounter()
+
+        def event(delta: ChatDelta, finish_reason: str | None = None) -> str:
+            choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)
+            continuous = usage.of(0) if body.continuous_usage else None
+            return _sse(head.model_copy(update={"choices": [choice], "usage": continuous}))
+
+        try:
+            yield event(ChatDelta(role="assistant", content=""))
+            async for i, chunk in chunks:
+                usage.add(i, chunk)
+                if chunk.text:
+                    yield event(ChatDelta(content=chunk.text))
+                if chunk.finish_reason is not None:
+                    yield event(ChatDelta(), chunk.finish_reason)
+            if body.include_usage:
+                yield _sse(head.model_copy(update={"usage": usage.total()}))
+        except Exception as exc:
+            yield _error_event(exc)
+        finally:
+            await chunks.aclose()
+        yield DONE_EVENT

@@ -167,7 +167,7 @@ def _bad_http_bodies() -> list[tuple[bytes, int, str]]:
         (body(prompt=[1, 2.5]), 400, "prompt_token_ids[1]"),
         (body(prompt=[1, "x"]), 400, "prompt_token_ids[1]"),
         (body(prompt="hello"), 400, "prompt"),  # gpt2-tiny has no tokenizer
-        (body(prompt=[[1], [2]]), 400, "prompt"),
+        (body(prompt=[[1], "x"]), 400, "prompt"),  # a list of prompts mixes kinds
         (body(prompt=None), 400, "prompt"),
         (body(max_tokens=0), 400, "max_tokens"),
         (body(max_tokens=-1), 400, "max_tokens"),
@@ -187,7 +187,10 @@ def _bad_http_bodies() -> list[tuple[bytes, int, str]]:
         (body(stream="yes"), 400, "stream"),
         (body(n=2), 400, "n"),
         (body(model="other-model"), 400, "model"),
-        (body(bogus=1), 400, "bogus"),
+        (body(stop=[1]), 400, "stop"),
+        (body(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+        (body(logprobs=0), 400, "logprobs"),  # known, not supported yet
+        (body(stream_options={"include_usage": "x"}), 400, "stream_options"),
         (b'{"prompt": [1, 2', 400, "JSON"),
         (b"\xff\xfe not utf-8", 400, "JSON"),
         (b"[1, 2, 3]", 400, "JSON object"),

@@ -1,0 +1,275 @@
+"""The OpenAI front door, driven by the official `openai` package against a real local
+Serve app of a tiny Qwen3 whose tokenizer (a byte-level BPE) and chat template the test
+builds; greedy output is checked against transformers' generate."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import torch
+
+from cluster import Client, ClusterConfig, build_app
+from cluster.client import chat_prompt_ids
+from cluster.ingress import IGNORED_FIELDS_HEADER
+from cluster.openai_api import ChatCompletionRequest, CompletionRequest, parse
+from tests.cluster.local_ray import local_serve
+from tests.replica.tiny_chat_model import save_chat_model, train_tokenizer
+
+APP_NAME = "kvfleet-openai"
+MODEL_NAME = "tiny-chat"
+PARTS = [{"type": "text", "text": "hello there, "}, {"type": "text", "text": "fox"}]
+MESSAGES = [
+    {"role": "system", "content": "you are a helpful assistant."},
+    {"role": "user", "content": PARTS},
+]
+
+
+@dataclass(frozen=True)
+class App:
+    base_url: str
+    model_path: str
+    tokenizer: object
+    model: torch.nn.Module
+    client: Client
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0)
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
+        """transformers' greedy tokens after prompt_ids (float32, CPU)."""
+        eos = {"eos_token_id": None} if ignore_eos else {}
+        with torch.no_grad():
+            out = self.model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                **eos,
+            )
+        return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory) -> Iterator[App]:
+    from ray import serve
+
+    model_path, tokenizer, model = save_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+    config = ClusterConfig(
+        model=model_path,
+        served_model_name=MODEL_NAME,
+        num_replicas=1,
+        num_blocks=128,
+        max_num_seqs=8,
+        device="cpu",
+        http=True,
+        app_name=APP_NAME,
+    )
+    with local_serve(num_cpus=4) as base_url:
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        yield App(base_url, model_path, tokenizer, model, Client(APP_NAME))
+
+
+def _stop_across_tokens(tokenizer, token_ids: list[int]) -> tuple[int, str]:
+    """(k, a two-letter stop string spanning tokens k - 1 and k, first seen there)."""
+    pieces = [tokenizer.decode(token_ids[: i + 1]) for i in range(len(token_ids))]
+    for k in range(1, len(pieces)):
+        n = len(pieces[k - 1])
+        stop = pieces[k][n - 1 : n + 1]
+        if n > 0 and len(stop) == 2 and stop.isalpha() and pieces[k].find(stop) == n - 1:
+            return k, stop
+    raise AssertionError(f"no letter pair across a token boundary in {pieces[-1]!r}")
+
+
+# --- without Ray -----------------------------------------------------------------------
+
+
+def test_request_schemas() -> None:
+    body = parse(CompletionRequest, {"prompt": "hi", "bogus": 1, "echo": False, "logprobs": None})
+    assert body.ignored_fields == ["bogus"]
+    body.check_supported()
+    assert body.sampling_params(None).max_tokens is None
+    assert parse(CompletionRequest, {"prompt": [[1, 2], [3]]}).prompts() == [[1, 2], [3]]
+    assert parse(CompletionRequest, {"prompt": [1, 2]}).prompts() == [[1, 2]]
+    assert parse(CompletionRequest, {"prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    for bad, field in (
+        ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+        ({"prompt": "x", "stop": [1]}, "stop[0]"),
+        ({"prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+        ({}, "prompt"),
+    ):
+        with pytest.raises(ValueError, match=field.replace("[", r"\[")):
+            parse(CompletionRequest, bad)
+    for field, value in (
+        ("n", 2), ("logprobs", 0), ("echo", True), ("best_of", 2), ("suffix", "x"),
+        ("presence_penalty", 0.5), ("logit_bias", {"1": 1.0}),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{field}: not supported yet"):
+            parse(CompletionRequest, {"prompt": "x", field: value}).check_supported()
+    with pytest.raises(ValueError, match="prompt"):
+        parse(CompletionRequest, {"prompt": [[1], "x"]}).prompts()
+    chat = parse(ChatCompletionRequest, {"messages": MESSAGES, "max_completion_tokens": 3})
+    assert chat.chat_messages()[1] == {"role": "user", "content": "hello there, fox"}
+    assert chat.max_new_tokens == 3
+    with pytest.raises(ValueError, match=r"messages\[0\].role"):
+        parse(ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]})
+
+
+def test_chat_prompt_needs_a_tokenizer_and_a_template() -> None:
+    with pytest.raises(ValueError, match="tokenizer"):
+        chat_prompt_ids(None, [{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match="chat_template"):
+        chat_prompt_ids(train_tokenizer(chat_template=None), [{"role": "user", "content": "x"}])
+
+
+# --- a real Serve app --------------------------------------------------------------------
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_completions_text_tokens_and_a_list(app: App) -> None:
+    oai = app.openai()
+    prompts = ["Hello world, the", "The quick brown"]
+    ids = [app.tokenizer.encode(p) for p in prompts]
+    expected = [app.tokenizer.decode(app.greedy(i, 8)) for i in ids]
+    done = oai.completions.create(model=MODEL_NAME, prompt=prompts[0], max_tokens=8, temperature=0)
+    assert done.model == MODEL_NAME
+    assert done.choices[0].text == expected[0]
+    assert done.usage.prompt_tokens == len(ids[0])
+    by_ids = oai.completions.create(
+        model=app.model_path, prompt=ids[0], max_tokens=8, temperature=0
+    )
+    assert by_ids.choices[0].text == expected[0]
+    for batch in (prompts, ids):
+        both = oai.completions.create(model=MODEL_NAME, prompt=batch, max_tokens=8, temperature=0)
+        assert [(c.index, c.text) for c in both.choices] == [(0, expected[0]), (1, expected[1])]
+        assert both.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_stop_string_across_tokens_streamed_and_not(app: App) -> None:
+    oai = app.openai()
+    prompt = app.tokenizer.encode("A café in Paris")
+    full = app.greedy(prompt, 32, ignore_eos=True)
+    k, stop = _stop_across_tokens(app.tokenizer, full)
+    text = app.tokenizer.decode(full)
+    expected = text[: text.index(stop)]
+    request = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 32, "temperature": 0}
+    request |= {"stop": [stop, "never seen"], "extra_body": {"ignore_eos": True}}
+    done = oai.completions.create(**request)
+    assert (done.choices[0].text, done.choices[0].finish_reason) == (expected, "stop")
+    assert done.usage.completion_tokens == k + 1  # up to the token completing the stop
+
+    chunks = list(oai.completions.create(**request, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "stop"
+    # The request was aborted on its replica at the stop string: its blocks are free.
+    deadline_s = time.monotonic() + 10
+    while (s := app.client.stats()[0]).num_running or s.kv_usage:
+        assert time.monotonic() < deadline_s, s
+        time.sleep(0.1)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_stream_usage(app: App) -> None:
+    oai = app.openai()
+    chunks = list(
+        oai.completions.create(
+            model=MODEL_NAME, prompt="Hello world", max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    *deltas, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 6
+    assert last.usage.prompt_tokens == len(app.tokenizer.encode("Hello world"))
+    assert all(c.usage is None for c in deltas)
+    body = {"prompt": "Hello world", "max_tokens": 4, "stream": True, "ignore_eos": True}
+    body["stream_options"] = {"continuous_usage_stats": True}
+    with httpx.Client(base_url=app.base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            events = [
+                json.loads(line.removeprefix("data: "))
+                for line in response.iter_lines()
+                if line.startswith("data: {")
+            ]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 4
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_chat_equals_transformers_streamed_and_not(app: App) -> None:
+    oai = app.openai()
+    prompt_ids = chat_prompt_ids(
+        app.tokenizer,
+        [{"role": m["role"], "content": m["content"]} if isinstance(m["content"], str)
+         else {"role": m["role"], "content": "hello there, fox"} for m in MESSAGES],
+    )  # fmt: skip
+    new_ids = app.greedy(prompt_ids, 12)
+    expected = app.tokenizer.decode(new_ids, skip_special_tokens=True)
+    done = oai.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=12, temperature=0
+    )
+    choice = done.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected
+    assert done.usage.prompt_tokens == len(prompt_ids)
+    assert done.usage.completion_tokens == len(new_ids)
+    assert choice.finish_reason == ("stop" if len(new_ids) < 12 else "length")
+
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *deltas, finish, usage = chunks
+    assert "".join(c.choices[0].delta.content or "" for c in deltas) == expected
+    assert finish.choices[0].finish_reason == choice.finish_reason
+    assert usage.choices == [] and usage.usage.completion_tokens == len(new_ids)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_serving_surface(app: App) -> None:
+    oai = app.openai()
+    with pytest.raises(openai.BadRequestError, match="model"):
+        oai.completions.create(model="other", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="n: not supported yet"):
+        oai.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, n=2)
+    # Fields at their defaults are accepted, as clients send them.
+    oai.completions.create(
+        model=MODEL_NAME, prompt="x", max_tokens=2, echo=False, presence_penalty=0,
+        frequency_penalty=0, logit_bias={}, best_of=1, n=1, user="someone",
+    )  # fmt: skip
+    (card,) = oai.models.list().data
+    assert card.id == MODEL_NAME and card.model_extra["max_model_len"] == 256
+    with httpx.Client(base_url=app.base_url, timeout=60) as http:
+        response = http.post(
+            "/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "bogus": 1, "zeta": {}}
+        )
+        assert response.status_code == 200, response.text
+        assert response.headers[IGNORED_FIELDS_HEADER] == "bogus, zeta"
+        response = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": "2"})
+        assert response.status_code == 400 and "max_tokens" in response.json()["error"]["message"]
+
+        tokens = http.post("/tokenize", json={"prompt": "Hello world"}).json()
+        assert tokens["tokens"] == app.tokenizer.encode("Hello world")
+        assert tokens["count"] == len(tokens["tokens"])
+        chat = http.post("/tokenize", json={"messages": MESSAGES[:1]}).json()
+        assert chat["tokens"] == chat_prompt_ids(app.tokenizer, [dict(MESSAGES[0])])
+        text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()
+        assert text["prompt"] == "Hello world"
+        bad = http.post("/detokenize", json={"tokens": [1, 10**6]})
+        assert bad.status_code == 400 and "tokens[1]" in bad.json()["error"]["message"]
+        assert http.get("/version").json()["version"]
+        assert http.get("/health").status_code == 200
