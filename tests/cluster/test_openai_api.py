@@ -77,7 +77,10 @@ def app(tmp_path_factory) -> Iterator[App]:
 
 def _stop_across_tokens(tokenizer, token_ids: list[int]) -> tuple[int, str]:
     """(k, a two-letter stop string spanning tokens k - 1 and k, first seen there)."""
-    pieces = [tokenizer.decode(token_ids[: i + 1]) for i in range(len(token_ids))]
+    pieces = [
+        tokenizer.decode(token_ids[: i + 1], skip_special_tokens=True)
+        for i in range(len(token_ids))
+    ]
     for k in range(1, len(pieces)):
         n = len(pieces[k - 1])
         stop = pieces[k][n - 1 : n + 1]
@@ -137,7 +140,7 @@ def test_completions_text_tokens_and_a_list(app: App) -> None:
     oai = app.openai()
     prompts = ["Hello world, the", "The quick brown"]
     ids = [app.tokenizer.encode(p) for p in prompts]
-    expected = [app.tokenizer.decode(app.greedy(i, 8)) for i in ids]
+    expected = [app.tokenizer.decode(app.greedy(i, 8), skip_special_tokens=True) for i in ids]
     done = oai.completions.create(model=MODEL_NAME, prompt=prompts[0], max_tokens=8, temperature=0)
     assert done.model == MODEL_NAME
     assert done.choices[0].text == expected[0]
@@ -159,7 +162,7 @@ def test_stop_string_across_tokens_streamed_and_not(app: App) -> None:
     prompt = app.tokenizer.encode("A café in Paris")
     full = app.greedy(prompt, 32, ignore_eos=True)
     k, stop = _stop_across_tokens(app.tokenizer, full)
-    text = app.tokenizer.decode(full)
+    text = app.tokenizer.decode(full, skip_special_tokens=True)
     expected = text[: text.index(stop)]
     request = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 32, "temperature": 0}
     request |= {"stop": [stop, "never seen"], "extra_body": {"ignore_eos": True}}
