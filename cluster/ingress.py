@@ -19,16 +19,14 @@ Text, stop strings and their hold-back come from the Client (replica.detokenizer
 # helper the handlers call is defined above the class: Serve pickles the wrapped class
 # with the module globals that exist when it is decorated.
 
-import asyncio
-import contextvars
 import importlib.metadata
 import json
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -53,6 +51,7 @@ from cluster.openai_api import (
     Usage,
     parse,
 )
+from cluster.request_group import UsageCounter, gather_or_cancel, open_streams
 from router.errors import OverloadedError
 
 api = FastAPI(title="kvfleet")
@@ -61,7 +60,6 @@ logger = logging.getLogger("ray.serve")
 MAX_BODY_BYTES = 1 << 20
 IGNORED_FIELDS_HEADER = "x-kvfleet-ignored-fields"
 DONE_EVENT = "data: [DONE]\n\n"
-T = TypeVar("T")
 
 
 class BodyTooLargeError(ValueError):
@@ -119,104 +117,12 @@ def _sse(event: BaseModel) -> str:
     return f"data: {event.model_dump_json()}\n\n"
 
 
-def _new_task(job: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-    """A task outside the HTTP request's context: Serve's handle takes its request id
-    from the context, and two calls under one id from one caller hang (one prompt of a
-    list of two never got its answer)."""
-    return asyncio.get_running_loop().create_task(job, context=contextvars.Context())
-
-
-async def _gather_or_cancel(jobs: Sequence[Coroutine[Any, Any, Any]]) -> list[Any]:
-    """All results, or the first failure with the other jobs cancelled (which aborts
-    their requests)."""
-    tasks = [_new_task(job) for job in jobs]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _open_streams(
-    streams: list[AsyncIterator[Chunk]],
-) -> AsyncIterator[tuple[int, Chunk]]:
-    """Each stream's first chunk awaited now, so bad input or overload is a status code
-    rather than an error event; then an iterator over (prompt index, chunk) of all."""
-    try:
-        firsts = await _gather_or_cancel([anext(s) for s in streams])
-    except BaseException:
-        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
-        raise
-    return _merge(firsts, streams)
-
-
-async def _merge(
-    firsts: list[Chunk], streams: list[AsyncIterator[Chunk]]
-) -> AsyncIterator[tuple[int, Chunk]]:
-    """(index, chunk) from every stream as chunks come; closing it closes them all."""
-    for i, first in enumerate(firsts):
-        yield i, first
-    if len(streams) == 1:  # no task and queue for the common case
-        try:
-            async for chunk in streams[0]:
-                yield 0, chunk
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue[tuple[int, Chunk | None, BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[Chunk]) -> None:
-        try:
-            async for chunk in stream:
-                queue.put_nowait((i, chunk, None))
-            queue.put_nowait((i, None, None))
-        except Exception as exc:
-            queue.put_nowait((i, None, exc))
-        finally:
-            await stream.aclose()
-
-    tasks = [_new_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, chunk, exc = await queue.get()
-            if exc is not None:
-                raise exc
-            if chunk is None:
-                remaining -= 1
-            else:
-                yield i, chunk
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def _with_ignored_fields(response: Response, ignored: list[str], route: str) -> Response:
     if ignored:
         names = ", ".join(ignored)
         logger.warning("%s: ignored unknown field(s): %s", route, names)
         response.headers[IGNORED_FIELDS_HEADER] = names
     return response
-
-
-class _UsageCounter:
-    """Prompt and completion tokens per choice of a streamed response."""
-
-    def __init__(self) -> None:
-        self.prompt_tokens: dict[int, int] = {}
-        self.completion_tokens: dict[int, int] = {}
-
-    def add(self, index: int, chunk: Chunk) -> None:
-        self.prompt_tokens[index] = chunk.num_prompt_tokens
-        self.completion_tokens[index] = self.completion_tokens.get(index, 0) + len(chunk.token_ids)
-
-    def of(self, index: int) -> Usage:
-        return Usage.of(self.prompt_tokens[index], self.completion_tokens[index])
-
-    def total(self) -> Usage:
-        return Usage.of(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
 
 
 def _kvfleet_version() -> str:
@@ -323,11 +229,11 @@ class Ingress:
             prompts = body.prompts()
             params = body.sampling_params(body.max_tokens)
             if body.stream:
-                chunks = await _open_streams([self.client.stream(p, params) for p in prompts])
+                chunks = await open_streams([self.client.stream(p, params) for p in prompts])
                 events = self._completion_events(body, chunks)
                 response = StreamingResponse(events, media_type="text/event-stream")
             else:
-                dones = await _gather_or_cancel(
+                dones = await gather_or_cancel(
                     [self.client.generate_async(p, params) for p in prompts]
                 )
                 response = JSONResponse(self._completion(dones).model_dump())
@@ -353,7 +259,7 @@ class Ingress:
         self, body: CompletionRequest, chunks: AsyncIterator[tuple[int, Chunk]]
     ) -> AsyncIterator[str]:
         head = CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", model=self.model_name, choices=[])
-        usage = _UsageCounter()
+        usage = UsageCounter()
         try:
             async for i, chunk in chunks:
                 usage.add(i, chunk)
@@ -388,7 +294,7 @@ class Ingress:
             params = body.sampling_params(body.max_new_tokens)
             prompt = await self.client.chat_prompt_async(body.chat_messages())
             if body.stream:
-                chunks = await _open_streams([self.client.stream(prompt, params)])
+                chunks = await open_streams([self.client.stream(prompt, params)])
                 events = self._chat_events(body, chunks)
                 response = StreamingResponse(events, media_type="text/event-stream")
             else:
@@ -413,7 +319,7 @@ class Ingress:
         head = ChatCompletionChunk(
             id=f"chatcmpl-{uuid.uuid4().hex}", model=self.model_name, choices=[]
         )
-        usage = _UsageCounter()
+        usage = UsageCounter()
 
         def event(delta: ChatDelta, finish_reason: str | None = None) -> str:
             choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)

@@ -153,6 +153,12 @@ def test_completions_text_tokens_and_a_list(app: App) -> None:
         both = oai.completions.create(model=MODEL_NAME, prompt=batch, max_tokens=8, temperature=0)
         assert [(c.index, c.text) for c in both.choices] == [(0, expected[0]), (1, expected[1])]
         assert both.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    streamed = {0: "", 1: ""}
+    for chunk in oai.completions.create(
+        model=MODEL_NAME, prompt=prompts, max_tokens=8, temperature=0, stream=True
+    ):
+        streamed[chunk.choices[0].index] += chunk.choices[0].text
+    assert list(streamed.values()) == expected
 
 
 @pytest.mark.ray
