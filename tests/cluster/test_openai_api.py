@@ -124,6 +124,14 @@ def test_request_schemas() -> None:
         parse(ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]})
 
 
+def test_served_model_name() -> None:
+    assert ClusterConfig(model="gpt2-tiny").model_name == "gpt2-tiny"
+    assert ClusterConfig(model="/models/qwen3-0.6b/").model_name == "qwen3-0.6b"
+    assert ClusterConfig(model="gpt2-tiny", served_model_name="x").model_name == "x"
+    with pytest.raises(ValueError, match="served_model_name"):
+        ClusterConfig(served_model_name="")
+
+
 def test_chat_prompt_needs_a_tokenizer_and_a_template() -> None:
     with pytest.raises(ValueError, match="tokenizer"):
         chat_prompt_ids(None, [{"role": "user", "content": "x"}])
