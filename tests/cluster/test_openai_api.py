@@ -18,6 +18,7 @@ from cluster import Client, ClusterConfig, build_app
 from cluster.client import chat_prompt_ids
 from cluster.ingress import IGNORED_FIELDS_HEADER
 from cluster.openai_api import ChatCompletionRequest, CompletionRequest, parse
+from replica import SamplingParams
 from tests.cluster.local_ray import local_serve
 from tests.replica.tiny_chat_model import save_chat_model, train_tokenizer
 
@@ -253,6 +254,11 @@ def test_chat_equals_transformers_streamed_and_not(app: App) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in deltas) == expected
     assert finish.choices[0].finish_reason == choice.finish_reason
     assert usage.choices == [] and usage.usage.completion_tokens == len(new_ids)
+    # The Python Client's chat: the same template, the same tokens.
+    plain = [{"role": "system", "content": MESSAGES[0]["content"]}]
+    plain.append({"role": "user", "content": "hello there, fox"})
+    by_client = app.client.chat(plain, SamplingParams(max_tokens=12, temperature=0.0))
+    assert by_client.token_ids == new_ids and by_client.text == expected
 
 
 @pytest.mark.ray

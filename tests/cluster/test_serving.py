@@ -117,6 +117,9 @@ def test_bad_input_is_a_typed_error_while_others_are_served(
             response = http.post("/v1/completions", json=body)
             assert response.status_code == 400, response.text
             assert field in response.json()["error"]["message"]
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        response = http.post("/v1/chat/completions", json=chat)
+        assert response.status_code == 400 and "tokenizer" in response.json()["error"]["message"]
     assert running_app.client.generate(PROMPTS[1], GREEDY).token_ids == offline[1]
 
 
