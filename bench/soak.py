@@ -33,6 +33,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from replica.config_flags import add_config_flags, config_from_args
+
 APP_NAME = "kvfleet-soak"
 DEPLOYMENT = "LLMServer"
 GREEDY_POOL = 6
@@ -261,31 +263,37 @@ def _leaks(client: Any, num_replicas: int, victim: str, timeout_s: float) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cluster import ClusterConfig
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration-s", type=float, default=300.0)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--num-blocks", type=int, default=64)
+    parser.add_argument("--duration-s", type=float, default=300.0, help="how long to run")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     parser.add_argument("--kill-at-s", type=float, default=None, help="default: half-way")
-    parser.add_argument("--request-timeout-s", type=float, default=90.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json-out", default=None)
+    parser.add_argument(
+        "--request-timeout-s", type=float, default=90.0, help="a request's deadline"
+    )
+    parser.add_argument("--json-out", default=None, help="write the result as JSON here")
+    app = parser.add_argument_group(
+        "the app under test (ClusterConfig)",
+        "every field but replica_id (the cluster names replicas), policy (--router) and app_name",
+    )
+    add_config_flags(
+        app,
+        ClusterConfig,
+        exclude=("replica_id", "policy", "app_name"),
+        aliases={"num_replicas": ["--replicas"]},
+    )
+    # A small pool and few sequences, so that preemption and admission holds happen often.
+    parser.set_defaults(
+        num_replicas=2, num_blocks=64, max_num_seqs=8, device="cpu", max_hold_s=15.0
+    )
     args = parser.parse_args(argv)
 
     from bench.load_target import deploy, shutdown, start_local_ray
-    from cluster import Client, ClusterConfig
+    from cluster import Client
     from replica import LLMEngine, SamplingParams
 
-    config = ClusterConfig(
-        model="gpt2-tiny",
-        num_replicas=args.replicas,
-        num_blocks=args.num_blocks,
-        max_num_seqs=8,
-        device="cpu",
-        max_hold_s=15.0,
-        app_name=APP_NAME,
-        seed=args.seed,
-    )
+    config = config_from_args(ClusterConfig, args, app_name=APP_NAME)
     rng = random.Random(args.seed)
     engine = LLMEngine(config.engine_config("offline", num_gpus=0))
     greedy_prompts = [
@@ -296,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     greedy_expected = [o.token_ids for o in engine.generate(greedy_prompts, greedy)]
     del engine
 
-    start_local_ray(args.replicas + 1)
+    start_local_ray(config.num_replicas + 1)
     started_s = time.monotonic()
     try:
         deploy(config)
@@ -317,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.duration_s:.0f}s", flush=True)  # fmt: skip
         victim = asyncio.run(_drive(soak, args.duration_s, args.concurrency, kill_at_s))
         soak.tally.retries = client.num_retries
-        leaks = _leaks(client, args.replicas, victim, timeout_s=120.0)
+        leaks = _leaks(client, config.num_replicas, victim, timeout_s=120.0)
     finally:
         shutdown()
 
