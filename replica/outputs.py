@@ -6,6 +6,25 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """One token's log probability and the top ones at its position (log_softmax of the
+    model's logits, before penalties, bias or temperature), most likely first."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def to_wire(self) -> list:
+        return [self.token_id, self.logprob, list(self.top_ids), list(self.top_logprobs)]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> Logprobs:
+        token_id, logprob, top_ids, top_logprobs = wire
+        return cls(token_id, logprob, tuple(top_ids), tuple(top_logprobs))
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """New tokens of one request from one engine step (a delta, not the whole text)."""

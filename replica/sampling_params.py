@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 _INT64_MAX = 2**63 - 1  # seeds, top_k and token ids become int64 tensors in the sampler
 MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
+MAX_N = 128  # OpenAI's limit on `n`
+MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's limit
 
 
 def _is_int(value: object) -> bool:
@@ -22,6 +25,16 @@ class SamplingParams:
     max_tokens None: the room left in the context (max_model_len - prompt length).
     stop: up to MAX_STOP_STRINGS strings matched on the detokenized output (needs a
     model with a tokenizer); the output ends before the first one, finish_reason "stop".
+    n: samples of the prompt; the engine prefills it once and forks the rest from it
+    (sample i's request id is sample_request_id(request_id, i), its seed seed + i).
+    logprobs / prompt_logprobs: None, or how many top tokens' log probabilities to return
+    beside each sampled (or prompt) token's own, 0..MAX_LOGPROBS; they are log_softmax
+    of the model's logits before any penalty, bias or temperature.
+    presence_penalty, frequency_penalty (OpenAI's, on output tokens), repetition_penalty
+    (on prompt and output tokens: a seen token's positive logit divided by it, a negative
+    one multiplied), logit_bias ({token id: bias in [-100, 100]}, added to the logits) and
+    min_tokens (stop tokens masked until that many tokens are out) change the logits
+    before sampling, for the rows that set them only.
     Invalid values raise ValueError naming the field.
     """
 
@@ -33,6 +46,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -78,10 +99,55 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
+        self._check_extras()
+
+    def _check_extras(self) -> None:
+        """The fields beyond plain sampling: n, logprobs and the logits processors."""
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+            object.__setattr__(self, name, float(value))
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0.0 < rp <= 100.0:
+            raise ValueError(f"repetition_penalty must be a number in (0, 100], got {rp!r}")
+        object.__setattr__(self, "repetition_penalty", float(rp))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the row's logits change before sampling (penalties, bias, min_tokens)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+        )
+
+    @property
+    def needs_extras(self) -> bool:
+        """Whether the row samples outside the plain fast path: processed logits or
+        logprobs."""
+        return self.processes_logits or self.logprobs is not None
 
     @classmethod
     def from_dict(cls, data: dict) -> SamplingParams:
@@ -98,7 +164,45 @@ class SamplingParams:
         return {name: getattr(self, name) for name in self.__dataclass_fields__} | {
             "stop_token_ids": list(self.stop_token_ids),
             "stop": list(self.stop),
+            "logit_bias": [list(pair) for pair in self.logit_bias],  # msgpack: no int keys
         }
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """The request id of sample index of a request with n > 1 (sample 0 keeps the id)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+def _is_number(value: object) -> bool:
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    )
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (ids as ints or decimal strings, as JSON sends them) or (id, bias)
+    pairs, as sorted pairs."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    else:
+        raise ValueError(f"logit_bias must be a map of token id to bias, got {value!r}")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(items)}")
+    pairs = {}
+    for item in items:
+        if not isinstance(item, list | tuple) or len(item) != 2:
+            raise ValueError(f"logit_bias: entries must be (token id, bias) pairs, got {item!r}")
+        token, bias = item
+        if isinstance(token, str) and token.isdigit():
+            token = int(token)
+        if not _is_int(token) or not 0 <= token <= _INT64_MAX:
+            raise ValueError(f"logit_bias: token id {item[0]!r} is not an integer >= 0")
+        if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+            raise ValueError(f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}")
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def _iter_or_none(values: object) -> list:

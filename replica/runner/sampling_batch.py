@@ -94,7 +94,10 @@ def param_columns(
     greedy row's top_p changes nothing either."""
     n = len(params)
     temps = np.fromiter(map(_TEMPERATURE, params), np.float64, n)
-    top_ps = np.fromiter(map(_TOP_P, params), np.float64, n)
+    # float32 columns downstream: a top_p under float32's smallest normal (1.2e-38) would
+    # become 0 there, dropping every token (each row then sampled token 0); clamped, the
+    # most likely token is kept, as any top_p in (0, 1] keeps it.
+    top_ps = np.maximum(np.fromiter(map(_TOP_P, params), np.float64, n), _FLOAT32_TINY)
     sampled = temps != 0.0  # SamplingParams.greedy is temperature == 0.0
     ks = np.fromiter(map(_TOP_K, params), np.int64, n)
     any_top_k = bool(ks.max(initial=0) > 0)
@@ -107,6 +110,7 @@ def param_columns(
     return temps, top_ps, ks, any_top_k, any_top_p
 
 
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 _TEMPERATURE = operator.attrgetter("temperature")
 _TOP_P = operator.attrgetter("top_p")
 _TOP_K = operator.attrgetter("top_k")
