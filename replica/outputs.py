@@ -51,6 +51,10 @@ class StepOutputs(Sequence[RequestOutput]):
     request_ids: Sequence[str] = ()
     token_ids: list[int] = field(default_factory=list)
     finishes: dict[int, tuple[str, int, int]] = field(default_factory=dict)
+    # Only the rows whose request asked: row -> its token's Logprobs, and row -> the
+    # request's prompt logprobs (entry 0 None), on the row that starts its output.
+    logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[Logprobs | None]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.request_ids)
