@@ -50,6 +50,7 @@ class Sequence:
         "stop_ids",
         "stop_token",
         "greedy",
+        "extras",
         "max_len",
         "num_queued_blocks",
         "num_queued_hashes",
@@ -94,6 +95,8 @@ class Sequence:
         # Its one stop token, for the engine's stop check over a step's rows in numpy.
         self.stop_token = next(iter(stops)) if len(stops) == 1 else MANY_STOPS if stops else NO_STOP
         self.greedy = params.greedy  # a step of greedy sequences alone samples in its graph
+        # A step with such a row leaves the fast path (replica.runner.logits_processors).
+        self.extras = params.needs_extras or params.prompt_logprobs is not None
         self.max_len = self.num_prompt_tokens + params.max_tokens
         if max_model_len is not None:
             self.max_len = min(self.max_len, max_model_len)
