@@ -30,6 +30,7 @@ from cluster.metrics import CallerMetrics
 from cluster.transport import CallerTransport, DeltaStream, TokenDelta, broadcast
 from replica.detokenizer import TextStream
 from replica.models.loader import load_tokenizer
+from replica.outputs import Logprobs
 from replica.sampling_params import SamplingParams
 from replica.stats import ReplicaStats
 
@@ -49,6 +50,11 @@ class Chunk:
     text: str | None = None
     replica_id: str = ""
     num_prompt_tokens: int = 0
+    index: int = 0  # which of the request's n samples
+    # One per token of token_ids when the request asked for logprobs (SamplingParams);
+    # the prompt's (entry 0 None) on a sample's first chunk when it asked prompt_logprobs.
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,51 @@ class Completion:
     finish_reason: str
     text: str | None = None
     replica_id: str = ""
+    index: int = 0  # which of the request's n samples
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the tokens' logprobs (best_of ranks samples by it)."""
+        return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
+
+
+class _Sample:
+    """One sample's progress within Client.stream: its tokens, text and stop strings."""
+
+    def __init__(
+        self, index: int, tokenizer: Any | None, prompt_ids: list[int], stop: tuple[str, ...]
+    ) -> None:
+        self.index = index
+        self.token_ids: list[int] = []
+        self.text = None if tokenizer is None else TextStream(tokenizer, prompt_ids, stop)
+
+    def chunk(self, rid: str, item: TokenDelta, replica_id: str, num_prompt: int) -> Chunk:
+        """The chunk of a delta: with a tokenizer, its text, held back while it may
+        become a stop string, and cut at one (finish_reason "stop")."""
+        token_ids, text, reason = item.token_ids, None, item.finish_reason
+        if self.text is not None:
+            delta = self.text.add(item.token_ids, item.finished)
+            token_ids, text = token_ids[: delta.num_token_ids], delta.text
+            reason = "stop" if delta.stopped else reason
+        logprobs = None if item.logprobs is None else item.logprobs[: len(token_ids)]
+        self.token_ids += token_ids
+        return Chunk(
+            rid, token_ids, reason, text, replica_id, num_prompt, self.index, logprobs,
+            item.prompt_logprobs,
+        )  # fmt: skip
+
+
+async def _next_item(live: dict[int, DeltaStream]) -> tuple[int, TokenDelta | BaseException]:
+    """(sample index, item) of the first of several samples' streams with something."""
+    while True:
+        for index, deltas in live.items():
+            item = deltas.take()
+            if item is not None:
+                return index, item
+        waits = [deltas.wait() for deltas in live.values()]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
 
 
 @dataclass(frozen=True)
@@ -170,82 +221,75 @@ class Client:
             if room is not None:
                 params = dataclasses.replace(params, max_tokens=room - len(prompt_ids))
         rid = request_id or uuid.uuid4().hex
-        num_prompt = len(prompt_ids)
         transport = self._transport()
-        token_ids: list[int] = []
-        text = None
-        if self._tokenizer is not None:
-            text = TextStream(self._tokenizer, prompt_ids, params.stop)
+        samples = [_Sample(i, self._tokenizer, prompt_ids, params.stop) for i in range(params.n)]
         for attempt in range(self.max_retries + 1):
             wire_id = rid if attempt == 0 else f"{rid}~{attempt}"
-            done = False  # the attempt ended; no abort needed
+            live: dict[int, DeltaStream] = {}  # sample index -> its stream, until it ends
             try:
                 try:
-                    replica_id, deltas = await self._submit(transport, wire_id, prompt_ids, params)
+                    replica_id, streams = await self._submit(transport, wire_id, prompt_ids, params)
                 except ReplicaDiedError as exc:
-                    done = True
                     transport.abort_soon(wire_id)
                     if attempt == self.max_retries:
-                        raise exc.with_progress(rid, token_ids, attempt + 1) from exc
+                        raise exc.with_progress(rid, [], attempt + 1) from exc
                     self.num_retries += 1
                     await asyncio.sleep(self.retry_backoff_s * 2**attempt)
                     continue
-                while True:
-                    # take()/wait() rather than `await deltas.get()`: one coroutine less
-                    # per chunk, on the path every token of every request takes.
-                    item: TokenDelta | BaseException | None = deltas.take()
-                    if item is None:
-                        await deltas.wait()
-                        continue
+                live = dict(enumerate(streams))
+                while live:
+                    if len(live) == 1:
+                        # take()/wait() rather than `await deltas.get()`: one coroutine less
+                        # per chunk, on the path every token of every request takes.
+                        ((index, deltas),) = live.items()
+                        item: TokenDelta | BaseException | None = deltas.take()
+                        if item is None:
+                            await deltas.wait()
+                            continue
+                    else:
+                        index, item = await _next_item(live)
                     if isinstance(item, BaseException):
-                        done = True
-                        retry = isinstance(item, ReplicaDiedError) and not token_ids
+                        del live[index]  # the transport forgot it (and aborts it)
+                        received = any(sample.token_ids for sample in samples)
+                        retry = isinstance(item, ReplicaDiedError) and not received
                         if not retry or attempt == self.max_retries:
                             if isinstance(item, ReplicaError):
-                                raise item.with_progress(rid, token_ids, attempt + 1)
+                                raise item.with_progress(rid, samples[index].token_ids, attempt + 1)
                             raise item
                         self.num_retries += 1
                         break
-                    done = item.finished
-                    if text is None:
-                        token_ids += item.token_ids
-                        yield Chunk(
-                            rid, item.token_ids, item.finish_reason, None, replica_id, num_prompt
-                        )
-                    else:
-                        delta = text.add(item.token_ids, item.finished)
-                        kept = item.token_ids[: delta.num_token_ids]
-                        token_ids += kept
-                        # A stop string ends the request here; leaving the loop without
-                        # `done` aborts it on its replica, which frees its blocks.
-                        reason = "stop" if delta.stopped else item.finish_reason
-                        yield Chunk(rid, kept, reason, delta.text, replica_id, num_prompt)
-                        if delta.stopped:
-                            return
-                    if done:
-                        return
+                    chunk = samples[index].chunk(rid, item, replica_id, len(prompt_ids))
+                    if chunk.finish_reason is not None:
+                        if not item.finished:  # a stop string: abort it on its replica
+                            await asyncio.shield(transport.abort(live[index].request_id))
+                        del live[index]
+                    yield chunk
+                else:
+                    return
             finally:
-                if not done:
-                    await asyncio.shield(transport.abort(wire_id))
+                for deltas in live.values():  # left early, or failed: abort the rest
+                    await asyncio.shield(transport.abort(deltas.request_id))
             await asyncio.sleep(self.retry_backoff_s * 2**attempt)
 
     async def generate_async(
         self, prompt: list[int] | str, params: SamplingParams | None = None
     ) -> Completion:
-        token_ids: list[int] = []
-        texts: list[str] = []
-        last: Chunk | None = None
+        """The whole completion of one sample (n > 1: samples_async)."""
+        if params is not None and params.n > 1:
+            raise ValueError(f"n: generate returns one completion; use samples for n={params.n}")
+        return (await self.samples_async(prompt, params))[0]
+
+    async def samples_async(
+        self, prompt: list[int] | str, params: SamplingParams | None = None
+    ) -> list[Completion]:
+        """The n completions of one prompt (SamplingParams.n), in sample order: prefilled
+        once on one replica, the samples forked from it."""
+        params = params or SamplingParams()
+        parts: list[list[Chunk]] = [[] for _ in range(params.n)]
         async for chunk in self.stream(prompt, params):
-            token_ids.extend(chunk.token_ids)
-            if chunk.text is not None:
-                texts.append(chunk.text)
-            last = chunk
-        assert last is not None and last.finish_reason is not None
-        text = "".join(texts) if self._tokenizer is not None else None
-        prompt_ids = await self._encode(prompt, params or SamplingParams())
-        return Completion(
-            last.request_id, prompt_ids, token_ids, last.finish_reason, text, last.replica_id
-        )
+            parts[chunk.index].append(chunk)
+        prompt_ids = await self._encode(prompt, params)
+        return [_completion(prompt_ids, chunks, self._tokenizer is not None) for chunks in parts]
 
     async def chat_stream(
         self, messages: list[dict[str, str]], params: SamplingParams | None = None
@@ -308,6 +352,11 @@ class Client:
 
     # --- sync API --------------------------------------------------------------------
 
+    def samples(
+        self, prompt: list[int] | str, params: SamplingParams | None = None
+    ) -> list[Completion]:
+        return self._run_sync(self.samples_async(prompt, params))
+
     def generate(self, prompt: list[int] | str, params: SamplingParams | None = None) -> Completion:
         return self._run_sync(self.generate_async(prompt, params))
 
@@ -356,13 +405,15 @@ class Client:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
-    ) -> tuple[str, DeltaStream]:
+    ) -> tuple[str, list[DeltaStream]]:
         from router.errors import OverloadedError
 
         if self._metrics is None:
             self._metrics = CallerMetrics()
         try:
-            replica_id, deltas = await transport.submit(request_id, prompt_ids, params.to_dict())
+            replica_id, deltas = await transport.submit_samples(
+                request_id, prompt_ids, params.to_dict()
+            )
         except OverloadedError:
             self._metrics.admissions_rejected.inc()
             raise
@@ -417,6 +468,19 @@ class Client:
                 ).start()
                 self._thread_loop = loop
         return asyncio.run_coroutine_threadsafe(coro, self._thread_loop).result()
+
+
+def _completion(prompt_ids: list[int], chunks: list[Chunk], has_text: bool) -> Completion:
+    """A sample's chunks, in order, as one Completion."""
+    last = chunks[-1]
+    assert last.finish_reason is not None
+    logprobs = [lp for c in chunks if c.logprobs for lp in c.logprobs]
+    return Completion(
+        last.request_id, prompt_ids, [t for c in chunks for t in c.token_ids],
+        last.finish_reason, "".join(c.text or "" for c in chunks) if has_text else None,
+        last.replica_id, last.index, logprobs if any(c.logprobs is not None for c in chunks)
+        else None, chunks[0].prompt_logprobs,
+    )  # fmt: skip
 
 
 def chat_prompt_ids(tokenizer: Any | None, messages: list[dict[str, str]]) -> list[int]:

@@ -36,7 +36,7 @@ from cluster.fan_out import FanOut
 from cluster.messages import StepBatch
 from cluster.metrics import ReplicaMetrics
 from replica.protocol import ServingEngine
-from replica.sampling_params import SamplingParams
+from replica.sampling_params import SamplingParams, sample_request_id
 from replica.stats import ReplicaStats
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,9 @@ class EngineLoop:
                 del self._tombstones[request_id]
                 raise AbortedBeforeAdmissionError(f"request {request_id!r} was aborted")
             self._engine.add_request(request_id, prompt_token_ids, params)
-            self._fan_out.track(request_id, caller_id, time.monotonic())
+            now_s = time.monotonic()
+            for i in range(params.n):  # n > 1: the engine runs n samples (n request ids)
+                self._fan_out.track(sample_request_id(request_id, i), caller_id, now_s)
             return time.time()
 
         return self._post(command)

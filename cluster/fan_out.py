@@ -12,7 +12,7 @@ from typing import Any
 
 from cluster.messages import ERROR_FINISH, StepBatch
 from cluster.metrics import ReplicaMetrics
-from replica.outputs import StepOutputs
+from replica.outputs import Logprobs, StepOutputs
 
 
 @dataclass(slots=True)
@@ -107,6 +107,8 @@ class FanOut:
 
     def _column_batches(self, outputs: StepOutputs, now_s: float) -> dict[str, StepBatch] | None:
         request_ids, token_ids, ends = outputs.request_ids, outputs.token_ids, outputs.finishes
+        if outputs.logprobs or outputs.prompt_logprobs:  # rows that asked: row by row
+            return None
         if not all(map(self._tracked.__contains__, request_ids)):
             return None
         if not request_ids:
@@ -139,11 +141,9 @@ class FanOut:
             self._finished(request_ids[i], now_s)
         return batches
 
-    def _row_batches(
-        self, rows: Iterable[tuple[str, list[int], str | None]], now_s: float
-    ) -> dict[str, StepBatch]:
+    def _row_batches(self, rows: Iterable[_Row], now_s: float) -> dict[str, StepBatch]:
         batches: dict[str, StepBatch] = {}
-        for request_id, token_ids, finish_reason in rows:
+        for request_id, token_ids, finish_reason, logprobs, prompt_logprobs in rows:
             tracked = self._tracked.get(request_id)
             if tracked is None:
                 continue  # aborted: its final delta is already sent
@@ -157,7 +157,7 @@ class FanOut:
             batch = batches.get(tracked.caller_id)
             if batch is None:
                 batch = batches[tracked.caller_id] = StepBatch()
-            batch.add(request_id, token_ids, finish_reason, first)
+            batch.add(request_id, token_ids, finish_reason, first, logprobs, prompt_logprobs)
             if finish_reason is not None:
                 self._finished(request_id, now_s)
         return batches
@@ -179,18 +179,35 @@ class FanOut:
             self._metrics.tpot_s.observe((now_s - tracked.first_token_s) / (num_tokens - 1))
 
 
-def _rows(outputs: Sequence[Any]) -> Iterable[tuple[str, list[int], str | None]]:
-    """(request id, new token ids, finish reason or None) per output of a step: a
-    StepOutputs by its columns, else each RequestOutput's fields (test and bench engines)."""
+# (request id, new token ids, finish reason or None, their logprobs, the prompt's)
+_Row = tuple[str, list[int], str | None, list[Logprobs] | None, list[Logprobs | None] | None]
+
+
+def _rows(outputs: Sequence[Any]) -> Iterable[_Row]:
+    """One _Row per output of a step: a StepOutputs by its columns, else each
+    RequestOutput's fields (test and bench engines)."""
     if isinstance(outputs, StepOutputs):
-        ends = outputs.finishes
+        ends, logprobs = outputs.finishes, outputs.logprobs
+        prompt_logprobs = outputs.prompt_logprobs
         return (
-            (request_id, [token], ends[i][0] if i in ends else None)
+            (
+                request_id,
+                [token],
+                ends[i][0] if i in ends else None,
+                [logprobs[i]] if i in logprobs else None,
+                prompt_logprobs.get(i),
+            )  # fmt: skip
             for i, (request_id, token) in enumerate(
                 zip(outputs.request_ids, outputs.token_ids, strict=True)
             )
         )
     return (
-        (out.request_id, out.new_token_ids, (out.finish_reason or "stop") if out.finished else None)
+        (
+            out.request_id,
+            out.new_token_ids,
+            (out.finish_reason or "stop") if out.finished else None,
+            getattr(out, "logprobs", None),
+            getattr(out, "prompt_logprobs", None),
+        )  # fmt: skip
         for out in outputs
     )

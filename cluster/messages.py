@@ -13,6 +13,8 @@ from typing import Any
 
 import msgpack
 
+from replica.outputs import Logprobs
+
 _ACK = 0
 _BATCH = 1
 _BEAT = 2
@@ -40,7 +42,8 @@ class SubmitRequest:
             "request_id": self.request_id,
             "caller_id": self.caller_id,
             "prompt_token_ids": self.prompt_token_ids,
-            "max_tokens": self.params.get("max_tokens", 16),
+            # n samples share the prompt's blocks and take max_tokens each.
+            "max_tokens": _max_tokens(self.params),
             "params": self.params,
         }
 
@@ -60,6 +63,18 @@ class SubmitRequest:
             prompt_token_ids=wire.get("prompt_token_ids"),  # type: ignore[arg-type]
             params=wire["params"],
         )
+
+
+def _max_tokens(params: dict[str, Any]) -> Any:
+    max_tokens = params.get("max_tokens", 16)
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
+        return max_tokens * _num_samples(params)
+    return max_tokens  # the router names a bad one
+
+
+def _num_samples(params: dict[str, Any]) -> int:
+    n = params.get("n", 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 
 
 @dataclass(frozen=True)
@@ -106,6 +121,10 @@ class TokenDelta:
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error" once finished
+    # One per token of token_ids when the request asked for logprobs; the prompt's (entry
+    # 0 None) on the delta that starts the output when it asked for prompt_logprobs.
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -117,7 +136,9 @@ class StepBatch:
     """What one engine step produced for one caller on one replica, as columns.
 
     Request request_ids[i] got num_tokens[i] new tokens, the next ones of the flat
-    token_ids; finishes lists (i, finish_reason) for the requests that ended. Columns
+    token_ids; finishes lists (i, finish_reason) for the requests that ended; logprobs
+    and prompt_logprobs list (i, wire rows) for the requests that asked for them
+    (Logprobs.to_wire per token; None for the prompt's first token). Columns
     rather than one record per request: msgpack packs and unpacks flat lists of ints
     in C, and neither side builds a Python object per token. urgent (replica side, not
     sent): the batch holds a request's first token or its end, which the replica sends
@@ -128,29 +149,59 @@ class StepBatch:
     num_tokens: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finishes: list[tuple[int, str]] = field(default_factory=list)
+    logprobs: list[tuple[int, list]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[int, list]] = field(default_factory=list)
     urgent: bool = False
 
     def add(
-        self, request_id: str, token_ids: list[int], finish_reason: str | None, first: bool = False
+        self,
+        request_id: str,
+        token_ids: list[int],
+        finish_reason: str | None,
+        first: bool = False,
+        logprobs: list[Logprobs] | None = None,
+        prompt_logprobs: list[Logprobs | None] | None = None,
     ) -> None:
         """first: token_ids start the request's output."""
         if finish_reason is not None or first:
             self.urgent = True
+        i = len(self.request_ids)
         if finish_reason is not None:
-            self.finishes.append((len(self.request_ids), finish_reason))
+            self.finishes.append((i, finish_reason))
+        if logprobs:
+            self.logprobs.append((i, [lp.to_wire() for lp in logprobs]))
+        if prompt_logprobs:
+            wire = [None if lp is None else lp.to_wire() for lp in prompt_logprobs]
+            self.prompt_logprobs.append((i, wire))
         self.request_ids.append(request_id)
         self.num_tokens.append(len(token_ids))
         self.token_ids += token_ids
 
     def to_row(self) -> list[Any]:
-        return [self.request_ids, self.num_tokens, self.token_ids, self.finishes]
+        row = [self.request_ids, self.num_tokens, self.token_ids, self.finishes]
+        if self.logprobs or self.prompt_logprobs:  # most steps: four columns, no more
+            row += [self.logprobs, self.prompt_logprobs]
+        return row
+
+    def logprobs_of(self) -> tuple[dict[int, list[Logprobs]], dict[int, list]]:
+        """Row -> its tokens' Logprobs, and row -> its prompt's (None for the first)."""
+        rows = {i: [Logprobs.from_wire(w) for w in wire] for i, wire in self.logprobs}
+        prompt = {
+            i: [None if w is None else Logprobs.from_wire(w) for w in wire]
+            for i, wire in self.prompt_logprobs
+        }
+        return rows, prompt
 
     def deltas(self) -> list[TokenDelta]:
         """One TokenDelta per request (for tests and tools; the caller's demux uses columns)."""
         reasons = dict(self.finishes)
+        logprobs, prompt_logprobs = self.logprobs_of()
         out, offset = [], 0
         for i, (rid, n) in enumerate(zip(self.request_ids, self.num_tokens, strict=True)):
-            out.append(TokenDelta(rid, self.token_ids[offset : offset + n], reasons.get(i)))
+            tokens = self.token_ids[offset : offset + n]
+            out.append(
+                TokenDelta(rid, tokens, reasons.get(i), logprobs.get(i), prompt_logprobs.get(i))
+            )
             offset += n
         return out
 

@@ -87,6 +87,8 @@ from cluster.messages import (
     TokenDelta,
     decode_message,
 )
+from replica.outputs import Logprobs
+from replica.sampling_params import sample_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +119,15 @@ class DeltaStream:
     Nothing is read after that last item.
     """
 
-    __slots__ = ("request_id", "_token_ids", "_finish_reason", "_error", "_waiter")
+    __slots__ = (
+        "request_id",
+        "_token_ids",
+        "_finish_reason",
+        "_error",
+        "_waiter",
+        "_logprobs",
+        "_prompt_logprobs",
+    )
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -125,6 +135,17 @@ class DeltaStream:
         self._finish_reason: str | None = None
         self._error: ReplicaError | None = None
         self._waiter: asyncio.Future | None = None
+        # Only for requests that asked for them: pushed before the tokens they belong to.
+        self._logprobs: list[Logprobs] | None = None
+        self._prompt_logprobs: list[Logprobs | None] | None = None
+
+    def push_logprobs(
+        self, logprobs: list[Logprobs] | None, prompt_logprobs: list[Logprobs | None] | None
+    ) -> None:
+        if logprobs:
+            self._logprobs = (self._logprobs or []) + logprobs
+        if prompt_logprobs is not None:
+            self._prompt_logprobs = prompt_logprobs
 
     def push(self, token_ids: list[int]) -> None:
         self._token_ids += token_ids
@@ -154,7 +175,11 @@ class DeltaStream:
         ended with, else None (nothing yet: await wait(), then take() again)."""
         if self._token_ids or self._finish_reason is not None:
             token_ids, self._token_ids = self._token_ids, []
-            return TokenDelta(self.request_id, token_ids, self._finish_reason)
+            delta = TokenDelta(self.request_id, token_ids, self._finish_reason)
+            if self._logprobs is not None or self._prompt_logprobs is not None:
+                delta.logprobs, self._logprobs = self._logprobs, None
+                delta.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
+            return delta
         return self._error
 
     def wait(self) -> asyncio.Future:
@@ -262,10 +287,22 @@ class CallerTransport:
         (nothing was generated: safe to resubmit under a new request id), and
         ReplicaError for any other failure of the call.
         """
+        replica_id, streams = await self.submit_samples(request_id, prompt_token_ids, params)
+        return replica_id, streams[0]
+
+    async def submit_samples(
+        self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any]
+    ) -> tuple[str, list[DeltaStream]]:
+        """submit for params["n"] samples of one prompt (one replica, one prefill): a
+        stream per sample, in order (sample i's request id is
+        replica.sampling_params.sample_request_id(request_id, i))."""
+        n = params.get("n", 1)
+        n = n if isinstance(n, int) and 1 <= n <= 128 else 1  # the replica names a bad n
         request = SubmitRequest(request_id, self.caller_id, prompt_token_ids, params)
-        attempt = _Attempt(request_id, request.caller_id)
+        samples = [_Attempt(sample_request_id(request_id, i), request.caller_id) for i in range(n)]
         # Registered before sending: tokens may arrive on a live carrier before the ack.
-        self._attempts[request_id] = attempt
+        for sample in samples:
+            self._attempts[sample.request_id] = sample
         self._ensure_watchdog()
         gen: Any = None
         try:
@@ -282,7 +319,8 @@ class CallerTransport:
                 )
                 raise
         except BaseException as exc:
-            self._forget(request_id)
+            for sample in samples:
+                self._forget(sample.request_id)
             if isinstance(exc, asyncio.CancelledError | ValueError | ReplicaError):
                 raise
             if is_replica_gone(exc):
@@ -300,19 +338,22 @@ class CallerTransport:
         else:
             self._spawn(_drain(gen))
         if ack.error is not None:
-            self._forget(request_id)
+            for sample in samples:
+                self._forget(sample.request_id)
             if ack.error_kind == UNAVAILABLE:
                 raise ReplicaDiedError(ack.error, request_id, ack.replica_id)
             if ack.error_kind == ABORTED:
                 raise asyncio.CancelledError(ack.error)
             raise ValueError(ack.error)
-        if request_id in self._attempts:  # not already finished on the carrier
-            attempt.replica_id, attempt.carrier_id = ack.replica_id, ack.carrier_id
-            attempt.acked_s = time.monotonic()
-            if ack.carrier_id in self._given_up:
-                error = ReplicaDiedError("its carrier was lost", request_id, ack.replica_id)
-                self._fail(request_id, error)
-        return ack.replica_id, attempt
+        for sample in samples:
+            rid = sample.request_id
+            if rid in self._attempts:  # not already finished on the carrier
+                sample.replica_id, sample.carrier_id = ack.replica_id, ack.carrier_id
+                sample.acked_s = time.monotonic()
+                if ack.carrier_id in self._given_up:
+                    error = ReplicaDiedError("its carrier was lost", rid, ack.replica_id)
+                    self._fail(rid, error)
+        return ack.replica_id, list(samples)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request wherever it runs (or will run); its stream gets no more items."""
@@ -376,6 +417,12 @@ class CallerTransport:
         """Hand one step's tokens to their streams (unknown ids: aborted by this caller)."""
         attempts = self._attempts
         rids, counts, token_ids = step.request_ids, step.num_tokens, step.token_ids
+        if step.logprobs or step.prompt_logprobs:  # before the tokens they belong to
+            logprobs, prompt_logprobs = step.logprobs_of()
+            for i in logprobs.keys() | prompt_logprobs.keys():
+                attempt = attempts.get(rids[i])
+                if attempt is not None:
+                    attempt.push_logprobs(logprobs.get(i), prompt_logprobs.get(i))
         if len(token_ids) == len(rids) and 0 not in counts:  # one token each: decode steps
             for rid, token_id in zip(rids, token_ids, strict=True):
                 attempt = attempts.get(rid)
