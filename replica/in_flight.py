@@ -12,7 +12,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from replica.outputs import StepOutputs
+from replica.outputs import Logprobs, StepOutputs
 from replica.runner.step_handle import StepHandle
 from replica.sequence import MANY_STOPS, Sequence, SequenceStatus
 
@@ -92,11 +92,26 @@ class InFlightStep:
         return np.flatnonzero(check).tolist(), np.flatnonzero(filled).tolist()
 
     def outputs(
-        self, tokens: list[int], ends: dict[int, tuple[str, int, int]], live: np.ndarray | None
+        self,
+        tokens: list[int],
+        ends: dict[int, tuple[str, int, int]],
+        live: np.ndarray | None,
+        logprobs: dict[int, Logprobs] | None = None,
+        prompt_logprobs: dict[int, list[Logprobs | None]] | None = None,
     ) -> StepOutputs:
-        """The step's StepOutputs: its live rows, ends keyed by row."""
+        """The step's StepOutputs: its live rows, ends and logprobs keyed by row (the
+        rows of sequences that ended before drop theirs too)."""
+        logprobs, prompt_logprobs = logprobs or {}, prompt_logprobs or {}
         if live is None:
-            return StepOutputs(self.request_ids, tokens, ends)
+            return StepOutputs(self.request_ids, tokens, ends, logprobs, prompt_logprobs)
         rows = np.flatnonzero(live).tolist()
         ends = {j: ends[i] for j, i in enumerate(rows) if i in ends}
-        return StepOutputs([self.request_ids[i] for i in rows], [tokens[i] for i in rows], ends)
+        if logprobs or prompt_logprobs:
+            logprobs = {j: logprobs[i] for j, i in enumerate(rows) if i in logprobs}
+            prompt_logprobs = {
+                j: prompt_logprobs[i] for j, i in enumerate(rows) if i in prompt_logprobs
+            }
+        return StepOutputs(
+            [self.request_ids[i] for i in rows], [tokens[i] for i in rows], ends, logprobs,
+            prompt_logprobs,
+        )  # fmt: skip

@@ -35,6 +35,9 @@ class RequestOutput:
     finish_reason: str | None = None  # "length" | "stop" | "abort" when finished
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (when finished)
+    logprobs: list[Logprobs] | None = None  # per new token, when the request asks them
+    # The prompt's, on the request's first output (entry 0 None: the first token has none)
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -65,8 +68,14 @@ class StepOutputs(Sequence[RequestOutput]):
         i = range(len(self))[index]  # IndexError as a list's
         end = self.finishes.get(i)
         if end is None:
-            return RequestOutput(self.request_ids[i], [self.token_ids[i]])
-        return RequestOutput(self.request_ids[i], [self.token_ids[i]], True, *end)
+            out = RequestOutput(self.request_ids[i], [self.token_ids[i]])
+        else:
+            out = RequestOutput(self.request_ids[i], [self.token_ids[i]], True, *end)
+        if self.logprobs or self.prompt_logprobs:
+            logprobs = self.logprobs.get(i)
+            out.logprobs = None if logprobs is None else [logprobs]
+            out.prompt_logprobs = self.prompt_logprobs.get(i)
+        return out
 
     def __iter__(self) -> Iterator[RequestOutput]:
         return map(self.__getitem__, range(len(self)))
@@ -89,3 +98,5 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str
     num_cached_tokens: int = 0
+    logprobs: list[Logprobs] | None = None  # one per token of token_ids, when asked
+    prompt_logprobs: list[Logprobs | None] | None = None  # one per prompt token, when asked

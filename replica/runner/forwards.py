@@ -84,13 +84,29 @@ class Forwards:
         )
 
     def prefill(self, bucket: PrefillBucket) -> torch.Tensor:  # [num_seqs, vocab]
+        hidden, last_rows = self._prefill_hidden(bucket)
+        return self.model.compute_logits(hidden[last_rows])
+
+    def prefill_with_rows(
+        self,
+        bucket: PrefillBucket,
+        rows: torch.Tensor,  # [num_kept] int64: token rows of the bucket
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_seqs, vocab], [num_kept, vocab]
+        """prefill's logits, and the logits at the token rows kept (prompt logprobs).
+        Never captured: a step that asks them runs it eagerly (a rare, opt-in feature)."""
+        hidden, last_rows = self._prefill_hidden(bucket)
+        return self.model.compute_logits(hidden[last_rows]), self.model.compute_logits(hidden[rows])
+
+    def _prefill_hidden(self, bucket: PrefillBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states [num_tokens, hidden] and the rows [num_seqs] of each
+        sequence's last token."""
         meta = self.prefill_inputs.metadata(bucket, self.block_table)
         views = self.prefill_inputs.device_views(bucket)
         # A decode sequence's token (decode_in_prefill) may be the one the step before
         # sampled: a PLACEHOLDER, read from token_buf as the decode forward does.
         ids = self.resolve_placeholders(views["ids"], self.token_buf, views["token_slots"])
         hidden = self.model(ids, meta.positions, self.kv_cache, meta)
-        return self.model.compute_logits(hidden[views["last_rows"]])
+        return hidden, views["last_rows"]
 
     def decode(
         self, num_rows: int, append_first: bool = False

@@ -36,6 +36,8 @@ overwritten while its copies may still be pending.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 
@@ -46,6 +48,15 @@ from replica.runner.decode_inputs import SLOTS, DecodeInputs
 from replica.runner.forwards import Forwards, make_attention_backend
 from replica.runner.graph_sampling import GraphSamplingInputs
 from replica.runner.graphs import capture_forward_graphs, graph_batch_sizes, graphs_on, padded_size
+from replica.runner.logits_processors import LogitsProcessors
+from replica.runner.logprobs import (
+    PromptLogprobs,
+    StepLogprobs,
+    packed_logprobs,
+    packed_rows,
+    prompt_spans,
+    to_host,
+)
 from replica.runner.prefill_inputs import PrefillBucket, PrefillInputs
 from replica.runner.sampling import StepSampler, all_greedy
 from replica.runner.step_handle import StepHandle, TokenStaging
@@ -53,6 +64,8 @@ from replica.runner.step_plan import arrange, completes_any
 from replica.runner.warm_up import warm_up
 from replica.scheduler import ScheduledBatch
 from replica.sequence import Sequence
+
+_EXTRAS = operator.attrgetter("extras")
 
 
 class ModelRunner:
@@ -132,6 +145,10 @@ class ModelRunner:
         # Sampling outside the graphs (replica.runner.sampling): kernels.sampling on CUDA,
         # torch ops on the CPU.
         self.sampler = StepSampler(device, self.vocab_size, config.seed, fused=graph_path)
+        # Rows with logits processors or logprobs (replica.runner.logits_processors,
+        # replica.runner.logprobs): their steps sample through the step sampler.
+        self.processors = LogitsProcessors(self.max_num_seqs, self.vocab_size, device)
+        self.prompt_logprobs = PromptLogprobs()
         self.graph_sampling: GraphSamplingInputs | None = None
         if sampling_rows:
             region = self.step_inputs
@@ -222,15 +239,18 @@ class ModelRunner:
         else:
             self.step_inputs.forget()
         prefill_forward = bool(prefill_seqs) and not mixed
+        # A row with logits processors or logprobs (or a prompt_logprobs chunk) takes the
+        # step off the fast path: two C-level passes, as all_greedy's.
+        extras = any(map(_EXTRAS, batch.decode_seqs)) or any(map(_EXTRAS, batch.prefill_seqs))
         # The decode (or mixed) forward's rows first..num_rows sample; they alone do unless
         # a prefill forward completes a prompt. Alone and all greedy, the tokens are the
         # graph's argmax; alone and not, the sampling graph's parameters are staged now, to
         # ride in the step's one copy.
         rows_seqs = done + decode_seqs
         alone = num_rows > 0 and not (prefill_forward and completes_any(batch))
-        greedy_alone = alone and all_greedy(rows_seqs)
+        greedy_alone = alone and not extras and all_greedy(rows_seqs)
         graph_kind = None
-        if alone and not greedy_alone and self.graph_sampling is not None:
+        if alone and not greedy_alone and not extras and self.graph_sampling is not None:
             graph_kind = self.graph_sampling.stage(
                 [s.params for s in rows_seqs], [len(s) for s in rows_seqs],
                 self.sampler.step_key(), padded, first, self.parity,
@@ -256,8 +276,9 @@ class ModelRunner:
             prefill_seqs = []
         rows = slice(first, num_rows) if num_rows else None
         return self._launch_sampled(
-            prefill_seqs, prefill_lens, padded, rows, rows_seqs, mixed, graph_kind
-        )
+            prefill_seqs, prefill_lens, padded, rows, rows_seqs, mixed, graph_kind,
+            chunks if extras else None,
+        )  # fmt: skip
 
     def _launch_sampled(
         self,
@@ -268,14 +289,20 @@ class ModelRunner:
         rows_seqs: list[Sequence],
         mixed: bool,
         graph_kind: tuple | None,
+        extras_chunks: list[tuple[Sequence, int]] | None = None,
     ) -> StepHandle:
         """Run a step that samples other than by the decode graph's argmax alone: the
         prefill forward over prefill_seqs (if any), then the decode (or mixed) forward
         at padded rows (if rows, its sampling rows, is not None); sample every forward's
-        rows in the sampling graph (graph_kind), else through the step sampler."""
+        rows in the sampling graph (graph_kind), else through the step sampler.
+        extras_chunks (not None: a step with extras rows; a mixed step's prompt chunks):
+        processors and logprobs (_sample_extras)."""
+        extras = extras_chunks is not None
         logits, slots, greedy, sampled_seqs = [], [], [], []
         if prefill_seqs:
-            prefill_logits, prefill_done, done_slots = self._run_prefill(prefill_seqs, prefill_lens)
+            prefill_logits, prefill_done, done_slots = self._run_prefill(
+                prefill_seqs, prefill_lens, extras
+            )
             if prefill_done:
                 logits.append(prefill_logits)
                 slots.append(done_slots)
@@ -283,11 +310,15 @@ class ModelRunner:
                 sampled_seqs += prefill_done
         if rows is not None:  # mixed: chunks' last tokens, then decodes
             decode_logits, decode_greedy = self._run_decode(padded, mixed)
+            if extras_chunks:
+                self._add_mixed_prompt_logprobs(extras_chunks, decode_logits)
             logits.append(decode_logits[rows])
             slots.append(self.decode_inputs[SLOTS, rows])
             greedy.append(decode_greedy[rows])  # already in token_buf
             sampled_seqs += rows_seqs
         host = self.token_staging.host[self.parity, : len(sampled_seqs)]
+        if extras and sampled_seqs:
+            return self._sample_extras(logits, slots, sampled_seqs, host)
         if not sampled_seqs:
             return StepHandle(host, None)
         if graph_kind is not None:  # only the decode (or mixed) forward samples
@@ -302,22 +333,108 @@ class ModelRunner:
         warm_up); it writes only the null row and the null block."""
         warm_up(self)
 
+    def _sample_extras(
+        self,
+        logits: list[torch.Tensor],  # per forward that samples: [rows, vocab]
+        slots: list[torch.Tensor],  # [rows]: each row's token_buf entry
+        seqs: list[Sequence],  # the sampled rows' sequences, in order
+        host: torch.Tensor,  # [len(seqs)] the step's token staging
+    ) -> StepHandle:
+        """Sample a step with extras rows through the step sampler: the processors change
+        a float32 copy of the rows that ask (their logprobs come from the raw logits,
+        before it), written back over the step's logits; every row then samples from
+        those (a greedy row takes the argmax of its processed logits)."""
+        rows = logits[0] if len(logits) == 1 else torch.cat(logits)  # [N, vocab]
+        slot_rows = slots[0] if len(slots) == 1 else torch.cat(slots)
+        extras = [i for i, s in enumerate(seqs) if s.params.needs_extras]
+        extras_seqs = [seqs[i] for i in extras]
+        step_logprobs = StepLogprobs()
+        lp_rows = packed_rows(extras_seqs)
+        if extras:
+            index = torch.tensor(extras, device=self.device)
+            processed = rows[index].float()  # [E, vocab]
+            if len(lp_rows):
+                lp_index = torch.from_numpy(lp_rows).to(self.device)
+                raw = processed[lp_index]  # [L, vocab]: a copy, before the processors
+            step = self.processors.prepare(extras_seqs)
+            self.processors.apply(processed, step)
+            rows.index_copy_(0, index, processed.to(rows.dtype))
+        sampling = self.sampler.batch(seqs)
+        tokens = self.sampler.sample([rows], [slot_rows], [None], sampling, self.token_buf)
+        if extras:
+            extras_tokens = tokens[index]
+            self.processors.record(extras_tokens, step)
+            if len(lp_rows):
+                ks = [extras_seqs[j].params.logprobs for j in lp_rows.tolist()]
+                packed = packed_logprobs(raw, extras_tokens[lp_index], max(ks))
+                step_logprobs.rows = [extras[j] for j in lp_rows.tolist()]
+                step_logprobs.ks = ks
+                step_logprobs.host = to_host(packed)
+        for row, seq in enumerate(seqs):
+            if seq.params.prompt_logprobs is not None:
+                parts = self.prompt_logprobs.take(seq)
+                if parts is not None:
+                    step_logprobs.prompts[row] = (seq, parts)
+        handle = self.token_staging.to_host(tokens, host, self.parity)
+        handle.extras = step_logprobs
+        return handle
+
+    def _add_mixed_prompt_logprobs(
+        self,
+        chunks: list[tuple[Sequence, int]],
+        logits: torch.Tensor,  # [padded, vocab]: the mixed forward's, every row
+    ) -> None:
+        """Prompt logprobs of a mixed step's chunks: row order as DecodeInputs.fill's (each
+        chunk's tokens but the last of a chunk that completes its prompt, in order)."""
+        offsets, row = [], 0
+        for seq, n in chunks:
+            offsets.append(row)
+            end = seq.num_computed_tokens + n
+            row += n - (end == len(seq.token_ids))
+        seqs, lens = [c[0] for c in chunks], [c[1] for c in chunks]
+        for i, seq, first, end in prompt_spans(seqs, lens):
+            start = offsets[i] + first - seq.num_computed_tokens
+            self.prompt_logprobs.add(seq, first, logits[start : start + end - first])
+
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
+        self.processors.release(request_id)
+        self.prompt_logprobs.release(request_id)
 
     def _run_prefill(
-        self, seqs: list[Sequence], lens: list[int]
+        self, seqs: list[Sequence], lens: list[int], extras: bool = False
     ) -> tuple[torch.Tensor, list[Sequence], torch.Tensor]:
-        """Logits at the last token of each sequence whose chunk completes it, and their slots."""
+        """Logits at the last token of each sequence whose chunk completes it, and their
+        slots. extras: prompt logprobs of the chunks that ask them (run eagerly)."""
         step = self.prefill.fill(seqs, lens, self.parity)
         num_done = len(step.done)
         done_slots = self.prefill.device_views(step.bucket)["done_slots"][:num_done]
-        if self.use_cuda_graphs:
+        spans = list(prompt_spans(seqs, lens)) if extras else []
+        if spans:
+            logits = self._run_prefill_keeping(step.bucket, seqs, lens, spans)
+        elif self.use_cuda_graphs:
             graph, logits = self.prefill_graphs[step.bucket]
             graph.replay()
         else:
             logits = self.forwards.prefill(step.bucket)
         return logits[:num_done], step.done, done_slots
+
+    def _run_prefill_keeping(self, bucket, seqs, lens, spans) -> torch.Tensor:
+        """The prefill forward, eagerly, keeping the logits at the spans' positions
+        (prompt_spans) for their prompt logprobs; the last rows' logits [num_seqs, vocab]."""
+        starts = np.cumsum([0, *lens])  # each chunk's first token row
+        kept = [
+            np.arange(starts[i] + first - seq.num_computed_tokens,
+                      starts[i] + end - seq.num_computed_tokens)
+            for i, seq, first, end in spans
+        ]  # fmt: skip
+        index = torch.from_numpy(np.concatenate(kept)).to(self.device)
+        logits, prompt_logits = self.forwards.prefill_with_rows(bucket, index)
+        at = 0
+        for (_, seq, first, _), rows in zip(spans, kept, strict=True):
+            self.prompt_logprobs.add(seq, first, prompt_logits[at : at + len(rows)])
+            at += len(rows)
+        return logits
 
     def _run_decode(self, padded: int, mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [padded, vocab] and greedy tokens [padded] of the uploaded rows."""

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from replica.outputs import Logprobs
+from replica.runner.logprobs import StepLogprobs
+
 
 class StepHandle:
     """A launched step's sampled tokens, on their way to the host."""
@@ -21,6 +24,9 @@ class StepHandle:
         self.host_tokens = host_tokens  # [num_sampled], pinned on CUDA
         self.event = event
         self.tokens: list[int] | None = None
+        # Logprobs of the rows that ask them, copied under the same event (a step with
+        # extras rows only: replica.runner.logprobs).
+        self.extras: StepLogprobs | None = None
 
     def running(self) -> bool:
         """Whether the device has yet to finish the step (never on the CPU, where the step
@@ -33,6 +39,13 @@ class StepHandle:
                 self.event.synchronize()
             self.tokens = self.host_tokens.tolist()
         return self.tokens
+
+    def logprobs(self) -> tuple[dict[int, Logprobs], dict[int, list[Logprobs | None]]]:
+        """(row -> its token's Logprobs, row -> its request's prompt logprobs, on the row
+        of its first output token), for the rows that ask; both empty on most steps."""
+        if self.extras is None:
+            return {}, {}
+        return self.extras.outputs(self.wait())
 
 
 class TokenStaging:
