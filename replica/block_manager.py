@@ -82,7 +82,9 @@ class BlockManager:
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks, leaving >= 1 token to run."""
-        if not self.enable_prefix_caching:
+        # Prompt logprobs need the logits at every prompt position: such a request
+        # computes its whole prompt.
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         hits = []
         for h in seq.full_block_hashes(self.block_size):

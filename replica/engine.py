@@ -285,7 +285,7 @@ class LLMEngine:
         self.scheduler.release_retired(self._releases_per_step)
         self._token_events.append((self.clock(), len(tokens)))
         self._num_window_tokens += len(tokens)
-        return step.outputs(tokens, ends, live)
+        return step.outputs(tokens, ends, live, *step.handle.logprobs())
 
     def _commit_filled_blocks(self) -> None:
         """Register the hashes of decode blocks that filled up, at most _commits_per_step
