@@ -35,6 +35,7 @@ from ray import serve
 
 from cluster.client import Chunk, Client, Completion, chat_prompt_ids
 from cluster.errors import ReplicaError
+from cluster.metrics import exposition
 from cluster.openai_api import (
     ChatChoice,
     ChatChunkChoice,
@@ -42,6 +43,7 @@ from cluster.openai_api import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     ChatResponseMessage,
     CompletionChoice,
     CompletionRequest,
@@ -51,6 +53,8 @@ from cluster.openai_api import (
     Usage,
     parse,
 )
+from cluster.openai_format import Echo, best_of, chat_logprobs, choice_logprobs
+from cluster.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from cluster.request_group import UsageCounter, gather_or_cancel, open_streams
 from router.errors import OverloadedError
 
@@ -185,6 +189,18 @@ class Ingress:
     async def stats(self) -> dict:
         return {"replicas": [asdict(s) for s in await self.client.stats_async()]}
 
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        """Prometheus text: every live replica's engine figures (the same whichever
+        ingress replica answers) and this ingress replica's routing (cluster.metrics)."""
+        try:
+            snapshots = await self.client.metrics_async()
+        except Exception as exc:
+            return _error(503, f"replicas not reachable: {exc!r}", "unavailable")
+        ingress_id = serve.get_replica_context().replica_id.unique_id
+        text = exposition(snapshots, self.client.caller_metrics, self.model_name, ingress_id)
+        return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
+
     @api.post("/tokenize")
     async def tokenize(self, request: Request) -> Any:
         try:
@@ -227,53 +243,88 @@ class Ingress:
             self._check_model(body.model)
             body.check_supported()
             prompts = body.prompts()
-            params = body.sampling_params(body.max_tokens)
+            params = body.engine_params()
+            tokenizer = await self.client.tokenizer_async()
+            echoes = [Echo.of(body, p, tokenizer) for p in prompts] if body.echo else None
             if body.stream:
                 chunks = await open_streams([self.client.stream(p, params) for p in prompts])
-                events = self._completion_events(body, chunks)
+                events = self._completion_events(body, chunks, tokenizer, echoes)
                 response = StreamingResponse(events, media_type="text/event-stream")
             else:
-                dones = await gather_or_cancel(
-                    [self.client.generate_async(p, params) for p in prompts]
+                per_prompt = await gather_or_cancel(
+                    [self.client.samples_async(p, params) for p in prompts]
                 )
-                response = JSONResponse(self._completion(dones).model_dump())
+                result = self._completion(body, per_prompt, tokenizer, echoes)
+                response = JSONResponse(result.model_dump())
         except Exception as exc:
             return _error_response(exc)
         return _with_ignored_fields(response, body.ignored_fields, "/v1/completions")
 
-    def _completion(self, dones: list[Completion]) -> CompletionResponse:
-        choices = [
-            CompletionChoice(
-                index=i, text=d.text or "", finish_reason=d.finish_reason, token_ids=d.token_ids
-            )
-            for i, d in enumerate(dones)
-        ]
+    def _completion(
+        self,
+        body: CompletionRequest,
+        per_prompt: list[list[Completion]],
+        tokenizer: Any,
+        echoes: "list[Echo] | None",
+    ) -> CompletionResponse:
+        choices = []
+        for i, samples in enumerate(per_prompt):
+            for j, done in enumerate(best_of(samples, body.n)):
+                echo = echoes[i] if echoes is not None else None
+                choices.append(
+                    CompletionChoice(
+                        index=i * body.n + j,
+                        text=(echo.text if echo else "") + (done.text or ""),
+                        finish_reason=done.finish_reason,
+                        token_ids=done.token_ids,
+                        logprobs=choice_logprobs(body, tokenizer, echo, done.token_ids,
+                                                  done.logprobs, done.prompt_logprobs),
+                    )
+                )  # fmt: skip
         usage = Usage.of(
-            sum(len(d.prompt_token_ids) for d in dones), sum(len(d.token_ids) for d in dones)
+            sum(len(samples[0].prompt_token_ids) for samples in per_prompt),
+            sum(len(d.token_ids) for samples in per_prompt for d in samples),
         )
+        request_id = per_prompt[0][0].request_id
         return CompletionResponse(
-            id=f"cmpl-{dones[0].request_id}", model=self.model_name, choices=choices, usage=usage
+            id=f"cmpl-{request_id}", model=self.model_name, choices=choices, usage=usage
         )
 
     async def _completion_events(
-        self, body: CompletionRequest, chunks: AsyncIterator[tuple[int, Chunk]]
+        self,
+        body: CompletionRequest,
+        chunks: AsyncIterator[tuple[int, Chunk]],
+        tokenizer: Any,
+        echoes: "list[Echo] | None",
     ) -> AsyncIterator[str]:
         head = CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", model=self.model_name, choices=[])
         usage = UsageCounter()
+        offsets: dict[int, int] = {}  # per choice: its text so far (and its echo sent)
         try:
             async for i, chunk in chunks:
-                usage.add(i, chunk)
+                index = i * body.n + chunk.index
+                usage.add(index, chunk, i)
+                echo = None
+                if echoes is not None and index not in offsets:
+                    echo = echoes[i]
+                text = (echo.text if echo else "") + (chunk.text or "")
+                logprobs = choice_logprobs(
+                    body, tokenizer, echo, chunk.token_ids, chunk.logprobs,
+                    chunk.prompt_logprobs, offsets.get(index, 0),
+                )  # fmt: skip
+                offsets[index] = offsets.get(index, 0) + len(text)
                 choice = CompletionChoice(
-                    index=i,
-                    text=chunk.text or "",
+                    index=index,
+                    text=text,
                     finish_reason=chunk.finish_reason,
                     token_ids=chunk.token_ids,
+                    logprobs=logprobs,
                 )
                 yield _sse(
                     head.model_copy(
                         update={
                             "choices": [choice],
-                            "usage": usage.of(i) if body.continuous_usage else None,
+                            "usage": usage.of(index) if body.continuous_usage else None,
                         }
                     )
                 )
@@ -291,21 +342,33 @@ class Ingress:
             body = parse(ChatCompletionRequest, await _json_body(request))
             self._check_model(body.model)
             body.check_supported()
-            params = body.sampling_params(body.max_new_tokens)
+            params = body.engine_params()
             prompt = await self.client.chat_prompt_async(body.chat_messages())
+            tokenizer = await self.client.tokenizer_async()
             if body.stream:
                 chunks = await open_streams([self.client.stream(prompt, params)])
-                events = self._chat_events(body, chunks)
+                events = self._chat_events(body, chunks, tokenizer)
                 response = StreamingResponse(events, media_type="text/event-stream")
             else:
-                done = await self.client.generate_async(prompt, params)
-                message = ChatResponseMessage(content=done.text or "")
-                choice = ChatChoice(index=0, message=message, finish_reason=done.finish_reason)
+                samples = await self.client.samples_async(prompt, params)
+                choices = [
+                    ChatChoice(
+                        index=done.index,
+                        message=ChatResponseMessage(content=done.text or ""),
+                        finish_reason=done.finish_reason,
+                        logprobs=None
+                        if done.logprobs is None
+                        else chat_logprobs(tokenizer, done.logprobs),
+                    )  # fmt: skip
+                    for done in samples
+                ]
                 result = ChatCompletionResponse(
-                    id=f"chatcmpl-{done.request_id}",
+                    id=f"chatcmpl-{samples[0].request_id}",
                     model=self.model_name,
-                    choices=[choice],
-                    usage=Usage.of(len(done.prompt_token_ids), len(done.token_ids)),
+                    choices=choices,
+                    usage=Usage.of(
+                        len(samples[0].prompt_token_ids), sum(len(d.token_ids) for d in samples)
+                    ),
                 )
                 response = JSONResponse(result.model_dump())
         except Exception as exc:
@@ -313,27 +376,39 @@ class Ingress:
         return _with_ignored_fields(response, body.ignored_fields, "/v1/chat/completions")
 
     async def _chat_events(
-        self, body: ChatCompletionRequest, chunks: AsyncIterator[tuple[int, Chunk]]
+        self, body: ChatCompletionRequest, chunks: AsyncIterator[tuple[int, Chunk]], tokenizer: Any
     ) -> AsyncIterator[str]:
-        """The role delta, content deltas, a finish chunk, the usage chunk if asked."""
+        """Per choice the role delta, content deltas, a finish chunk; the usage chunk if
+        asked."""
         head = ChatCompletionChunk(
             id=f"chatcmpl-{uuid.uuid4().hex}", model=self.model_name, choices=[]
         )
         usage = UsageCounter()
 
-        def event(delta: ChatDelta, finish_reason: str | None = None) -> str:
-            choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)
-            continuous = usage.of(0) if body.continuous_usage else None
+        def event(
+            index: int,
+            delta: ChatDelta,
+            finish_reason: str | None = None,
+            logprobs: ChatLogprobs | None = None,
+        ) -> str:
+            choice = ChatChunkChoice(
+                index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs
+            )
+            continuous = usage.of(index) if body.continuous_usage else None
             return _sse(head.model_copy(update={"choices": [choice], "usage": continuous}))
 
         try:
-            yield event(ChatDelta(role="assistant", content=""))
-            async for i, chunk in chunks:
-                usage.add(i, chunk)
-                if chunk.text:
-                    yield event(ChatDelta(content=chunk.text))
+            for index in range(body.n):
+                yield event(index, ChatDelta(role="assistant", content=""))
+            async for _, chunk in chunks:
+                usage.add(chunk.index, chunk, 0)
+                if chunk.text or chunk.logprobs:
+                    logprobs = None
+                    if chunk.logprobs is not None:
+                        logprobs = chat_logprobs(tokenizer, chunk.logprobs)
+                    yield event(chunk.index, ChatDelta(content=chunk.text or ""), None, logprobs)
                 if chunk.finish_reason is not None:
-                    yield event(ChatDelta(), chunk.finish_reason)
+                    yield event(chunk.index, ChatDelta(), chunk.finish_reason)
             if body.include_usage:
                 yield _sse(head.model_copy(update={"usage": usage.total()}))
         except Exception as exc:

@@ -3,9 +3,8 @@
 Requests are validated strictly (no "5" for 5, no "yes" for true): a bad value is a
 ValueError whose message names the field, which the ingress answers with a 400. Unknown
 fields are kept aside (`ignored_fields`), not refused, as vLLM's server does, so that a
-client sending a field this server does not know keeps working. Fields this server
-knows but does not implement yet are accepted at their defaults and refused at any
-other value (`check_supported`), naming the field.
+client sending a field this server does not know keeps working. What cannot be served
+(`check_supported`: suffix, a streamed best_of) is refused naming the field.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from replica.sampling_params import SamplingParams
+from replica.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
 # Pydantic's loc names a union member by its type ("stop", "list[str]", 0); a message
 # names only the field path.
@@ -72,7 +71,7 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -91,37 +90,34 @@ class _SamplingRequest(_Strict):
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
-    def unsupported(self) -> dict[str, bool]:
-        """Known fields that are not implemented yet: whether each is away from its default."""
-        return {
-            "n": self.n != 1,
-            "presence_penalty": self.presence_penalty != 0,
-            "frequency_penalty": self.frequency_penalty != 0,
-            "repetition_penalty": self.repetition_penalty != 1,
-            "logit_bias": bool(self.logit_bias),
-            "min_tokens": self.min_tokens != 0,
-        }
-
     def check_supported(self) -> None:
-        for name, used in self.unsupported().items():
-            if used:
-                raise ValueError(
-                    f"{name}: not supported yet; leave it at its default "
-                    f"({type(self).model_fields[name].default!r})"
-                )
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only with stream: true")
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """SamplingParams (ValueError naming the field); OpenAI's temperature default is 1."""
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        n: int | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        """SamplingParams (ValueError naming the field); OpenAI's temperature default is 1.
+        n, logprobs, prompt_logprobs: what the route asks of the engine (best_of's
+        samples, logprobs under the route's own field names)."""
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "ignore_eos": self.ignore_eos,
+            "n": self.n if n is None else n,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "logit_bias": self.logit_bias or {},
         }
         for name in ("top_p", "top_k", "seed", "stop", "stop_token_ids"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+            fields[name] = getattr(self, name)
         return SamplingParams(**fields)
 
 
@@ -130,9 +126,9 @@ class CompletionRequest(_SamplingRequest):
     choice per prompt)."""
 
     prompt: str | list[Any]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -144,14 +140,28 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt: a list of prompts must be all strings or all token lists")
         return list(prompt)
 
-    def unsupported(self) -> dict[str, bool]:
-        # logprobs=0 asks for the sampled token's logprob: not the default (null).
-        return super().unsupported() | {
-            "logprobs": self.logprobs is not None,
-            "echo": self.echo,
-            "best_of": self.best_of not in (None, 1),
-            "suffix": self.suffix is not None,
-        }
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix is not None:  # insertion: no model served here is trained for it
+            raise ValueError("suffix: not supported (leave it out)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of: must be >= n ({self.n}), got {self.best_of}")
+        if self.stream and self.num_samples > self.n:
+            raise ValueError("best_of: a stream cannot choose the best samples; use n")
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per prompt: best_of, of which the n most likely are returned."""
+        return self.n if self.best_of is None else self.best_of
+
+    def engine_params(self) -> SamplingParams:
+        """best_of's ranking needs each sample's logprobs; echo with logprobs the
+        prompt's."""
+        logprobs = self.logprobs
+        if logprobs is None and self.num_samples > self.n:
+            logprobs = 0
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self.sampling_params(self.max_tokens, self.num_samples, logprobs, prompt_logprobs)
 
 
 class TextPart(_Strict):
@@ -177,13 +187,16 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    def unsupported(self) -> dict[str, bool]:
-        return super().unsupported() | {
-            "logprobs": self.logprobs,
-            "top_logprobs": self.top_logprobs not in (None, 0),
-        }
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+
+    def engine_params(self) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(self.max_new_tokens, logprobs=logprobs)
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [m.template_dict() for m in self.messages]
@@ -224,11 +237,21 @@ class Usage(BaseModel):
         )
 
 
+class CompletionLogprobs(BaseModel):
+    """The completions API's logprobs: per token its text, its logprob (None for the
+    prompt's first token, under echo), the top ones by text, and its offset in the text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None  # kvfleet's: the choice's (new) token ids
 
 
@@ -246,11 +269,25 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -271,7 +308,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -89,18 +89,22 @@ async def merge(
 
 
 class UsageCounter:
-    """Prompt and completion tokens per choice of a streamed response."""
+    """Prompt tokens per prompt and completion tokens per choice of a streamed response
+    (a prompt's n choices count its tokens once, as OpenAI's usage does)."""
 
     def __init__(self) -> None:
-        self.prompt_tokens: dict[int, int] = {}
-        self.completion_tokens: dict[int, int] = {}
+        self.prompt_tokens: dict[int, int] = {}  # per prompt
+        self.completion_tokens: dict[int, int] = {}  # per choice
+        self.prompt_of: dict[int, int] = {}  # choice -> its prompt
 
-    def add(self, index: int, chunk: Chunk) -> None:
-        self.prompt_tokens[index] = chunk.num_prompt_tokens
+    def add(self, index: int, chunk: Chunk, prompt: int) -> None:
+        self.prompt_tokens[prompt] = chunk.num_prompt_tokens
+        self.prompt_of[index] = prompt
         self.completion_tokens[index] = self.completion_tokens.get(index, 0) + len(chunk.token_ids)
 
     def of(self, index: int) -> Usage:
-        return Usage.of(self.prompt_tokens[index], self.completion_tokens[index])
+        prompt_tokens = self.prompt_tokens[self.prompt_of[index]]
+        return Usage.of(prompt_tokens, self.completion_tokens[index])
 
     def total(self) -> Usage:
         return Usage.of(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))

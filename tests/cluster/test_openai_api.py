@@ -110,12 +110,42 @@ def test_request_schemas() -> None:
     ):
         with pytest.raises(ValueError, match=field.replace("[", r"\[")):
             parse(CompletionRequest, bad)
-    for field, value in (
-        ("n", 2), ("logprobs", 0), ("echo", True), ("best_of", 2), ("suffix", "x"),
-        ("presence_penalty", 0.5), ("logit_bias", {"1": 1.0}),
-    ):  # fmt: skip
-        with pytest.raises(ValueError, match=f"{field}: not supported yet"):
-            parse(CompletionRequest, {"prompt": "x", field: value}).check_supported()
+    full = {
+        "prompt": "x", "n": 2, "best_of": 3, "logprobs": 2, "echo": True, "seed": 1,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+        "logit_bias": {"7": 5, "3": -1.5}, "min_tokens": 2, "max_tokens": 4,
+    }  # fmt: skip
+    params = parse(CompletionRequest, full).engine_params()
+    assert (params.n, params.logprobs, params.prompt_logprobs) == (3, 2, 2)
+    assert params.logit_bias == ((3, -1.5), (7, 5.0)) and params.min_tokens == 2
+    assert (params.presence_penalty, params.repetition_penalty) == (0.5, 1.2)
+    # best_of alone asks the engine for the logprobs its ranking needs.
+    ranked = parse(CompletionRequest, {"prompt": "x", "best_of": 2}).engine_params()
+    assert (ranked.n, ranked.logprobs, ranked.prompt_logprobs) == (2, 0, None)
+    chat = parse(ChatCompletionRequest, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 3})
+    assert chat.engine_params().logprobs == 3
+    for bad, field in (
+        ({"suffix": "x"}, "suffix"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"best_of": 2, "stream": True}, "best_of"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            body = parse(CompletionRequest, {"prompt": "x"} | bad)
+            body.check_supported()
+            body.engine_params()
+    with pytest.raises(ValueError, match="top_logprobs"):
+        parse(ChatCompletionRequest, {"messages": MESSAGES, "top_logprobs": 2}).check_supported()
     with pytest.raises(ValueError, match="prompt"):
         parse(CompletionRequest, {"prompt": [[1], "x"]}).prompts()
     chat = parse(ChatCompletionRequest, {"messages": MESSAGES, "max_completion_tokens": 3})
@@ -267,8 +297,8 @@ def test_serving_surface(app: App) -> None:
     oai = app.openai()
     with pytest.raises(openai.BadRequestError, match="model"):
         oai.completions.create(model="other", prompt="x", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="n: not supported yet"):
-        oai.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        oai.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, suffix="y")
     # Fields at their defaults are accepted, as clients send them.
     oai.completions.create(
         model=MODEL_NAME, prompt="x", max_tokens=2, echo=False, presence_penalty=0,
@@ -296,3 +326,142 @@ def test_serving_surface(app: App) -> None:
         assert bad.status_code == 400 and "tokens[1]" in bad.json()["error"]["message"]
         assert http.get("/version").json()["version"]
         assert http.get("/health").status_code == 200
+
+
+def _hf_logprobs(app: App, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits at every position of token_ids (float32)."""
+    with torch.no_grad():
+        logits = app.model(torch.tensor([token_ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_logprobs_and_echo_equal_transformers(app: App) -> None:
+    oai = app.openai()
+    prompt = app.tokenizer.encode("Hello there, fox")
+    kw = {"model": MODEL_NAME, "max_tokens": 5, "temperature": 0, "logprobs": 3}
+    done = oai.completions.create(prompt=prompt, echo=True, **kw)
+    choice = done.choices[0]
+    new_ids = choice.model_extra["token_ids"]
+    ids = prompt + new_ids
+    expected = _hf_logprobs(app, ids)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    assert lp.tokens[0] == app.tokenizer.decode(ids[:1])
+    for k in range(1, len(ids)):
+        assert abs(lp.token_logprobs[k] - expected[k - 1, ids[k]].item()) < 1e-4
+        top = expected[k - 1].topk(3)
+        top_texts = [app.tokenizer.decode([t]) for t in top.indices.tolist()]
+        assert list(lp.top_logprobs[k]) == top_texts or len(set(top_texts)) < 3
+        for got, want in zip(lp.top_logprobs[k].values(), top.values.tolist(), strict=False):
+            assert abs(got - want) < 1e-4
+    assert choice.text.startswith("Hello there, fox")
+    assert lp.text_offset[1] == len(lp.tokens[0])
+    # Streamed: the same new tokens' logprobs, delta by delta.
+    streamed = []
+    for event in oai.completions.create(prompt=prompt, stream=True, **kw):
+        streamed += event.choices[0].logprobs.token_logprobs
+    assert streamed == pytest.approx(lp.token_logprobs[len(prompt) :], abs=1e-6)
+    # Chat's shape: content entries with top_logprobs.
+    chat = oai.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=2,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    chat_ids = chat_prompt_ids(app.tokenizer, [dict(m) for m in MESSAGES[:1]] + [
+        {"role": "user", "content": "hello there, fox"}])  # fmt: skip
+    out_ids = app.greedy(chat_ids, 4, ignore_eos=True)[: len(content)]
+    expected = _hf_logprobs(app, chat_ids + out_ids)
+    for k, entry in enumerate(content):
+        want = expected[len(chat_ids) - 1 + k, out_ids[k]].item()
+        assert abs(entry.logprob - want) < 1e-4 and len(entry.top_logprobs) == 2
+        assert entry.bytes == list(entry.token.encode())
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_n_samples_share_one_prefill_and_best_of(app: App) -> None:
+    oai = app.openai()
+    prompt = app.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3)
+    kw = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "seed": 7, "ignore_eos": True}
+    hits_before = sum(s.prefix_hit_tokens for s in app.client.stats())
+    first = oai.completions.create(n=3, **kw)
+    texts = [c.model_extra["token_ids"] for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert len({tuple(t) for t in texts}) == 3  # three distinct samples
+    assert first.usage.prompt_tokens == len(prompt) and first.usage.completion_tokens == 18
+    # The forked samples did not compute the prompt: the replica counts it as cached.
+    hits = sum(s.prefix_hit_tokens for s in app.client.stats()) - hits_before
+    assert hits >= 2 * (len(prompt) - 1)
+    again = oai.completions.create(n=3, **kw)
+    assert [c.model_extra["token_ids"] for c in again.choices] == texts  # reproducible
+    streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for event in oai.completions.create(n=3, stream=True, **kw):
+        for c in event.choices:
+            streamed[c.index] += c.model_extra["token_ids"]
+    assert list(streamed.values()) == texts
+    # The Python Client: the same samples, with their logprobs.
+    params = SamplingParams(max_tokens=6, seed=7, ignore_eos=True, n=3, logprobs=1)
+    samples = app.client.samples(prompt, params)
+    assert [c.token_ids for c in samples] == texts and [c.index for c in samples] == [0, 1, 2]
+    assert all(len(c.logprobs) == 6 and len(c.logprobs[0].top_ids) == 1 for c in samples)
+    with pytest.raises(ValueError, match="n"):
+        app.client.generate(prompt, params)
+    # best_of: the most likely of 3 samples, with its logprobs when asked.
+    best = oai.completions.create(best_of=3, n=1, logprobs=0, **kw)
+    (choice,) = best.choices
+    assert choice.model_extra["token_ids"] in texts
+    # Chat with n: a choice per sample, streamed too.
+    chat = oai.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=3, n=2, seed=3, temperature=1.0
+    )
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+    seen = set()
+    for event in oai.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=3, n=2, seed=3, stream=True
+    ):
+        seen |= {c.index for c in event.choices}
+    assert seen == {0, 1}
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_penalties_bias_and_min_tokens(app: App) -> None:
+    oai = app.openai()
+    prompt = app.tokenizer.encode("Hello there")
+    kw = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    plain = oai.completions.create(**kw).choices[0].model_extra["token_ids"]
+    forced = oai.completions.create(logit_bias={"17": 100}, **kw)
+    assert forced.choices[0].model_extra["token_ids"] == [17] * 6
+    # A strong frequency penalty never repeats a token greedy decoding would repeat.
+    penalized = oai.completions.create(frequency_penalty=2.0, presence_penalty=2.0, **kw)
+    ids = penalized.choices[0].model_extra["token_ids"]
+    if len(set(plain)) < len(plain):
+        assert ids != plain
+    repeated = oai.completions.create(repetition_penalty=1.5, **kw).choices[0]
+    assert len(repeated.model_extra["token_ids"]) <= 6
+    # min_tokens holds back the stop token the bias pushes: the request runs to min_tokens.
+    eos = app.tokenizer.eos_token_id
+    kw_eos = kw | {"logit_bias": {str(eos): 100}, "max_tokens": 8}
+    assert oai.completions.create(**kw_eos).usage.completion_tokens == 1
+    held = oai.completions.create(min_tokens=5, **kw_eos)
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    # Bad values are 400s naming the field while a stream keeps being served.
+    with httpx.Client(base_url=app.base_url, timeout=60) as http:
+        with http.stream(
+            "POST", "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 24, "stream": True, "ignore_eos": True},
+        ) as stream:  # fmt: skip
+            for bad, field in (
+                ({"logit_bias": {"10000000": 1}}, "logit_bias"),
+                ({"presence_penalty": 9}, "presence_penalty"),
+                ({"n": 0}, "n"),
+                ({"logprobs": 99}, "logprobs"),
+                ({"min_tokens": 9, "max_tokens": 2}, "min_tokens"),
+            ):
+                response = http.post("/v1/completions", json={"prompt": prompt} | bad)
+                assert response.status_code == 400, (bad, response.text)
+                assert field in response.json()["error"]["message"]
+            events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 25
