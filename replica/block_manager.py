@@ -180,15 +180,26 @@ class BlockManager:
                 self.block_table[seq.slot, index] = dst
                 self.dirty_slots.add(seq.slot)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Let child share all of parent's blocks (e.g. parallel sampling)."""
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
+        """Let child share all of parent's blocks (e.g. parallel sampling), its first
+        num_tokens tokens (default: as many as parent computed) counted computed: their
+        KV is parent's, so child's tokens must start with parent's.
+
+        The shared tokens count as prefix hits (num_cached_tokens and the prefix_*
+        counters), as the tokens of a cached prefix do. A child that will write into a
+        shared block copies it first (append_slots' copy-on-write).
+        """
         assert child.slot < 0 and not child.block_ids and self.free_slots
+        num_tokens = parent.num_computed_tokens if num_tokens is None else num_tokens
+        assert num_tokens <= parent.num_computed_tokens, f"{parent} has not computed {num_tokens}"
         self.forked = True
         for block in parent.block_ids:
             self.ref_counts[block] += 1
         child.block_ids = list(parent.block_ids)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_committed_blocks = parent.num_committed_blocks
+        child.num_computed_tokens = child.num_cached_tokens = num_tokens
+        self.prefix_query_tokens += len(child)
+        self.prefix_hit_tokens += num_tokens
+        child.num_committed_blocks = min(parent.num_committed_blocks, num_tokens // self.block_size)
         child.block_hashes = list(parent.block_hashes)
         child.slot = self.free_slots.pop()
         self._write_row(child, 0)

@@ -84,6 +84,14 @@ class Scheduler:
     (prefilling, or admitted earlier in this pass) waits, letting others pass,
     and is admitted a step or two later onto the cached prefix instead of
     computing and holding a copy of it (as SGLang's in-batch prefix check does).
+
+    Parallel samples (n > 1, add_samples): sample 0 is queued; the others wait in
+    awaiting_fork, never scheduled, until the engine launches sample 0's last prompt
+    chunk and calls fork_samples. Each then shares sample 0's blocks (BlockManager.fork)
+    and joins the running batch as a decode sequence that recomputes the last prompt
+    token (into its copy-on-write copy of the last block) and samples from there: one
+    prefill for all n. One with no slot or no block to spare then joins the waiting
+    queue as its own request, where the prefix cache serves its full prompt blocks.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -117,10 +125,58 @@ class Scheduler:
         # undercount, never more than their release gives back.
         self._retired_sole: deque[int] = deque()
         self.num_retired_blocks = 0
+        # Samples waiting for sample 0's prompt (add_samples), by sample 0's request id.
+        self.awaiting_fork: dict[str, list[Sequence]] = {}
+        self.num_awaiting_fork = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
         self._queued(seq)
+
+    def add_samples(self, seqs: list[Sequence]) -> None:
+        """Queue the n samples of one prompt: seqs[0] as any request, the others to
+        fork from it once its prompt is computed (fork_samples)."""
+        self.add(seqs[0])
+        if len(seqs) > 1:
+            self.awaiting_fork[seqs[0].request_id] = list(seqs[1:])
+            self.num_awaiting_fork += len(seqs) - 1
+
+    def fork_samples(self, parent: Sequence) -> None:
+        """parent's last prompt chunk is launched: fork the samples awaiting it.
+
+        Each child shares parent's blocks with its prompt counted computed but for the
+        last token, and joins running; its first decode step recomputes that token into
+        a copy of the last block and samples its own first token. A child forks while a
+        slot is free (max_num_seqs) and a block is left for the copy of each child forked
+        so far and for parent's own next token (those the family's next decode step
+        takes, so forking preempts nobody); otherwise it joins the head of the waiting
+        queue as its own request (it arrived with parent, before anyone queued there).
+        """
+        children = self.awaiting_fork.pop(parent.request_id, None)
+        if children is None:
+            return
+        self.num_awaiting_fork -= len(children)
+        if self.retired:  # their slots and blocks are free to take
+            self.release_retired()
+        bm = self.block_manager
+        num_tokens = parent.num_prompt_tokens - 1
+        queued = []
+        num_forked = 0
+        for child in children:
+            if (
+                len(self.running) < self.config.max_num_seqs
+                and bm.free_slots
+                and bm.num_free_blocks >= num_forked + 2
+            ):
+                bm.fork(parent, child, num_tokens)
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+                num_forked += 1
+            else:
+                queued.append(child)
+        for child in reversed(queued):
+            self.waiting.appendleft(child)
+            self._queued(child)
 
     def _queued(self, seq: Sequence) -> None:
         """Count a sequence that joined the waiting queue."""
@@ -175,10 +231,29 @@ class Scheduler:
         assert self.num_retired_blocks <= freed, (
             f"num_retired_blocks {self.num_retired_blocks} > {freed} blocks their release frees"
         )
+        self._check_awaiting_fork()
+
+    def _check_awaiting_fork(self) -> None:
+        """Each awaiting sample waits, holding nothing, on a live sample 0 whose prompt
+        is not yet computed."""
+        assert self.num_awaiting_fork == sum(map(len, self.awaiting_fork.values()))
+        if not self.awaiting_fork:
+            return
+        parents = {s.request_id: s for s in [*self.waiting, *self.running]}
+        queued = set(map(id, self.waiting)) | set(map(id, self.running))
+        for request_id, children in self.awaiting_fork.items():
+            parent = parents.get(request_id)
+            assert parent is not None, f"samples await {request_id!r}, which is not in flight"
+            assert parent.num_computed_tokens < parent.num_prompt_tokens, (
+                f"{parent} computed its prompt, yet samples still await it"
+            )
+            for child in children:
+                assert child.status is SequenceStatus.WAITING and id(child) not in queued
+                assert child.slot < 0 and not child.block_ids, f"{child} holds blocks"
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + self.num_awaiting_fork
 
     def schedule(self) -> ScheduledBatch:
         if self.retired and self.waiting:  # admission may need their slots and blocks
@@ -282,7 +357,13 @@ class Scheduler:
         slot in `retired` until release_retired. The engine defers a sequence that ends
         on a sampled token: when a cohort of requests ends on one step, releasing ~16
         blocks each there is host work the device waits for.
+
+        A sample awaiting its fork leaves awaiting_fork. Samples still awaiting a sequence
+        that finishes are queued as their own requests (the engine ends them first when it
+        ends the whole request): none is left waiting for a fork that never comes.
         """
+        if self.awaiting_fork:
+            self._orphan_samples(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self._drop_prefilling(seq)
@@ -294,11 +375,31 @@ class Scheduler:
                 self.num_retired_blocks += sole
             else:
                 self._release(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status is SequenceStatus.WAITING and not self._drop_awaiting(seq):
             self.waiting.remove(seq)
             self._unqueued(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _orphan_samples(self, seq: Sequence) -> None:
+        """Queue the samples awaiting seq, which finishes, as their own requests."""
+        children = self.awaiting_fork.pop(seq.request_id, None)  # ids are unique in flight
+        if children is not None:
+            self.num_awaiting_fork -= len(children)
+            for child in reversed(children):
+                self.waiting.appendleft(child)
+                self._queued(child)
+
+    def _drop_awaiting(self, seq: Sequence) -> bool:
+        """Remove a sample from awaiting_fork; False if it is not there."""
+        for parent_id, children in self.awaiting_fork.items():
+            if any(c is seq for c in children):
+                children.remove(seq)
+                self.num_awaiting_fork -= 1
+                if not children:
+                    del self.awaiting_fork[parent_id]
+                return True
+        return False
 
     def release_retired(self, limit: int | None = None) -> None:
         """Release the blocks and slots of up to limit retired sequences (all if None),

@@ -54,6 +54,7 @@ class Sequence:
         "max_len",
         "num_queued_blocks",
         "num_queued_hashes",
+        "family",
     )
 
     def __init__(
@@ -87,6 +88,9 @@ class Sequence:
         # its block_hashes the scheduler counts as queued.
         self.num_queued_blocks = 0
         self.num_queued_hashes = 0
+        # The n samples of a request with n > 1, in sample order (shared by all of them),
+        # else None: LLMEngine.abort of sample 0's id ends those still in flight.
+        self.family: list[Sequence] | None = None
         # Precomputed for the per-token stop check on the hot path.
         stops = set(params.stop_token_ids)
         if eos_token_id is not None and not params.ignore_eos:
