@@ -16,9 +16,9 @@ from replica.config import CacheConfig, EngineConfig, SchedulerConfig
 from replica.detokenizer import TextStream
 from replica.in_flight import InFlightStep
 from replica.models import load_model_config, load_tokenizer
-from replica.outputs import CompletionOutput, StepOutputs
+from replica.outputs import CompletionOutput, Logprobs, StepOutputs
 from replica.runner.model_runner import ModelRunner
-from replica.sampling_params import SamplingParams
+from replica.sampling_params import SamplingParams, sample_request_id
 from replica.scheduler import ScheduledBatch, Scheduler
 from replica.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from replica.stats import ReplicaStats
@@ -39,6 +39,12 @@ class StepTimings:
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _TOKENS_PER_S_WINDOW_S = 2.0
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample index's params of a request with n > 1: n=1, a seeded one seed + index."""
+    seed = None if params.seed is None else (params.seed + index) % 2**63
+    return dataclasses.replace(params, n=1, seed=seed)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,6 +110,8 @@ class LLMEngine:
         )
         self.tokenizer = load_tokenizer(config.model)
         self.requests: dict[str, Sequence] = {}
+        # Requests with n > 1: sample 0's request id -> the n samples, until all have ended.
+        self.families: dict[str, list[Sequence]] = {}
         self.in_flight: InFlightStep | None = None
         self.last_step: StepTimings | None = None
         self._token_events: deque[tuple[float, int]] = deque()  # (time_s, tokens) per step
@@ -131,14 +139,29 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
     ) -> None:
-        """Queue a request. Invalid input raises ValueError naming the field."""
+        """Queue a request. Invalid input raises ValueError naming the field.
+
+        params.n > 1 queues n samples, all or nothing: sample i's request id is
+        sample_request_id(request_id, i) (sample 0 keeps request_id), its params n=1 and,
+        when seeded, seed (seed + i) % 2**63, so each sample is the one an n=1 request
+        with that seed gives. Sample 0 prefills the prompt; the others fork from its
+        blocks when its last prompt chunk is launched (Scheduler.fork_samples).
+        """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = [sample_request_id(request_id, i) for i in range(params.n)]
+        for i in ids:
+            if i in self.requests:
+                raise ValueError(f"request_id {i!r} is already in flight")
         prompt = self._validate_prompt(prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by token id
+            raise ValueError(
+                f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary"
+                f" [0, {vocab})"
+            )
         if params.max_tokens is None:  # the room left in the context
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(prompt))
         total = len(prompt) + params.max_tokens
@@ -152,12 +175,24 @@ class LLMEngine:
                 f"max_tokens: prompt + max_tokens needs {self.block_manager.blocks_needed(total)}"
                 f" KV blocks, more than the replica's {self.cache_config.num_blocks}"
             )
-        seq = Sequence(
-            request_id, prompt, params, self.model_config.eos_token_id,
-            max_model_len=self.max_model_len,
-        )  # fmt: skip
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        if params.n == 1:
+            seq = Sequence(
+                request_id, prompt, params, self.model_config.eos_token_id,
+                max_model_len=self.max_model_len,
+            )  # fmt: skip
+            self.requests[request_id] = seq
+            self.scheduler.add(seq)
+            return
+        eos, max_len = self.model_config.eos_token_id, self.max_model_len
+        family = [
+            Sequence(sample_id, prompt, _sample_params(params, i), eos, max_model_len=max_len)
+            for i, sample_id in enumerate(ids)
+        ]
+        for seq in family:
+            seq.family = family
+            self.requests[seq.request_id] = seq
+        self.families[request_id] = family
+        self.scheduler.add_samples(family)
 
     def _validate_prompt(self, prompt_token_ids: Seq[int]) -> list[int]:
         if isinstance(prompt_token_ids, str | bytes) or not hasattr(prompt_token_ids, "__len__"):
@@ -184,15 +219,37 @@ class LLMEngine:
             )
         return prompt
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a request and free its blocks now; False if it is not in flight."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+    def abort(self, request_id: str, family: bool = True) -> bool:
+        """Drop a request and free its blocks now; False if it is not in flight.
+
+        Of a request with n > 1, its request_id (sample 0's) drops every sample still in
+        flight; family=False drops sample 0 alone (a stop string ended it: samples still
+        awaiting its prompt are then queued as their own requests). A sample's own id
+        (sample_request_id(request_id, i)) drops that sample alone.
+        """
+        members = self.families.pop(request_id, None) if family else None
+        if members is None:
+            return self._abort_one(request_id, None)
+        # The awaiting samples before sample 0, which would queue them as orphans.
+        return any([self._abort_one(s.request_id, s) for s in reversed(members)])
+
+    def _abort_one(self, request_id: str, expected: Sequence | None) -> bool:
+        """Drop one sequence (expected: only if it is still the one in flight there)."""
+        seq = self.requests.get(request_id)
+        if seq is None or (expected is not None and seq is not expected):
             return False
+        del self.requests[request_id]
         self.num_ends += 1
         self.scheduler.finish(seq, "abort")
         self.runner.release(request_id)
+        if seq.family is not None:
+            self._forget_family(seq.family)
         return True
+
+    def _forget_family(self, family: list[Sequence]) -> None:
+        """Drop a request's entry in families once all its samples have ended."""
+        if all(s.is_finished for s in family) and self.families.get(family[0].request_id) is family:
+            del self.families[family[0].request_id]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -241,6 +298,9 @@ class LLMEngine:
             bm.commit(seq)
             if seq.num_computed_tokens == len(seq.token_ids):
                 sampled.append(seq)
+        if self.scheduler.awaiting_fork:  # samples fork once sample 0's prompt is computed
+            for seq in sampled:
+                self.scheduler.fork_samples(seq)
         for seq in sampled:
             seq.token_ids.append(PLACEHOLDER)
         decode_seqs = batch.decode_seqs
@@ -311,6 +371,8 @@ class LLMEngine:
         self.scheduler.finish(seq, reason, defer_release=True)
         del self.requests[seq.request_id]
         self.runner.release(seq.request_id)
+        if seq.family is not None:
+            self._forget_family(seq.family)
         return reason, seq.num_prompt_tokens, seq.num_cached_tokens
 
     # ---- offline --------------------------------------------------------------
@@ -318,6 +380,10 @@ class LLMEngine:
         self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> list[CompletionOutput]:
         """Run prompts to completion; outputs in prompt order.
+
+        A prompt whose params have n > 1 gives n outputs, in sample order (request ids
+        sample_request_id(its request id, i)), after the earlier prompts' outputs and
+        before the later ones' (as OpenAI indexes choices: prompt index * n + i).
 
         All or nothing: a bad prompt or params raises ValueError naming prompts[i] and
         the field, with none of the prompts left queued. The engine must be idle: the
@@ -337,24 +403,26 @@ class LLMEngine:
         if self.tokenizer is None and any(p.stop for p in per_prompt):
             raise ValueError("stop: stop strings need a model with a tokenizer")
         ids = []
+        samples = []  # (request id, prompt, params) of each output, in order
         try:
             for prompt, p in zip(prompts, per_prompt, strict=True):
                 request_id = f"gen-{self._next_id}"
                 self._next_id += 1
                 self.add_request(request_id, prompt, p)
                 ids.append(request_id)
+                samples += [(sample_request_id(request_id, k), prompt, p) for k in range(p.n)]
         except ValueError as e:
             for request_id in ids:
                 self.abort(request_id)
             raise ValueError(f"prompts[{len(ids)}]: {e}") from None
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        tokens: dict[str, list[int]] = {i: [] for i, _, _ in samples}
         finals: dict[str, tuple[str, int, int]] = {}  # (reason, prompt tokens, cached tokens)
+        logprobs: dict[str, list[Logprobs]] = {}  # of the requests that ask them
+        prompt_logprobs: dict[str, list[Logprobs | None]] = {}
         texts = {  # stop strings are matched on the detokenized text
-            i: TextStream(self.tokenizer, prompt, p.stop)
-            for i, prompt, p in zip(ids, prompts, per_prompt, strict=True)
-            if p.stop
+            i: TextStream(self.tokenizer, prompt, p.stop) for i, prompt, p in samples if p.stop
         }
-        while len(finals) < len(ids):
+        while len(finals) < len(samples):
             outs = self.step()
             stopped = []
             for request_id, token in zip(outs.request_ids, outs.token_ids, strict=True):
@@ -364,6 +432,11 @@ class LLMEngine:
                 text = texts.get(request_id)
                 if text is not None and text.add([token]).stopped:
                     stopped.append(request_id)
+            for i, lp in outs.logprobs.items():  # a row skipped above skips its logprobs
+                if outs.request_ids[i] not in finals:
+                    logprobs.setdefault(outs.request_ids[i], []).append(lp)
+            for i, entries in outs.prompt_logprobs.items():
+                prompt_logprobs[outs.request_ids[i]] = entries
             for i, end in outs.finishes.items():
                 finals.setdefault(outs.request_ids[i], end)
             for request_id in stopped:
@@ -372,10 +445,11 @@ class LLMEngine:
                     finals[request_id] = ("stop", *finals[request_id][1:])
                 else:
                     finals[request_id] = ("stop", seq.num_prompt_tokens, seq.num_cached_tokens)
-                    self.abort(request_id)
+                    self.abort(request_id, family=False)
+        lps, plps = logprobs.get, prompt_logprobs.get
         return [
-            CompletionOutput(i, list(p), tokens[i], finals[i][0], finals[i][2])
-            for i, p in zip(ids, prompts, strict=True)
+            CompletionOutput(i, list(p), tokens[i], finals[i][0], finals[i][2], lps(i), plps(i))
+            for i, p, _ in samples
         ]
 
     # ---- stats ----------------------------------------------------------------
@@ -412,7 +486,7 @@ class LLMEngine:
             num_blocks_cached=bm.num_cached_blocks,
             kv_usage=(bm.num_used_blocks - retiring) / bm.num_blocks,
             num_running=len(self.scheduler.running),
-            num_waiting=len(waiting),
+            num_waiting=len(waiting) + self.scheduler.num_awaiting_fork,
             num_preempted_total=self.scheduler.num_preempted_total,
             max_num_seqs=self.config.max_num_seqs,
             tokens_per_s=tokens_per_s,
