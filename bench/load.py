@@ -5,14 +5,24 @@
         --routers kv,pow2 --num-requests 64 --rate 20 --input-len 64 --output-len 16 --out r.json
     # attach to a running app (python -m cluster serve ...), closed loop of 32 users
     python -m bench.load --app-name kvfleet --concurrency 32 --dataset prefix --num-prefixes 8
+    # one replica through its HTTP ingress (SSE), beside the bare engine on the same trace
+    python -m bench.load --model gpt2 --dtype float16 --replicas 1 --router kv --http \
+        --offline-peer --concurrency 256 --num-requests 2048 --input-len 128 --output-len 128 \
+        --num-procs 8
+    # attach to a running HTTP server (python -m cluster serve --port 8000 ...)
+    python -m bench.load --http --http-url http://127.0.0.1:8000 --concurrency 64
 
 Open loop (--rate, --burstiness: gamma gaps, 1 = Poisson) or closed loop (--concurrency).
 The requests are spread round-robin over --num-procs generator processes (bench.load_worker),
-each with its own Ray driver, event loop and Client; each reports its CPU use, and the
-report flags a saturated generator. With --routers the app is redeployed per router (fresh
+each with its own Ray driver, event loop and Client, or with --http one aiohttp session
+streaming POST /v1/completions (bench.load_http); each reports its CPU use, and the report
+flags a saturated generator. With --routers the app is redeployed per router (fresh
 replicas, fresh caches) and the same trace replays; ratios are against serve-pow2 (Ray
-Serve's default router) when it ran. Exit status 1 if any request was lost (neither a
-completion nor a typed error), a replica leaked, or a generator process failed.
+Serve's default router) when it ran. --offline-peer first replays the trace through a bare
+LLMEngine of the replicas' EngineConfig in a process of its own (bench.load_offline), and
+each router's row gets "x offline", its output tokens/s over the engine's. Exit status 1 if
+any request was lost (neither a completion nor a typed error), a replica leaked, or a
+generator process failed.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from dataclasses import asdict, fields
 
 from bench.common import write_json
 from bench.load_metrics import SLO, compute_metrics, prefix_placement
+from bench.load_offline import run_offline_peer
 from bench.load_pool import GeneratorPool, Round
 from bench.load_report import (
     BASELINE_ROUTER,
@@ -32,6 +43,7 @@ from bench.load_report import (
     ratios_against,
     routing_line,
     summary_table,
+    x_offline,
 )
 from bench.load_target import (
     attach_ray,
@@ -39,15 +51,18 @@ from bench.load_target import (
     leak_check,
     prefix_cache_hits,
     shutdown,
+    start_http,
     start_local_ray,
     stats_rows,
     undeploy,
+    wait_http_ready,
 )
 from bench.load_worker import WorkerResult
 from bench.load_workload import DATASETS, TAILS, RequestSpec, WorkloadConfig, build_trace
 from cluster import routing_trace
 from cluster.config import ADMISSION_FIELDS, ROUTERS, ClusterConfig
 from replica.config_flags import add_config_flags, flag_values
+from replica.models import load_model_config
 
 # Ray Serve's own routers (cluster.config has them once they are wired); kept in the CLI.
 SERVE_ROUTERS = ("serve-pow2", "serve-round-robin", "serve-consistent-hash")
@@ -92,6 +107,7 @@ def run_trace(
     results = state.results.values()
     rows = [row for res in results for row in res.routing_rows]
     return {
+        "path": "client" if pool.http_url is None else "http",
         "records": records,
         "metrics": compute_metrics(records, [s.index for s in trace], slo),
         "placement": prefix_placement(records, prefix_ids),
@@ -139,11 +155,11 @@ def _cluster_config(args: argparse.Namespace, router: str) -> ClusterConfig:
 
 
 def _ray_num_cpus(configs: dict[str, ClusterConfig]) -> int:
-    """CPUs for a local Ray: a replica's num_cpus_per_replica (at least one) each, and two
-    for Serve's controller and proxy."""
+    """CPUs for a local Ray: a replica's num_cpus_per_replica (at least one) each, two for
+    Serve's controller and proxy, and one for the HTTP ingress's replica (Serve's default)."""
     config = next(iter(configs.values()))
     per_replica = max(config.num_cpus_per_replica or 1, 1)
-    return math.ceil(config.num_replicas * per_replica) + 2
+    return math.ceil(config.num_replicas * per_replica) + 2 + (1 if config.http else 0)
 
 
 def round_app_name(app_name: str, router: str) -> str:
@@ -160,26 +176,41 @@ def _workload(args: argparse.Namespace, vocab_size: int) -> WorkloadConfig:
     return WorkloadConfig(**{n: getattr(args, n) for n in names}, vocab_size=vocab_size)
 
 
-def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
-    """Every router's run on one trace; (workload description, runs by router)."""
+def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict], dict | None]:
+    """Every router's run on one trace, and the offline peer's first when asked;
+    (workload description, runs by router, the offline peer's run or None)."""
     from cluster.client import Client
 
     routers = args.routers.split(",") if args.routers else [args.router]
     if args.model is None:
-        if len(routers) > 1:
-            raise SystemExit("--routers needs --model: an attached app cannot be redeployed")
         configs = {routers[0]: None}
         ray_address = attach_ray(args.address)
+        vocab = args.vocab_size or Client(args.app_name).model_info().vocab_size
     else:
         configs = {r: _cluster_config(args, r) for r in routers}  # validates every router
         ray_address = start_local_ray(args.ray_num_cpus or _ray_num_cpus(configs))
+        vocab = args.vocab_size or load_model_config(args.model).vocab_size
+        if args.http:
+            start_http(args.http_url)
+    workload_config = _workload(args, vocab)
+    trace = build_trace(workload_config)
+    workload = asdict(workload_config) | {"concurrency": args.concurrency}
     num_procs = min(args.num_procs, args.concurrency or args.num_procs, args.num_requests)
-    trace: list[RequestSpec] | None = None
-    workload: dict = {}
     runs: dict[str, dict] = {}
+    offline: dict | None = None
     pool: GeneratorPool | None = None
     try:
-        pool = GeneratorPool(num_procs, ray_address, args.routing_trace)  # starts meanwhile
+        if args.offline_peer:  # before any replica holds the GPU
+            engine_config = next(iter(configs.values())).engine
+            offline = run_offline_peer(engine_config, trace, args.concurrency)
+            m = offline["metrics"]
+            print(
+                f"offline peer: {m['output_token_throughput']:.0f} output tokens/s, "
+                f"{m['completed']}/{m['num_requests']} requests in {offline['wall_s']:.1f} s "
+                f"({offline['device']}, {offline['dtype']}, {offline['num_blocks']} KV blocks)"
+            )
+        http_url = args.http_url if args.http else None
+        pool = GeneratorPool(num_procs, ray_address, args.routing_trace, http_url)
         for router, config in configs.items():
             app_name = args.app_name if config is None else config.app_name
             if config is not None:
@@ -189,11 +220,8 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
                     f"deployed {args.num_replicas} x {args.model} with router {router!r} "
                     f"in {time.monotonic() - t_deploy:.1f} s"
                 )
-            if trace is None:
-                vocab = args.vocab_size or Client(app_name).model_info().vocab_size
-                workload_config = _workload(args, vocab)
-                trace = build_trace(workload_config)
-                workload = asdict(workload_config) | {"concurrency": args.concurrency}
+            if http_url is not None:
+                wait_http_ready(http_url)
             runs[router] = run_trace(args, router, trace, pool, app_name)
             if config is not None:
                 undeploy(app_name)
@@ -202,12 +230,14 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict]]:
             pool.close()
         if args.model is not None:
             shutdown()
-    return workload, runs
+    return workload, runs, offline
 
 
-def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> int:
+def report(
+    args: argparse.Namespace, workload: dict, runs: dict[str, dict], offline: dict | None
+) -> int:
     """Print the tables, write the JSON; the exit status."""
-    print("\n" + summary_table(runs))
+    print("\n" + summary_table(runs, offline))
     ratios = ratios_against(runs)
     if ratios:
         print(f"\nratios against {BASELINE_ROUTER} (Ray Serve's default router):")
@@ -227,6 +257,12 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
             status = 1
         else:
             print(f"{router}: leak check ok ({len(leaks['replicas'])} replicas drained)")
+        blocks = {r["num_blocks_total"] for r in leaks["replicas"]}
+        if offline is not None and blocks != {offline["num_blocks"]}:
+            print(
+                f"{router}: the replicas have {sorted(blocks)} KV blocks, the offline peer"
+                f" {offline['num_blocks']}: set --num-blocks to compare like with like"
+            )
         cache = run["prefix_cache"]
         if cache["query_tokens"]:
             per_replica = ", ".join(
@@ -267,26 +303,31 @@ def report(args: argparse.Namespace, workload: dict, runs: dict[str, dict]) -> i
             "workload": workload,
             "target": {k: getattr(args, k) for k in _TARGET_KEYS},
             "runs": {
-                r: {k: v for k, v in run.items() if k not in ("records", "routing_rows")}
-                | ({"requests": [asdict(x) for x in run["records"]]} if args.save_requests else {})
-                | (
-                    {"routing_rows": [asdict(x) for x in run["routing_rows"]]}
-                    if args.routing_trace
-                    else {}
-                )
+                r: _run_json(args, run) | {"x_offline": x_offline(run, offline)}
                 for r, run in runs.items()
             },
             "ratios_vs_" + BASELINE_ROUTER: ratios,
+            "offline_peer": None if offline is None else _run_json(args, offline),
         }
         write_json(args.out, payload)
         print(f"wrote {args.out}")
     return status
 
 
+def _run_json(args: argparse.Namespace, run: dict) -> dict:
+    """A run as the JSON keeps it: per-request and routing rows only when asked for."""
+    out = {k: v for k, v in run.items() if k not in ("records", "routing_rows")}
+    if args.save_requests:
+        out["requests"] = [asdict(x) for x in run["records"]]
+    if args.routing_trace:
+        out["routing_rows"] = [asdict(x) for x in run.get("routing_rows", [])]
+    return out
+
+
 _TARGET_KEYS = (
     "app_name model num_replicas routers router num_blocks max_num_seqs block_size device "
-    "on_overload queue_fraction balance_band num_procs "
-    "carrier_messages_per_step access_log engine_process"
+    "dtype on_overload queue_fraction balance_band num_procs "
+    "carrier_messages_per_step access_log engine_process http http_url offline_peer"
 ).split()
 
 
@@ -311,6 +352,16 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--ray-num-cpus", type=int, default=None,
         help="a local Ray's CPUs (default: the replicas' and two for Serve)",
+    )  # fmt: skip
+    t.add_argument(
+        "--http-url", default="http://127.0.0.1:8000",
+        help="with --http: the ingress the generators stream from (with --model, the app's"
+        " HTTP proxy binds this host and port)",
+    )  # fmt: skip
+    t.add_argument(
+        "--offline-peer", action="store_true",
+        help="first replay the trace through a bare engine of the replicas' EngineConfig"
+        " (needs --model); each router's row gets its tokens/s over the engine's",
     )  # fmt: skip
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", type=int, default=200, help="requests in the trace")
@@ -365,12 +416,19 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--concurrency must be >= 1")
     if args.num_procs < 1:
         raise SystemExit("--num-procs must be >= 1")
+    if args.model is None and len((args.routers or "").split(",")) > 1:
+        raise SystemExit("--routers needs --model: an attached app cannot be redeployed")
+    if args.model is None and args.offline_peer:
+        raise SystemExit("--offline-peer needs --model: the engine to build is the replicas'")
+    if args.http and args.routing_trace:
+        raise SystemExit("--routing-trace records a Client's decisions; over --http the"
+                         " ingress makes them")  # fmt: skip
     known = set(ROUTERS) | set(SERVE_ROUTERS)
     unknown = [r for r in (args.routers or "").split(",") if r and r not in known]
     if unknown:
         raise SystemExit(f"--routers: unknown router(s) {unknown}; known: {sorted(known)}")
-    workload, runs = run_all(args)
-    return report(args, workload, runs)
+    workload, runs, offline = run_all(args)
+    return report(args, workload, runs, offline)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ def offline_run(config: EngineConfig, trace: list[RequestSpec], concurrency: int
     start = time.perf_counter()
     records = replay(engine, trace, concurrency)
     return {
+        "path": "engine",
         "records": records,
         "metrics": compute_metrics(records, [s.index for s in trace]),
         "wall_s": round(time.perf_counter() - start, 3),

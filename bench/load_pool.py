@@ -43,10 +43,18 @@ class Round:
 class GeneratorPool:
     """num_procs generator processes, each a Ray driver connected to ray_address."""
 
-    def __init__(self, num_procs: int, ray_address: str, routing_trace: bool = False) -> None:
+    def __init__(
+        self,
+        num_procs: int,
+        ray_address: str,
+        routing_trace: bool = False,
+        http_url: str | None = None,
+    ) -> None:
         """routing_trace: each generator records its routers' decisions
-        (WorkerResult.routing_rows)."""
+        (WorkerResult.routing_rows); http_url: the generators drive this OpenAI endpoint
+        instead of a Client (bench.load_http)."""
         self.routing_trace = routing_trace
+        self.http_url = http_url
         ctx = mp.get_context("spawn")
         self.events = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(num_procs)]
@@ -85,7 +93,7 @@ class GeneratorPool:
             if p not in self.dead:
                 plan = WorkerPlan(
                     p, app_name, shares[p], users[p] if users else None, timeout_s,
-                    routing_trace=self.routing_trace,
+                    routing_trace=self.routing_trace, http_url=self.http_url,
                 )  # fmt: skip
                 commands.put(("prepare", plan))
         t_prepare = time.monotonic()

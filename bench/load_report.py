@@ -1,5 +1,6 @@
-"""The load test's report: a summary row per router, ratios against Serve's default router,
-the routing trace's line."""
+"""The load test's report: a summary row per router (and the offline peer's, with each
+router's tokens/s over it), ratios against Serve's default router, the routing trace's
+line."""
 
 from __future__ import annotations
 
@@ -23,16 +24,32 @@ def _metric(metrics: dict, name: str) -> float:
     return math.nan if value is None else float(value)
 
 
-def summary_row(router: str, run: dict) -> dict:
+OFFLINE_ROW = "offline engine"
+
+
+def x_offline(run: dict, offline: dict | None) -> float:
+    """A run's output tokens/s over the offline peer's (NaN without one)."""
+    if offline is None:
+        return math.nan
+    base = offline["metrics"]["output_token_throughput"]
+    return run["metrics"]["output_token_throughput"] / base if base > 0 else math.nan
+
+
+def summary_row(router: str, run: dict, offline: dict | None = None) -> dict:
+    """run: bench.load.run_trace's, or the offline peer's (no leak check, no generators)."""
     m = run["metrics"]
+    generators = run.get("generator", [])
+    leaks = run.get("leak_check")
     return {
         "router": router,
+        "path": run["path"],
         "completed": m["completed"],
         "rejected": m["rejected"],
         "errors": m["errors"],
         "lost": m["lost"],
         "req/s": m["request_throughput"],
         "out tok/s": m["output_token_throughput"],
+        "x offline": "-" if offline is None else x_offline(run, offline),
         "goodput": m.get("goodput", "-"),
         "cache hit": _hit_rate(run.get("prefix_cache")),
         "TTFT p50": m["ttft_ms"]["p50"],
@@ -42,10 +59,17 @@ def summary_row(router: str, run: dict) -> dict:
         "ITL p99": m["itl_ms"]["p99"],
         "E2E p50": m["e2e_ms"]["p50"],
         "E2E p99": m["e2e_ms"]["p99"],
-        "leaks": "none" if run["leak_check"]["ok"] else "LEAK",
-        "gen CPU max": max((p["cpu_max_window"] for p in run["generator"]), default=math.nan),
-        "gen tok/CPU-s": _tokens_per_cpu_s(run["generator"]),
+        "leaks": "-" if leaks is None else "none" if leaks["ok"] else "LEAK",
+        "gen CPU": _cpu_per_process(generators),
+        "gen CPU max": max((p["cpu_max_window"] for p in generators), default=math.nan),
+        "gen tok/CPU-s": _tokens_per_cpu_s(generators),
     }
+
+
+def _cpu_per_process(generators: list[dict]) -> str:
+    """Each generator process's mean CPU over the round, in cores ('-' for one that failed)."""
+    cpu = ["-" if g.get("failed") else f"{g['cpu_fraction']:.2f}" for g in generators]
+    return " ".join(cpu) or "-"
 
 
 def _hit_rate(cache: dict | None) -> str:
@@ -62,9 +86,11 @@ def _tokens_per_cpu_s(generators: list[dict]) -> float:
     return sum(g["num_output_tokens"] for g in done) / cpu_s if cpu_s > 0 else math.nan
 
 
-def summary_table(runs: dict[str, dict]) -> str:
-    """One row per router; latencies in ms, throughputs per second."""
-    rows = [summary_row(r, run) for r, run in runs.items()]
+def summary_table(runs: dict[str, dict], offline: dict | None = None) -> str:
+    """One row per router, the offline peer's first when it ran; latencies in ms,
+    throughputs per second."""
+    rows = [summary_row(OFFLINE_ROW, offline, offline)] if offline else []
+    rows += [summary_row(r, run, offline) for r, run in runs.items()]
     return markdown_table(rows)
 
 

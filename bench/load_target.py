@@ -7,12 +7,16 @@ every replica's ReplicaStats (KV usage over time) and, after the run, the leak c
 from __future__ import annotations
 
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import asdict
 from typing import Any
 
 from replica.stats import ReplicaStats
 
 LEAK_CHECK_TIMEOUT_S = 10.0
+HTTP_READY_TIMEOUT_S = 60.0
 FRESH_WAIT_S = 2.0  # leak_check: how long a drained fleet may wait for fresh snapshots
 
 
@@ -32,13 +36,41 @@ def attach_ray(address: str) -> str:
     return ray.get_runtime_context().gcs_address
 
 
+def start_http(url: str) -> None:
+    """Start Serve with its HTTP proxy on url's host and port (before the first deploy)."""
+    from ray import serve
+
+    parts = urllib.parse.urlsplit(url)
+    serve.start(http_options={"host": parts.hostname, "port": parts.port or 80})
+
+
 def deploy(config: Any) -> None:
-    """Run build_app(config) as app config.app_name (Python client only, no HTTP route)."""
+    """Run build_app(config) as app config.app_name: at route "/" with config.http (its
+    HTTP ingress), else with no HTTP route (Python client only)."""
     from ray import serve
 
     from cluster.app import build_app
 
-    serve.run(build_app(config), name=config.app_name, route_prefix=None)
+    route_prefix = "/" if config.http else None
+    serve.run(build_app(config), name=config.app_name, route_prefix=route_prefix)
+
+
+def wait_http_ready(url: str, timeout_s: float = HTTP_READY_TIMEOUT_S) -> None:
+    """Poll url's /health until it answers 200 (the ingress says 503 until every replica
+    is ready, and Serve's proxy 404s until it has the app's route); RuntimeError after
+    timeout_s, with the last answer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5.0) as response:
+                if response.status == 200:
+                    return
+                last = f"HTTP {response.status}"
+        except (urllib.error.URLError, OSError) as exc:  # HTTPError included: a 503, a 404
+            last = repr(exc)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}/health not ready within {timeout_s:.0f} s: {last}")
+        time.sleep(0.5)
 
 
 def undeploy(app_name: str) -> None:

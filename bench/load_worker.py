@@ -1,4 +1,5 @@
-"""One generator process of the load test: its own Ray driver, event loop and Client.
+"""One generator process of the load test: its own Ray driver, event loop and Client (or,
+with WorkerPlan.http_url, one aiohttp session on the OpenAI endpoint: bench.load_http).
 
 Driven by bench.load_pool (its docstring has the protocol). After "go" the process sends
 its share of the trace against the shared start time (wall clock): open loop at each
@@ -22,9 +23,12 @@ import math
 import os
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
+from bench.load_http import open_session, send_one_http
 from bench.load_metrics import RequestRecord
 from bench.load_workload import RequestSpec
 
@@ -44,6 +48,7 @@ class WorkerPlan:
     timeout_s: float
     warmup: bool = True
     routing_trace: bool = False  # record this process's routing decisions (cluster.routing_trace)
+    http_url: str | None = None  # drive this OpenAI endpoint (bench.load_http), not a Client
 
 
 @dataclass
@@ -147,24 +152,28 @@ async def send_one(client: Any, spec: RequestSpec, record: RequestRecord, t0: fl
             record.end_s = time.perf_counter() - t0
 
 
-async def _open_loop(client: Any, plan: WorkerPlan, records: dict, t0: float) -> set:
+# send(spec, record, t0): send_one on a Client or send_one_http on a session.
+Send = Callable[[RequestSpec, RequestRecord, float], Awaitable[None]]
+
+
+async def _open_loop(send: Send, plan: WorkerPlan, records: dict, t0: float) -> set:
     tasks: set[asyncio.Task] = set()
     for spec in plan.requests:
         delay = t0 + spec.arrival_s - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.add(asyncio.create_task(send_one(client, spec, records[spec.index], t0)))
+        tasks.add(asyncio.create_task(send(spec, records[spec.index], t0)))
     return tasks
 
 
-async def _closed_loop(client: Any, plan: WorkerPlan, records: dict, t0: float) -> set:
+async def _closed_loop(send: Send, plan: WorkerPlan, records: dict, t0: float) -> set:
     queue = collections.deque(plan.requests)
 
     async def user() -> None:
         while queue:
             spec = queue.popleft()
             records[spec.index].scheduled_s = time.perf_counter() - t0
-            await send_one(client, spec, records[spec.index], t0)
+            await send(spec, records[spec.index], t0)
 
     return {asyncio.create_task(user()) for _ in range(plan.concurrency or 0)}
 
@@ -180,26 +189,39 @@ async def _monitor(result: WorkerResult, records: dict, events: Any, proc: int) 
         events.put(("progress", proc, done))
 
 
-async def _warmup(client: Any) -> None:
-    # Builds the handle's router and the carrier path so the first traced request
-    # does not pay for it; two tokens fill no KV block, so no prefix is cached.
-    from replica.sampling_params import SamplingParams
+async def _sender(plan: WorkerPlan) -> tuple[Send, Callable[[], Awaitable[None]]]:
+    """This round's send function, warmed up, and what closes it after the round."""
+    from cluster.client import Client
 
-    try:
-        await client.generate_async([1, 2], SamplingParams(max_tokens=1, ignore_eos=True))
-    except Exception:  # a refused warm-up changes nothing the run measures
-        pass
+    # A warm-up builds the handle's router and the carrier path (or the HTTP connection)
+    # so the first traced request does not pay for it; two tokens fill no KV block, so no
+    # prefix is cached. Its outcome is not the run's: a refused warm-up changes nothing.
+    warmup = RequestSpec(-1, [1, 2], 1, 0.0)
+    if plan.http_url is not None:
+        session = open_session()
+        send = partial(send_one_http, session, plan.http_url)
+        if plan.warmup:
+            await send(warmup, RequestRecord(-1, 2, 1, 0.0), time.perf_counter())
+        return send, session.close
+    # A new one per round (the app was redeployed), on this round's loop.
+    client = Client(plan.app_name)
+    await client.model_info_async()
+    send = partial(send_one, client)
+    if plan.warmup:
+        await send(warmup, RequestRecord(-1, 2, 1, 0.0), time.perf_counter())
+
+    async def keep() -> None:
+        # Not client.aclose(): a round after a redeploy has hung before "ready" once the
+        # previous round's router was shut down on this loop; the client stays referenced.
+        _past_clients.append(client)
+
+    return send, keep
 
 
 async def _run(plan: WorkerPlan, events: Any, commands: Any) -> WorkerResult:
     from cluster import routing_trace
-    from cluster.client import Client
 
-    # A new one per round (the app was redeployed), on this round's loop.
-    client = Client(plan.app_name)
-    await client.model_info_async()
-    if plan.warmup:
-        await _warmup(client)
+    send, close = await _sender(plan)
     if plan.routing_trace:
         routing_trace.enable()  # after the warm-up, whose decision is not the trace's
     gc.freeze()  # start-up is over: later collections skip its objects
@@ -217,10 +239,10 @@ async def _run(plan: WorkerPlan, events: Any, commands: Any) -> WorkerResult:
     monitor = asyncio.create_task(_monitor(result, records, events, plan.proc))
     if plan.concurrency is None:
         last_arrival_s = max((s.arrival_s for s in plan.requests), default=0.0)
-        tasks = await _open_loop(client, plan, records, t0)
+        tasks = await _open_loop(send, plan, records, t0)
     else:
         last_arrival_s = 0.0
-        tasks = await _closed_loop(client, plan, records, t0)
+        tasks = await _closed_loop(send, plan, records, t0)
     deadline_s = t0 + last_arrival_s + plan.timeout_s - time.perf_counter()
     if tasks:
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline_s))
@@ -232,7 +254,5 @@ async def _run(plan: WorkerPlan, events: Any, commands: Any) -> WorkerResult:
     result.cpu_s = time.process_time() - cpu0
     result.records = list(records.values())
     result.routing_rows, result.routing_rows_dropped = routing_trace.drain()
-    # Not client.aclose(): a round after a redeploy has hung before "ready" once the
-    # previous round's router was shut down on this loop; the client stays referenced.
-    _past_clients.append(client)
+    await close()
     return result
