@@ -60,16 +60,22 @@ def summary_row(router: str, run: dict, offline: dict | None = None) -> dict:
         "E2E p50": m["e2e_ms"]["p50"],
         "E2E p99": m["e2e_ms"]["p99"],
         "leaks": "-" if leaks is None else "none" if leaks["ok"] else "LEAK",
-        "gen CPU": _cpu_per_process(generators),
-        "gen CPU max": max((p["cpu_max_window"] for p in generators), default=math.nan),
+    } | _generator_columns(generators)
+
+
+def _generator_columns(generators: list[dict]) -> dict:
+    """Each generator process's mean CPU over the round in cores ('-' for one that failed),
+    the busiest window's, and the tokens one CPU-second carried; '-' without generators."""
+    if not generators:
+        return dict.fromkeys(("gen CPU", "gen CPU max", "gen tok/CPU-s"), "-")
+    cpu = ["-" if g.get("failed") else f"{g['cpu_fraction']:.2f}" for g in generators]
+    return {
+        "gen CPU": " ".join(cpu),
+        "gen CPU max": max(
+            (g["cpu_max_window"] for g in generators if not g.get("failed")), default=math.nan
+        ),
         "gen tok/CPU-s": _tokens_per_cpu_s(generators),
     }
-
-
-def _cpu_per_process(generators: list[dict]) -> str:
-    """Each generator process's mean CPU over the round, in cores ('-' for one that failed)."""
-    cpu = ["-" if g.get("failed") else f"{g['cpu_fraction']:.2f}" for g in generators]
-    return " ".join(cpu) or "-"
 
 
 def _hit_rate(cache: dict | None) -> str:

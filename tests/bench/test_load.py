@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from bench.load_metrics import SLO, RequestRecord, account, compute_metrics, prefix_placement
-from bench.load_report import ratios_against
+from bench.load_report import ratios_against, summary_table, x_offline
 from bench.load_target import leak_check, prefix_cache_hits
 from bench.load_worker import send_one
 from bench.load_workload import (
@@ -287,6 +287,30 @@ def test_ratios_against_serve_pow2() -> None:
     assert ratios["kv"]["request_throughput"] == pytest.approx(2.0)
     assert ratios["serve-pow2"]["ttft_ms_p99"] == pytest.approx(1.0)
     assert ratios_against({"kv": runs["kv"]}) == {}
+
+
+def test_summary_puts_the_offline_peer_first_and_each_routers_ratio_to_it() -> None:
+    m = compute_metrics(_records(), list(range(5)))
+    half = dict(m, output_token_throughput=m["output_token_throughput"] / 2)
+    gens = [
+        {"proc": 0, "failed": None, "cpu_fraction": 0.41, "cpu_s": 2.0, "cpu_max_window": 0.6,
+         "num_output_tokens": 600},
+        {"proc": 1, "failed": "exited with code 1", "saturated": None},
+    ]  # fmt: skip
+    run = {"path": "http", "metrics": half, "leak_check": {"ok": True}, "generator": gens}
+    offline = {"path": "engine", "metrics": m}
+    assert x_offline(run, offline) == pytest.approx(0.5)
+    assert math.isnan(x_offline(run, None))
+    lines = summary_table({"kv": run}, offline).splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    engine_row, kv_row = ([c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:])
+    cell = dict(zip(header, kv_row, strict=True))
+    assert engine_row[:2] == ["offline engine", "engine"] and kv_row[:2] == ["kv", "http"]
+    assert (cell["x offline"], cell["gen CPU"], cell["gen CPU max"]) == ("0.5", "0.41 -", "0.6")
+    assert cell["gen tok/CPU-s"] == "300" and cell["leaks"] == "none"
+    assert dict(zip(header, engine_row, strict=True))["gen CPU"] == "-"
+    alone = [c.strip() for c in summary_table({"kv": run}).splitlines()[2].strip("|").split("|")]
+    assert dict(zip(header, alone, strict=True))["x offline"] == "-"  # no peer ran
 
 
 # --- one real run -----------------------------------------------------------------------
