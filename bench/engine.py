@@ -13,6 +13,7 @@ the measured copy bandwidth). Requests decode greedily unless --temperature is g
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -125,8 +126,15 @@ def main() -> None:
     parser.add_argument(
         "--seeded", action="store_true", help="with --temperature: each request its own seed"
     )
+    parser.add_argument(
+        "--extras-fraction", type=float, default=0.0,
+        help="also run each batch with this fraction of requests asking logprobs=5 and"
+        " presence / frequency / repetition penalties; the row shows both decode rates",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write JSON results here")
     args = parser.parse_args()
+    if not 0.0 <= args.extras_fraction <= 1.0:
+        raise SystemExit(f"--extras-fraction: must be in [0, 1], got {args.extras_fraction}")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seeded)
     try:
         sampling.params(0, 1)  # bad values fail here, before a model loads
@@ -187,12 +195,19 @@ def main() -> None:
             if hf is not None:
                 row["HF tok/s"] = statistics.median(hf_rates)
                 row["x HF"] = run.tokens_per_s / row["HF tok/s"]
+            if args.extras_fraction:  # the same batch, a fraction of its rows with extras
+                extras = dataclasses.replace(sampling, extras_fraction=args.extras_fraction)
+                prompts = random_prompts(num_seqs, prompt_len, vocab, num_seqs + 7777)
+                extras_run = run_engine(engine, prompts, max_new, extras)
+                row["extras decode tok/s"] = extras_run.decode_tokens_per_s
+                row["extras / plain"] = extras_run.decode_tokens_per_s / run.decode_tokens_per_s
             if args.repeat > 1:
                 row["tok/s runs"] = [x.tokens_per_s for x in runs]
                 row["HF tok/s runs"] = hf_rates
             rows.append(row)
         itl = steady_itl(engine, args.itl_batch, args.itl_steps, vocab) if args.itl_batch else None
-    columns = ["batch", "tok/s", "HF tok/s", "x HF", "decode tok/s", "roofline tok/s",
+    columns = ["batch", "tok/s", "HF tok/s", "x HF", "decode tok/s", "extras decode tok/s",
+               "extras / plain", "roofline tok/s",
                "% roofline", "TPOT ms", "step mean ms", "step p99 ms", "sched+drain ms",
                "sched+drain p99", "launch ms"]  # fmt: skip
     triton_linear = uses_triton_linear(engine.runner.model)
@@ -205,7 +220,8 @@ def main() -> None:
           f" decode_in_prefill={engine.runner.decode_in_prefill}"
           f" mixed_prefill_tokens={engine.config.mixed_prefill_tokens}"
           f" sampling={sampling}"
-          f" engine_start={start_s:.2f} s"
+          + (f" extras_fraction={args.extras_fraction}" if args.extras_fraction else "")
+          + f" engine_start={start_s:.2f} s"
           + (f" copy_bw={bandwidth:.0f} GB/s" if bandwidth else "")
           + f" host={host_cpu()!r}")  # fmt: skip
     print(markdown_table(rows, [c for c in columns if any(c in r for r in rows)]))

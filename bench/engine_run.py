@@ -60,17 +60,22 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
 
 @dataclass(frozen=True)
 class Sampling:
-    """How the benchmark's requests sample (greedy by default); seeded: request i has seed i."""
+    """How the benchmark's requests sample (greedy by default); seeded: request i has seed i.
+    extras_fraction: that fraction of the requests, spread evenly, also ask logprobs=5
+    and presence 0.5, frequency 0.5, repetition 1.1 penalties (the engine's extras path)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seeded: bool = False
+    extras_fraction: float = 0.0
 
     def params(self, i: int, max_new: int) -> SamplingParams:
+        extras = int((i + 1) * self.extras_fraction) > int(i * self.extras_fraction)
         return SamplingParams(
             max_tokens=max_new, temperature=self.temperature, top_k=self.top_k,
             top_p=self.top_p, seed=i if self.seeded else None, ignore_eos=True,
+            **(EXTRAS if extras else {}),
         )  # fmt: skip
 
     def hf_kwargs(self) -> dict:
@@ -88,6 +93,7 @@ class Sampling:
 
 
 GREEDY = Sampling()
+EXTRAS = dict(logprobs=5, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
 
 
 class CollectedSteps:
