@@ -201,8 +201,10 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict], dict | Non
     pool: GeneratorPool | None = None
     try:
         if args.offline_peer:  # before any replica holds the GPU
-            engine_config = next(iter(configs.values())).engine
-            offline = run_offline_peer(engine_config, trace, args.concurrency)
+            config = next(iter(configs.values()))
+            # A replica's torch threads: Ray sets OMP_NUM_THREADS to its CPUs, at least 1.
+            num_threads = max(1, int(config.num_cpus_per_replica or 1))
+            offline = run_offline_peer(config.engine, trace, args.concurrency, num_threads)
             m = offline["metrics"]
             print(
                 f"offline peer: {m['output_token_throughput']:.0f} output tokens/s, "

@@ -10,7 +10,10 @@ request's does.
 
 run_offline_peer() runs it in a spawned process of its own, so the GPU memory it took
 (CUDA context included) is all back before the replicas are deployed and size their KV
-cache from free memory.
+cache from free memory. It runs torch's ops on as many threads as a replica does (Ray sets
+a replica's OMP_NUM_THREADS to its num_cpus): on a 2-core host a gpt2-tiny CPU engine at
+torch's default of 2 threads made 37 output tokens/s against 224 at 1 (cluster.engine_loop
+has why), which would compare the thread pools, not the paths.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import collections
 import multiprocessing as mp
 import time
 from concurrent.futures import ProcessPoolExecutor
+
+import torch
 
 from bench.load_metrics import RequestRecord, compute_metrics
 from bench.load_workload import RequestSpec
@@ -89,9 +94,13 @@ def replay(
     return list(records.values())
 
 
-def offline_run(config: EngineConfig, trace: list[RequestSpec], concurrency: int | None) -> dict:
-    """Build the engine, warm it up as a generator warms up a replica (one 2-token request,
-    one new token: no KV block filled), replay the trace; metrics, records, block count."""
+def offline_run(
+    config: EngineConfig, trace: list[RequestSpec], concurrency: int | None, num_threads: int
+) -> dict:
+    """Build the engine on num_threads torch threads, warm it up as a generator warms up a
+    replica (one 2-token request, one new token: no KV block filled), replay the trace;
+    metrics, records, block count."""
+    torch.set_num_threads(num_threads)
     engine = LLMEngine(config)
     engine.generate([[1, 2]], SamplingParams(max_tokens=1, ignore_eos=True))
     start = time.perf_counter()
@@ -108,8 +117,8 @@ def offline_run(config: EngineConfig, trace: list[RequestSpec], concurrency: int
 
 
 def run_offline_peer(
-    config: EngineConfig, trace: list[RequestSpec], concurrency: int | None
+    config: EngineConfig, trace: list[RequestSpec], concurrency: int | None, num_threads: int = 1
 ) -> dict:
     """offline_run in a spawned process (never forked: the caller is a Ray driver)."""
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        return pool.submit(offline_run, config, trace, concurrency).result()
+        return pool.submit(offline_run, config, trace, concurrency, num_threads).result()

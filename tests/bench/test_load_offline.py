@@ -82,7 +82,7 @@ def test_a_request_the_engine_refuses_is_a_typed_error_not_lost(engine: LLMEngin
 
 def test_the_peer_runs_in_a_process_of_its_own_with_the_same_engine_config() -> None:
     trace = _trace(4)
-    run = run_offline_peer(CONFIG, trace, concurrency=2)
+    run = run_offline_peer(CONFIG, trace, concurrency=2, num_threads=1)
     assert run["num_blocks"] == 64 and run["device"] == "cpu"
     assert run["metrics"]["completed"] == 4
     assert run["metrics"]["total_output_tokens"] == sum(s.max_tokens for s in trace)
