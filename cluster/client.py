@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from cluster.errors import ReplicaDiedError, ReplicaError
-from cluster.metrics import CallerMetrics
+from cluster.metrics import CallerMetrics, MetricsSnapshot
 from cluster.transport import CallerTransport, DeltaStream, TokenDelta, broadcast
 from replica.detokenizer import TextStream
 from replica.models.loader import load_tokenizer
@@ -188,7 +188,8 @@ class Client:
         self._info_tasks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task]
         self._info_tasks = weakref.WeakKeyDictionary()
         self._tokenizer: Any | None = None
-        self._metrics: CallerMetrics | None = None
+        # What this client routed and had refused (cluster.ingress's /metrics shows it).
+        self.caller_metrics = CallerMetrics()
         self._thread_loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
 
@@ -326,6 +327,11 @@ class Client:
             r for r in await self._from_every_replica("serving_counters") if isinstance(r, dict)
         ]
 
+    async def metrics_async(self) -> list[MetricsSnapshot]:
+        """Per live replica, its gauges and engine totals (LLMServer.metrics_snapshot)."""
+        results = await self._from_every_replica("metrics_snapshot")
+        return [MetricsSnapshot.from_wire(r) for r in results if isinstance(r, dict)]
+
     async def model_info_async(self) -> ModelInfo:
         if self._info is None:
             # One fetch per event loop however many requests start at once.
@@ -408,16 +414,14 @@ class Client:
     ) -> tuple[str, list[DeltaStream]]:
         from router.errors import OverloadedError
 
-        if self._metrics is None:
-            self._metrics = CallerMetrics()
         try:
             replica_id, deltas = await transport.submit_samples(
                 request_id, prompt_ids, params.to_dict()
             )
         except OverloadedError:
-            self._metrics.admissions_rejected.inc()
+            self.caller_metrics.admissions_rejected += 1
             raise
-        self._metrics.routing_decisions.inc(tags={"replica": replica_id})
+        self.caller_metrics.routing_decisions[replica_id] += 1
         return replica_id, deltas
 
     async def _encode(self, prompt: list[int] | str, params: SamplingParams) -> list[int]:

@@ -41,7 +41,7 @@ from cluster.messages import (
     SubmitAck,
     SubmitRequest,
 )
-from cluster.metrics import ReplicaMetrics
+from cluster.metrics import MetricsSnapshot, ReplicaMetrics
 from cluster.request_router import encode_routing_stats
 from replica.sampling_params import SamplingParams
 
@@ -139,7 +139,7 @@ class LLMServer:
         self._num_submits = 0
         self._num_messages = 0
         self._num_heartbeats = 0
-        self._metrics = ReplicaMetrics(self.replica_id)
+        self._metrics = ReplicaMetrics()
         self._engine_loop: EngineLoop | EngineProcess
         in_child = config.engine_process if config.engine_process is not None else num_gpus > 0
         if in_child:
@@ -310,9 +310,14 @@ class LLMServer:
             "heartbeats": self._num_heartbeats,
             "cpu_s": time.process_time(),
             "engine_cpu_s": self._engine_loop.child_cpu_s(),
-            "ttft_total_s": self._metrics.ttft_total_s,
-            "num_ttft": self._metrics.num_ttft,
+            "ttft_total_s": self._metrics.ttft_s.sum,
+            "num_ttft": self._metrics.ttft_s.count,
         }
+
+    async def metrics_snapshot(self) -> dict[str, Any]:
+        """This replica's gauges (its latest ReplicaStats) and engine totals, for /metrics:
+        a MetricsSnapshot's wire form (cluster.metrics)."""
+        return MetricsSnapshot.of(self._engine_loop.stats, self._metrics).to_wire()
 
     def shutdown(self) -> None:
         """Stop the engine loop (Serve: at replica teardown, through __del__)."""

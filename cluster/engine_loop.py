@@ -110,7 +110,6 @@ class EngineLoop:
         self.replica_id = replica_id
         self._stats_period_s = stats_period_s
         self._deliver = deliver
-        self._metrics = metrics
         self._lock = threading.Lock()  # guards _commands against _closed
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]]
         self._commands = collections.deque()
@@ -163,7 +162,10 @@ class EngineLoop:
             self._engine.add_request(request_id, prompt_token_ids, params)
             now_s = time.monotonic()
             for i in range(params.n):  # n > 1: the engine runs n samples (n request ids)
-                self._fan_out.track(sample_request_id(request_id, i), caller_id, now_s)
+                # The samples share one prefill: its prompt tokens count once, on the first.
+                num_prompt_tokens = len(prompt_token_ids) if i == 0 else 0
+                sample_id = sample_request_id(request_id, i)
+                self._fan_out.track(sample_id, caller_id, now_s, num_prompt_tokens)
             return time.time()
 
         return self._post(command)
@@ -172,7 +174,7 @@ class EngineLoop:
         """Abort a request if it runs here (frees its blocks); the future gives a bool."""
 
         def command() -> bool:
-            caller_id = self._fan_out.untrack(request_id)
+            caller_id = self._fan_out.abort(request_id)
             if caller_id is None:
                 self._tombstones[request_id] = None
                 while len(self._tombstones) > self.MAX_TOMBSTONES:
@@ -279,8 +281,6 @@ class EngineLoop:
     def _refresh_stats(self) -> None:
         self._stats = self._engine.stats()
         self._stats_at_s = time.monotonic()
-        if self._metrics is not None:
-            self._metrics.record_stats(self._stats)
 
     def _refresh_load_stats(self) -> None:
         self.load_stats = self._engine.stats(with_hashes=False).to_msgpack()

@@ -15,9 +15,11 @@ Wire (multiprocessing Connection, pickled tuples; one pipe, both directions):
                    ("abort", cmd_id, request_id), ("shutdown",)
   child -> parent  ("ready", model_info, stats, load_stats) or ("failed", reason),
                    ("done", cmd_id, error, result)  a command's outcome,
-                   ("out", [(caller_id, StepBatch)], load_stats, ttfts, tpots)
+                   ("out", [(caller_id, StepBatch)], load_stats)
                                                     one engine pass's deliveries,
-                   ("stats", ReplicaStats)          every stats period.
+                   ("stats", ReplicaStats, ReplicaMetrics)
+                                                    every stats period (the
+                                                    child's totals, cluster.metrics).
 The child answers a command before it sends the outputs of the pass that ran it, so
 the parent knows a request before any of its tokens.
 
@@ -197,7 +199,7 @@ class EngineProcess:
                 elif kind == "stats":
                     self._stats = message[1]
                     if self._metrics is not None:
-                        self._metrics.record_stats(self._stats)
+                        self._metrics.load(message[2])
                 elif kind == "failed":  # the engine raised; the child's loop sends
                     reason = message[1]  # "error" for each of its requests next
                     self._fail(reason)
@@ -224,24 +226,13 @@ class EngineProcess:
         else:
             settle(future, future.set_exception, error)
 
-    def _on_out(
-        self,
-        deliveries: list[tuple[str, StepBatch]],
-        load_stats: bytes,
-        ttfts: list[float],
-        tpots: list[float],
-    ) -> None:
+    def _on_out(self, deliveries: list[tuple[str, StepBatch]], load_stats: bytes) -> None:
         self.load_stats = load_stats
         callers = self._callers
         for caller_id, batch in deliveries:
             self._deliver(caller_id, batch)
             for i, _ in batch.finishes:
                 callers.pop(batch.request_ids[i], None)
-        if self._metrics is not None:
-            for value in ttfts:
-                self._metrics.observe_ttft(value)
-            for value in tpots:
-                self._metrics.tpot_s.observe(value)
 
     def _fail(self, reason: str) -> None:
         with self._lock:
@@ -266,28 +257,6 @@ class EngineProcess:
 # ---- the child ---------------------------------------------------------------------
 
 
-class _Observations:
-    """ReplicaMetrics' histograms as lists, shipped with each pass's outputs."""
-
-    class _Values(list):
-        observe = list.append
-
-    def __init__(self) -> None:
-        self.ttft_s, self.tpot_s = self._Values(), self._Values()
-
-    def observe_ttft(self, value_s: float) -> None:
-        self.ttft_s.append(value_s)
-
-    def record_stats(self, stats: ReplicaStats) -> None:
-        pass  # the parent records the stats it receives
-
-    def take(self) -> tuple[list[float], list[float]]:
-        taken = list(self.ttft_s), list(self.tpot_s)
-        self.ttft_s.clear()
-        self.tpot_s.clear()
-        return taken
-
-
 class _ChildEngineLoop(EngineLoop):
     """EngineLoop whose deliveries, stats and failure go to the parent's pipe."""
 
@@ -301,9 +270,9 @@ class _ChildEngineLoop(EngineLoop):
         self._send = send
         self._reported = False
         self._pending: list[tuple[str, StepBatch]] = []
-        self._observations = _Observations()
+        self._child_metrics = ReplicaMetrics()
         super().__init__(
-            build, replica_id, stats_period_s, self._pending_append, self._observations
+            build, replica_id, stats_period_s, self._pending_append, self._child_metrics
         )
 
     def _pending_append(self, caller_id: str, batch: StepBatch) -> None:
@@ -311,7 +280,7 @@ class _ChildEngineLoop(EngineLoop):
 
     def _refresh_stats(self) -> None:
         super()._refresh_stats()
-        self._send(("stats", self._stats))
+        self._send(("stats", self._stats, self._child_metrics))
 
     def _end_iteration(self) -> None:
         if self.failure is not None and not self._reported:  # before the "error" ends
@@ -319,7 +288,7 @@ class _ChildEngineLoop(EngineLoop):
             self._send(("failed", self.failure))
         if self._pending:
             deliveries, self._pending = self._pending, []
-            self._send(("out", deliveries, self.load_stats, *self._observations.take()))
+            self._send(("out", deliveries, self.load_stats))
 
 
 def _child_main(fd: int) -> None:

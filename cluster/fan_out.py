@@ -19,6 +19,7 @@ from replica.outputs import Logprobs, StepOutputs
 class _Tracked:
     caller_id: str
     admitted_s: float
+    num_prompt_tokens: int = 0
     first_token_s: float | None = None
 
 
@@ -45,7 +46,10 @@ class FanOut:
     launched: its final delta is already sent), go row by row, to the same batches.
 
     Invariant: a tracked request leaves by exactly one of a finish in a step, untrack
-    (an abort) or fail_all. Tokens are counted per request only with metrics (TPOT).
+    (abort: an abort counted as such) or fail_all. With metrics (cluster.metrics), a step
+    counts its tokens and its rows past a request's first at once, and only the rows
+    that start or end a request are measured one by one; tokens are counted per request
+    only with metrics (TPOT).
     """
 
     def __init__(self, metrics: ReplicaMetrics | None = None) -> None:
@@ -67,10 +71,12 @@ class FanOut:
         """Tokens delivered to a tracked request so far (counted only with metrics)."""
         return self._num_tokens[request_id]
 
-    def track(self, request_id: str, caller_id: str, admitted_s: float) -> None:
+    def track(
+        self, request_id: str, caller_id: str, admitted_s: float, num_prompt_tokens: int = 0
+    ) -> None:
         if request_id in self._tracked:
             raise ValueError(f"request_id {request_id!r} is already tracked")
-        self._tracked[request_id] = _Tracked(caller_id, admitted_s)
+        self._tracked[request_id] = _Tracked(caller_id, admitted_s, num_prompt_tokens)
         self._awaiting_first.add(request_id)
         self._num_tracked[caller_id] += 1
 
@@ -87,9 +93,18 @@ class FanOut:
             self._num_tracked[tracked.caller_id] -= 1
         return tracked.caller_id
 
+    def abort(self, request_id: str) -> str | None:
+        """untrack, counting the request as aborted when it was tracked."""
+        caller_id = self.untrack(request_id)
+        if caller_id is not None and self._metrics is not None:
+            self._metrics.count_ended("abort")
+        return caller_id
+
     def fail_all(self) -> dict[str, StepBatch]:
         """End every tracked request with ERROR_FINISH: one batch per caller."""
         ended = error_batches((rid, t.caller_id) for rid, t in self._tracked.items())
+        if self._metrics is not None and self._tracked:
+            self._metrics.count_ended(ERROR_FINISH, len(self._tracked))
         self._tracked.clear()
         self._awaiting_first.clear()
         self._num_tokens.clear()
@@ -116,6 +131,7 @@ class FanOut:
         firsts = self._awaiting_first.intersection(request_ids) if self._awaiting_first else set()
         if self._metrics is not None:
             self._num_tokens.update(request_ids)
+            self._metrics.observe_step(now_s, len(request_ids), len(request_ids) - len(firsts))
         batches: dict[str, StepBatch] = {}
         if len(self._num_tracked) == 1:  # every request here is one caller's
             finishes = [(i, ends[i][0]) for i in sorted(ends)]
@@ -137,12 +153,13 @@ class FanOut:
             batch.urgent = bool(batch.finishes) or not firsts.isdisjoint(batch.request_ids)
         for request_id in firsts:
             self._first_token(request_id, now_s)
-        for i in ends:
-            self._finished(request_ids[i], now_s)
+        for i, end in ends.items():
+            self._finished(request_ids[i], now_s, end[0])
         return batches
 
     def _row_batches(self, rows: Iterable[_Row], now_s: float) -> dict[str, StepBatch]:
         batches: dict[str, StepBatch] = {}
+        num_tokens = num_continuing = 0
         for request_id, token_ids, finish_reason, logprobs, prompt_logprobs in rows:
             tracked = self._tracked.get(request_id)
             if tracked is None:
@@ -154,12 +171,16 @@ class FanOut:
                 self._first_token(request_id, now_s)
             if self._metrics is not None:
                 self._num_tokens[request_id] += len(token_ids)
+                num_tokens += len(token_ids)
+                num_continuing += bool(token_ids) and not first
             batch = batches.get(tracked.caller_id)
             if batch is None:
                 batch = batches[tracked.caller_id] = StepBatch()
             batch.add(request_id, token_ids, finish_reason, first, logprobs, prompt_logprobs)
             if finish_reason is not None:
-                self._finished(request_id, now_s)
+                self._finished(request_id, now_s, finish_reason)
+        if num_tokens:
+            self._metrics.observe_step(now_s, num_tokens, num_continuing)
         return batches
 
     def _first_token(self, request_id: str, now_s: float) -> None:
@@ -168,15 +189,19 @@ class FanOut:
         tracked = self._tracked[request_id]
         tracked.first_token_s = now_s
         if self._metrics is not None:
-            self._metrics.observe_ttft(now_s - tracked.admitted_s)
+            self._metrics.observe_first_token(now_s - tracked.admitted_s, tracked.num_prompt_tokens)
 
-    def _finished(self, request_id: str, now_s: float) -> None:
-        """A tracked request ended on the engine: its TPOT, and it is no longer tracked."""
+    def _finished(self, request_id: str, now_s: float, reason: str) -> None:
+        """A tracked request ended on the engine: its latencies, and it is no longer
+        tracked."""
         tracked = self._tracked[request_id]
         num_tokens = self._num_tokens[request_id]
         self.untrack(request_id)
-        if self._metrics is not None and num_tokens > 1 and tracked.first_token_s is not None:
-            self._metrics.tpot_s.observe((now_s - tracked.first_token_s) / (num_tokens - 1))
+        if self._metrics is not None:
+            tpot_s = None
+            if num_tokens > 1 and tracked.first_token_s is not None:
+                tpot_s = (now_s - tracked.first_token_s) / (num_tokens - 1)
+            self._metrics.observe_finish(reason, now_s - tracked.admitted_s, tpot_s)
 
 
 # (request id, new token ids, finish reason or None, their logprobs, the prompt's)

@@ -17,13 +17,22 @@ class _Metrics:
     def __init__(self) -> None:
         self.ttfts: list[float] = []
         self.tpots: list[float] = []
-        self.tpot_s = self
+        self.steps: list[tuple[float, int, int]] = []
+        self.ended: list[tuple[str, int]] = []
 
-    def observe_ttft(self, value_s: float) -> None:
-        self.ttfts.append(value_s)
+    def observe_step(self, now_s: float, num_tokens: int, num_continuing: int) -> None:
+        self.steps.append((now_s, num_tokens, num_continuing))
 
-    def observe(self, value_s: float) -> None:  # tpot_s.observe
-        self.tpots.append(value_s)
+    def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        self.ttfts.append(ttft_s)
+
+    def observe_finish(self, reason: str, e2e_s: float, tpot_s: float | None) -> None:
+        self.ended.append((reason, 1))
+        if tpot_s is not None:
+            self.tpots.append(tpot_s)
+
+    def count_ended(self, reason: str, n: int = 1) -> None:
+        self.ended.append((reason, n))
 
 
 @pytest.mark.parametrize("num_callers", [1, 3])
@@ -48,7 +57,7 @@ def test_columns_give_the_batches_rows_give(num_callers: int) -> None:
                 if rng.random() < 0.2}  # fmt: skip
         if rows and step % 9 == 8:  # aborted after its step launched: skipped
             for fan_out in (columns, by_row):
-                assert fan_out.untrack(rows[0]) is not None
+                assert fan_out.abort(rows[0]) is not None
             live.remove(rows[0])
         outputs = StepOutputs(tuple(rows), [rng.randrange(100) for _ in rows], ends)
         got = columns.step(outputs, now_s)
@@ -64,6 +73,8 @@ def test_columns_give_the_batches_rows_give(num_callers: int) -> None:
         assert all(columns.num_tokens(r) == by_row.num_tokens(r) for r in live)
     assert sorted(metrics[0].ttfts) == sorted(metrics[1].ttfts) and metrics[0].ttfts
     assert sorted(metrics[0].tpots) == sorted(metrics[1].tpots) and metrics[0].tpots
+    assert metrics[0].steps == metrics[1].steps and metrics[0].steps
+    assert sorted(metrics[0].ended) == sorted(metrics[1].ended) and metrics[0].ended
 
 
 def test_a_request_is_urgent_at_its_first_token_and_end_and_measured() -> None:
