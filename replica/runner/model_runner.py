@@ -24,7 +24,9 @@ captured per graph size over the forward graph's logits and replayed after it; i
 parameters (replica.runner.graph_sampling) ride in the step's one copy, in a region of
 the decode inputs' buffers. Rows that sample outside a graph (without graphs, or in a
 step whose prefill forward samples) go through replica.runner.sampling;
-replica.runner.graphs captures the graphs.
+replica.runner.graphs captures the graphs. A step with a row that asks logprobs or
+processes its logits (Sequence.extras) samples through the step sampler too, after its
+forwards (_sample_extras; replica.runner.logits_processors, replica.runner.logprobs).
 
 Steps overlap with the host: launch() enqueues a step and returns at once with
 a StepHandle (replica.runner.step_handle). Sampled tokens stay on the device too
