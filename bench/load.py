@@ -35,7 +35,7 @@ from dataclasses import asdict, fields
 
 from bench.common import write_json
 from bench.load_metrics import SLO, compute_metrics, prefix_placement
-from bench.load_offline import run_offline_peer
+from bench.load_offline import OFFLINE_REPLICA_ID, run_offline_peer
 from bench.load_pool import GeneratorPool, Round
 from bench.load_report import (
     BASELINE_ROUTER,
@@ -176,6 +176,24 @@ def _workload(args: argparse.Namespace, vocab_size: int) -> WorkloadConfig:
     return WorkloadConfig(**{n: getattr(args, n) for n in names}, vocab_size=vocab_size)
 
 
+def _offline_peer(config: ClusterConfig, trace: list[RequestSpec], concurrency: int | None) -> dict:
+    """The trace through a bare engine with the EngineConfig, device and torch threads that
+    a replica of config gets (Ray sets its OMP_NUM_THREADS to its CPUs, at least 1)."""
+    import ray
+
+    num_gpus = config.resolve_num_gpus(ray.cluster_resources().get("GPU", 0))
+    num_threads = max(1, int(config.resolve_num_cpus(num_gpus)))
+    engine_config = config.engine_config(OFFLINE_REPLICA_ID, num_gpus)
+    offline = run_offline_peer(engine_config, trace, concurrency, num_threads)
+    m = offline["metrics"]
+    print(
+        f"offline peer: {m['output_token_throughput']:.0f} output tokens/s, "
+        f"{m['completed']}/{m['num_requests']} requests in {offline['wall_s']:.1f} s "
+        f"({offline['device']}, {offline['dtype']}, {offline['num_blocks']} KV blocks)"
+    )
+    return offline
+
+
 def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict], dict | None]:
     """Every router's run on one trace, and the offline peer's first when asked;
     (workload description, runs by router, the offline peer's run or None)."""
@@ -201,16 +219,7 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict], dict | Non
     pool: GeneratorPool | None = None
     try:
         if args.offline_peer:  # before any replica holds the GPU
-            config = next(iter(configs.values()))
-            # A replica's torch threads: Ray sets OMP_NUM_THREADS to its CPUs, at least 1.
-            num_threads = max(1, int(config.num_cpus_per_replica or 1))
-            offline = run_offline_peer(config.engine, trace, args.concurrency, num_threads)
-            m = offline["metrics"]
-            print(
-                f"offline peer: {m['output_token_throughput']:.0f} output tokens/s, "
-                f"{m['completed']}/{m['num_requests']} requests in {offline['wall_s']:.1f} s "
-                f"({offline['device']}, {offline['dtype']}, {offline['num_blocks']} KV blocks)"
-            )
+            offline = _offline_peer(next(iter(configs.values())), trace, args.concurrency)
         http_url = args.http_url if args.http else None
         pool = GeneratorPool(num_procs, ray_address, args.routing_trace, http_url)
         for router, config in configs.items():
