@@ -4,6 +4,7 @@ Serve app (two replicas) against the usage its responses report."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -15,8 +16,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.cluster import fake_engine
 from cluster import ClusterConfig, build_app
+from cluster.deployment import LLMServer
 from cluster.fan_out import FanOut
+from cluster.messages import CarrierBatch, SubmitRequest, decode_message
 from cluster.metrics import (
     HISTOGRAMS,
     CallerMetrics,
@@ -122,6 +126,35 @@ def test_fan_out_feeds_counters_and_histograms_per_step() -> None:
         assert metrics.generation_tokens == 4
         fan_out.fail_all()
         assert metrics.finished["error"] == 1
+
+
+def test_an_engine_process_ships_its_totals_to_the_replica() -> None:
+    """With the engine in a child process, the replica's snapshot catches up with the
+    child's counters within a stats period or so."""
+    config = ClusterConfig(model="fake", device="cpu", stats_period_s=0.05, engine_process=True)
+    server = LLMServer(config, 0.0, fake_engine, replica_id="r0", gil_switch_interval_s=None)
+
+    async def run() -> MetricsSnapshot:
+        params = {"max_tokens": 5}
+        async for data in server.submit(SubmitRequest("a", "c0", [1, 2, 3], params).to_wire()):
+            message = decode_message(data)
+            if isinstance(message, CarrierBatch) and any(s.finishes for s in message.steps):
+                break
+        deadline = time.monotonic() + 10.0
+        while True:
+            snapshot = MetricsSnapshot.from_wire(await server.metrics_snapshot())
+            if snapshot.finished or time.monotonic() > deadline:
+                return snapshot
+            await asyncio.sleep(0.02)
+
+    try:
+        snapshot = asyncio.run(run())
+    finally:
+        server.shutdown()
+    assert (snapshot.prompt_tokens, snapshot.generation_tokens) == (3, 5)
+    assert snapshot.finished == {"length": 1}
+    assert snapshot.histograms["ttft_s"].count == snapshot.histograms["e2e_s"].count == 1
+    assert snapshot.histograms["itl_s"].count == 4
 
 
 # --- exposition and dashboard --------------------------------------------------------
