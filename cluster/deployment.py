@@ -40,10 +40,11 @@ from cluster.messages import (
     StepBatch,
     SubmitAck,
     SubmitRequest,
+    num_samples,
 )
 from cluster.metrics import MetricsSnapshot, ReplicaMetrics
 from cluster.request_router import encode_routing_stats
-from replica.sampling_params import SamplingParams
+from replica.sampling_params import SamplingParams, sample_request_id
 
 if TYPE_CHECKING:
     from cluster.engine_process import EngineProcess
@@ -186,17 +187,21 @@ class LLMServer:
         is_carrier = carrier is None
         if carrier is None:
             carrier = self._carriers[caller_id] = _Carrier()
-        carrier.in_flight.add(rid)
+        # n > 1: the engine runs n samples, each under its own id, all carried here.
+        rids = [sample_request_id(rid, i) for i in range(num_samples(request.params))]
+        carrier.in_flight.update(rids)
         try:
             error, error_kind, admitted_s = await self._admit(caller_id, request)
         except BaseException:  # cancelled by the caller, or an engine bug: never leak blocks
-            self._drop(caller_id, carrier, rid)
-            self._engine_loop.abort(rid)
+            for sample_id in rids:
+                self._drop(caller_id, carrier, sample_id)
+                self._engine_loop.abort(sample_id)
             if is_carrier:
                 self._close_carrier(caller_id, carrier)
             raise
         if error is not None:
-            self._drop(caller_id, carrier, rid)
+            for sample_id in rids:
+                self._drop(caller_id, carrier, sample_id)
         carrier_id = carrier.carrier_id if error is None or is_carrier else ""
         ack = SubmitAck(
             self.replica_id, is_carrier, carrier_id, error, error_kind, admitted_s

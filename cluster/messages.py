@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 
 from replica.outputs import Logprobs
+from replica.sampling_params import MAX_N
 
 _ACK = 0
 _BATCH = 1
@@ -68,13 +69,14 @@ class SubmitRequest:
 def _max_tokens(params: dict[str, Any]) -> Any:
     max_tokens = params.get("max_tokens", 16)
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
-        return max_tokens * _num_samples(params)
+        return max_tokens * num_samples(params)
     return max_tokens  # the router names a bad one
 
 
-def _num_samples(params: dict[str, Any]) -> int:
+def num_samples(params: dict[str, Any]) -> int:
+    """The samples a submit's params ask for (1 for a bad n, which the replica refuses)."""
     n = params.get("n", 1)
-    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,9 @@ def choice_logprobs(
 
 def best_of(samples: list[Completion], n: int) -> list[Completion]:
     """The n samples with the highest cumulative logprob (ties: the earlier sample), in
-    that order, as OpenAI's best_of returns them."""
+    that order, as OpenAI's best_of returns them; all of them, in sample order, when
+    there are n."""
+    if len(samples) <= n:
+        return samples
     ranked = sorted(samples, key=lambda c: -c.cumulative_logprob)  # type: ignore[operator]
     return ranked[:n]

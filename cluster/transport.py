@@ -86,6 +86,7 @@ from cluster.messages import (
     SubmitRequest,
     TokenDelta,
     decode_message,
+    num_samples,
 )
 from replica.outputs import Logprobs
 from replica.sampling_params import sample_request_id
@@ -296,8 +297,7 @@ class CallerTransport:
         """submit for params["n"] samples of one prompt (one replica, one prefill): a
         stream per sample, in order (sample i's request id is
         replica.sampling_params.sample_request_id(request_id, i))."""
-        n = params.get("n", 1)
-        n = n if isinstance(n, int) and 1 <= n <= 128 else 1  # the replica names a bad n
+        n = num_samples(params)
         request = SubmitRequest(request_id, self.caller_id, prompt_token_ids, params)
         samples = [_Attempt(sample_request_id(request_id, i), request.caller_id) for i in range(n)]
         # Registered before sending: tokens may arrive on a live carrier before the ack.
