@@ -219,19 +219,23 @@ class LLMEngine:
             )
         return prompt
 
-    def abort(self, request_id: str, family: bool = True) -> bool:
+    def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks now; False if it is not in flight.
 
         Of a request with n > 1, its request_id (sample 0's) drops every sample still in
-        flight; family=False drops sample 0 alone (a stop string ended it: samples still
-        awaiting its prompt are then queued as their own requests). A sample's own id
-        (sample_request_id(request_id, i)) drops that sample alone.
+        flight; a sample's own id (sample_request_id(request_id, i)) drops it alone.
         """
-        members = self.families.pop(request_id, None) if family else None
+        members = self.families.pop(request_id, None)
         if members is None:
             return self._abort_one(request_id, None)
         # The awaiting samples before sample 0, which would queue them as orphans.
         return any([self._abort_one(s.request_id, s) for s in reversed(members)])
+
+    def abort_sample(self, request_id: str) -> bool:
+        """Drop one sequence alone, also sample 0 of a request with n > 1 (a stop string
+        ended it; samples still awaiting its prompt then queue as their own requests);
+        False if it is not in flight."""
+        return self._abort_one(request_id, None)
 
     def _abort_one(self, request_id: str, expected: Sequence | None) -> bool:
         """Drop one sequence (expected: only if it is still the one in flight there)."""
@@ -445,7 +449,7 @@ class LLMEngine:
                     finals[request_id] = ("stop", *finals[request_id][1:])
                 else:
                     finals[request_id] = ("stop", seq.num_prompt_tokens, seq.num_cached_tokens)
-                    self.abort(request_id, family=False)
+                    self.abort_sample(request_id)
         lps, plps = logprobs.get, prompt_logprobs.get
         return [
             CompletionOutput(i, list(p), tokens[i], finals[i][0], finals[i][2], lps(i), plps(i))

@@ -63,8 +63,10 @@ def ids(request_id: str, n: int) -> list[str]:
     return [sample_request_id(request_id, i) for i in range(n)]
 
 
-@pytest.mark.parametrize("emulate_graphs", [False, True])
-@pytest.mark.parametrize("prompt_len", [2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 5])
+@pytest.mark.parametrize(  # the emulated graph path once: ~100 s under the interpreter
+    ("prompt_len", "emulate_graphs"),
+    [(2 * BLOCK_SIZE, False), (2 * BLOCK_SIZE + 5, False), (2 * BLOCK_SIZE + 5, True)],
+)
 def test_seeded_samples_are_distinct_reproducible_and_prefilled_once(
     checkpoint, prompt_len, emulate_graphs
 ):
@@ -233,13 +235,13 @@ def test_abort_of_one_sample_leaves_the_others(checkpoint):
 
 
 def test_sample_0_ended_alone_before_its_prompt_leaves_no_sample_waiting(checkpoint):
-    """abort(family=False) of sample 0 before its prompt is computed: the samples that
-    awaited it are queued as their own requests and finish."""
+    """abort_sample of sample 0 before its prompt is computed: the samples that awaited
+    it are queued as their own requests and finish."""
     path, hf_model = checkpoint
     [prompt] = random_prompts(12, [15])
     engine = make_engine(path, BLOCK_SIZE)
     engine.add_request("r", prompt, SamplingParams(max_tokens=5, temperature=0.0, n=3))
-    assert engine.abort("r", family=False)
+    assert engine.abort_sample("r")
     engine.check_invariants()
     assert not engine.scheduler.awaiting_fork
     assert [s.request_id for s in engine.scheduler.waiting] == ["r#1", "r#2"]
