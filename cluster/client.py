@@ -238,7 +238,10 @@ class Client:
                     await asyncio.sleep(self.retry_backoff_s * 2**attempt)
                     continue
                 live = dict(enumerate(streams))
-                while live:
+                # Samples over for the caller whose stream is still read: sample 0 ended by
+                # a stop string while others run (aborting its id would end them all).
+                ended: set[int] = set()
+                while len(ended) < len(live):
                     if len(live) == 1:
                         # take()/wait() rather than `await deltas.get()`: one coroutine less
                         # per chunk, on the path every token of every request takes.
@@ -259,14 +262,22 @@ class Client:
                             raise item
                         self.num_retries += 1
                         break
+                    if index in ended:
+                        if item.finished:
+                            del live[index]
+                            ended.discard(index)
+                        continue
                     chunk = samples[index].chunk(rid, item, replica_id, len(prompt_ids))
                     if chunk.finish_reason is not None:
-                        if not item.finished:  # a stop string: abort it on its replica
-                            await asyncio.shield(transport.abort(live[index].request_id))
-                        del live[index]
+                        if item.finished:
+                            del live[index]
+                        elif index == 0 and len(live) > 1:
+                            ended.add(index)
+                        else:  # a stop string: abort it on its replica
+                            await asyncio.shield(transport.abort(live.pop(index).request_id))
                     yield chunk
                 else:
-                    return
+                    return  # the finally aborts what is left (an ended sample 0)
             finally:
                 for deltas in live.values():  # left early, or failed: abort the rest
                     await asyncio.shield(transport.abort(deltas.request_id))

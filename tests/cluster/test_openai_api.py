@@ -415,6 +415,15 @@ def test_n_samples_share_one_prefill_and_best_of(app: App) -> None:
     assert all(len(c.logprobs) == 6 and len(c.logprobs[0].top_ids) == 1 for c in samples)
     with pytest.raises(ValueError, match="n"):
         app.client.generate(prompt, params)
+    # A stop string that ends sample 0 early leaves the others running to their end.
+    free = app.client.samples(prompt, SamplingParams(max_tokens=12, seed=5, n=2, ignore_eos=True))
+    text0, text1 = free[0].text, free[1].text
+    stop = next(text0[i : i + 2] for i in range(1, len(text0) - 1) if text0[i : i + 2] not in text1)
+    stopped = app.client.samples(
+        prompt, SamplingParams(max_tokens=12, seed=5, n=2, ignore_eos=True, stop=[stop])
+    )
+    assert stopped[0].finish_reason == "stop" and text0.startswith(stopped[0].text)
+    assert (stopped[1].token_ids, stopped[1].finish_reason) == (free[1].token_ids, "length")
     # best_of: the most likely of 3 samples, with its logprobs when asked.
     best = oai.completions.create(best_of=3, n=1, logprobs=0, **kw)
     (choice,) = best.choices
