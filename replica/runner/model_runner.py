@@ -302,9 +302,7 @@ class ModelRunner:
         extras = extras_chunks is not None
         logits, slots, greedy, sampled_seqs = [], [], [], []
         if prefill_seqs:
-            prefill_logits, prefill_done, done_slots = self._run_prefill(
-                prefill_seqs, prefill_lens, extras
-            )
+            prefill_logits, prefill_done, done_slots = self._run_prefill(prefill_seqs, prefill_lens)
             if prefill_done:
                 logits.append(prefill_logits)
                 slots.append(done_slots)
@@ -404,14 +402,14 @@ class ModelRunner:
         self.prompt_logprobs.release(request_id)
 
     def _run_prefill(
-        self, seqs: list[Sequence], lens: list[int], extras: bool = False
+        self, seqs: list[Sequence], lens: list[int]
     ) -> tuple[torch.Tensor, list[Sequence], torch.Tensor]:
         """Logits at the last token of each sequence whose chunk completes it, and their
-        slots. extras: prompt logprobs of the chunks that ask them (run eagerly)."""
+        slots; the prompt logprobs of the chunks that ask them (run eagerly)."""
         step = self.prefill.fill(seqs, lens, self.parity)
         num_done = len(step.done)
         done_slots = self.prefill.device_views(step.bucket)["done_slots"][:num_done]
-        spans = list(prompt_spans(seqs, lens)) if extras else []
+        spans = list(prompt_spans(seqs, lens)) if any(map(_EXTRAS, seqs)) else []
         if spans:
             logits = self._run_prefill_keeping(step.bucket, seqs, lens, spans)
         elif self.use_cuda_graphs:
