@@ -1,6 +1,7 @@
 """Typed messages between the caller transport and the replicas (msgpack on the wire).
 
-A submit carries a SubmitRequest; the replica answers with one SubmitAck, then, on an
+A submit carries a SubmitRequest; the replica answers with one SubmitAck (a group submit,
+a list of SubmitRequest wires, with one GroupAck holding every request's), then, on an
 elected carrier stream, CarrierBatch messages (one or more engine steps' StepBatch
 columns: request ids, token counts, flat token ids) and Heartbeats. See
 cluster/transport.py for the protocol.
@@ -19,11 +20,16 @@ from replica.sampling_params import MAX_N
 _ACK = 0
 _BATCH = 1
 _BEAT = 2
+_GROUP_ACK = 3
 
 # SubmitAck.error_kind values.
 INVALID = "invalid"  # bad input: ValueError naming the field
 UNAVAILABLE = "unavailable"  # the replica cannot serve (engine failed, shutting down)
 ABORTED = "aborted"  # the caller aborted the request before it was admitted
+
+# The most requests one group submit may carry (the caller's cap is
+# CallerTransport.max_group_size): bounds one ack and one admission pass.
+MAX_GROUP_SIZE = 256
 
 ERROR_FINISH = "error"  # TokenDelta.finish_reason when the replica's engine failed
 
@@ -101,6 +107,52 @@ class SubmitAck:
                 self.carrier_id,
                 self.error,
                 self.error_kind,
+                self.admitted_s,
+            ]
+        )
+
+
+@dataclass(frozen=True)
+class GroupAck:
+    """The first message of a group submit: one ack per request of the group, in order.
+
+    The carrier election is the group's (one stream); each request has its own outcome,
+    as columns: errors[i] and error_kinds[i] (None when admitted), admitted_s[i] (None
+    when refused). carrier_id is "" when no request was admitted and the stream does not
+    carry.
+    """
+
+    replica_id: str
+    carrier: bool
+    carrier_id: str
+    errors: list[str | None]
+    error_kinds: list[str | None]
+    admitted_s: list[float | None]
+
+    def __len__(self) -> int:
+        return len(self.errors)
+
+    def ack(self, i: int) -> SubmitAck:
+        """Request i's outcome as the SubmitAck a submit of it alone would have had."""
+        carrier_id = self.carrier_id if self.errors[i] is None else ""
+        return SubmitAck(
+            self.replica_id,
+            self.carrier,
+            carrier_id,
+            self.errors[i],
+            self.error_kinds[i],
+            self.admitted_s[i],
+        )
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            [
+                _GROUP_ACK,
+                self.replica_id,
+                self.carrier,
+                self.carrier_id,
+                self.errors,
+                self.error_kinds,
                 self.admitted_s,
             ]
         )
@@ -228,10 +280,12 @@ class CarrierBatch:
         return msgpack.packb([_BATCH, self.replica_id, rows, self.stats])
 
 
-def decode_message(data: bytes) -> SubmitAck | CarrierBatch | Heartbeat:
+def decode_message(data: bytes) -> SubmitAck | GroupAck | CarrierBatch | Heartbeat:
     raw = msgpack.unpackb(data)
     if raw[0] == _ACK:
         return SubmitAck(*raw[1:7])
+    if raw[0] == _GROUP_ACK:
+        return GroupAck(*raw[1:7])
     if raw[0] == _BATCH:
         return CarrierBatch(raw[1], [StepBatch(*row) for row in raw[2]], raw[3])
     if raw[0] == _BEAT:

@@ -70,7 +70,7 @@ import functools
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cluster import live_stats
@@ -78,8 +78,10 @@ from cluster.errors import ReplicaDiedError, ReplicaError
 from cluster.messages import (
     ABORTED,
     ERROR_FINISH,
+    MAX_GROUP_SIZE,
     UNAVAILABLE,
     CarrierBatch,
+    GroupAck,
     Heartbeat,
     StepBatch,
     SubmitAck,
@@ -216,6 +218,16 @@ class _Attempt(DeltaStream):
 
 
 @dataclass
+class _Pending:
+    """A submit gathered for the next group call; future: its replica id once admitted,
+    None when it goes alone, or the error its submit raises."""
+
+    request: SubmitRequest
+    samples: list[_Attempt]
+    future: asyncio.Future
+
+
+@dataclass
 class _Link:
     """A live carrier stream being read."""
 
@@ -225,6 +237,12 @@ class _Link:
     last_message_s: float
     task: asyncio.Task | None = None
     cut: bool = False  # cancelled by the watchdog (silent), not by the loop closing
+
+
+# A burst of submits becomes one call per this many requests: 64 cuts a closed loop of
+# 256 users' Serve calls per request to 1/64, while one group's admission (its
+# requests' engine adds) stays a small part of one engine step.
+DEFAULT_MAX_GROUP_SIZE = 64
 
 
 class CallerTransport:
@@ -243,9 +261,14 @@ class CallerTransport:
         carrier_timeout_s: float = 10.0,
         abort_timeout_s: float = 5.0,
         serve_grpc: bool = True,
+        max_group_size: int = DEFAULT_MAX_GROUP_SIZE,
     ) -> None:
         if carrier_timeout_s <= 0 or abort_timeout_s <= 0:
             raise ValueError("carrier_timeout_s and abort_timeout_s must be > 0")
+        if not 1 <= max_group_size <= MAX_GROUP_SIZE:
+            raise ValueError(
+                f"max_group_size must be in [1, {MAX_GROUP_SIZE}], got {max_group_size!r}"
+            )
         self._base_caller_id = uuid.uuid4().hex
         self._epoch = 0
         self.caller_id = f"{self._base_caller_id}.0"
@@ -257,6 +280,12 @@ class CallerTransport:
         self._submit = handle.options(
             method_name="submit", stream=True, _by_reference=not serve_grpc
         )
+        self._submit_group_call = handle.options(
+            method_name="submit_group", stream=True, _by_reference=not serve_grpc
+        )
+        # max_group_size: the most submits sent as one group call (1: each alone).
+        self.max_group_size = max_group_size
+        self._gathering: list[_Pending] = []  # submits of this loop pass, not yet sent
         self._attempts: dict[str, _Attempt] = {}
         self._links: dict[str, _Link] = {}  # by carrier id
         # Carrier ids given up on, newest last; only acks of submits sent before the
@@ -296,7 +325,11 @@ class CallerTransport:
     ) -> tuple[str, list[DeltaStream]]:
         """submit for params["n"] samples of one prompt (one replica, one prefill): a
         stream per sample, in order (sample i's request id is
-        replica.sampling_params.sample_request_id(request_id, i))."""
+        replica.sampling_params.sample_request_id(request_id, i)).
+
+        Submits made in one pass of the event loop go out as one group call (see
+        _flush_group), up to max_group_size; a lone one goes out alone, one loop pass
+        later than it was made."""
         n = num_samples(params)
         request = SubmitRequest(request_id, self.caller_id, prompt_token_ids, params)
         samples = [_Attempt(sample_request_id(request_id, i), request.caller_id) for i in range(n)]
@@ -304,6 +337,101 @@ class CallerTransport:
         for sample in samples:
             self._attempts[sample.request_id] = sample
         self._ensure_watchdog()
+        if self.max_group_size == 1:
+            return await self._submit_alone(request, samples)
+        pending = _Pending(request, samples, asyncio.get_running_loop().create_future())
+        self._gathering.append(pending)
+        if len(self._gathering) == 1:
+            asyncio.get_running_loop().call_soon(self._flush_group)
+        elif len(self._gathering) >= self.max_group_size:
+            self._flush_group()
+        try:
+            replica_id = await pending.future
+        except BaseException:  # refused, failed, or this caller stopped waiting
+            for sample in samples:
+                self._forget(sample.request_id)
+            raise
+        if replica_id is None:  # alone in its loop pass
+            return await self._submit_alone(pending.request, samples)
+        return replica_id, list(samples)
+
+    def _flush_group(self) -> None:
+        """Send what was gathered: alone if one request is left, else as one group call."""
+        group = [p for p in self._gathering if not p.future.done()]  # done: cancelled
+        self._gathering = []
+        if not group:
+            return
+        # Under the caller id of now: a carrier lost since the submit changed it.
+        caller_id = self.caller_id
+        for pending in group:
+            if pending.request.caller_id != caller_id:
+                pending.request = replace(pending.request, caller_id=caller_id)
+                for sample in pending.samples:
+                    sample.caller_id = caller_id
+        if len(group) == 1:
+            group[0].future.set_result(None)
+            return
+        self._spawn(self._submit_group(group))
+
+    async def _submit_group(self, group: list[_Pending]) -> None:
+        """One group call for these requests; resolves each one's future with its own
+        outcome: its replica id, or the error its submit raises.
+
+        Run by a task of the transport, not by the callers: a caller that stops waiting
+        leaves the ack to be read all the same, since its stream may be the carrier."""
+        caller_id = group[0].request.caller_id
+        gen: Any = None
+        try:
+            gen = self._submit_group_call.remote([p.request.to_wire() for p in group])
+            ack = decode_message(await gen.__anext__())
+        except BaseException as exc:
+            for pending in group:
+                for sample in pending.samples:
+                    self._forget(sample.request_id)
+                if isinstance(exc, asyncio.CancelledError):
+                    pending.future.cancel()
+                else:
+                    _settle(pending.future, _submit_error(exc, pending.request.request_id))
+            if isinstance(exc, asyncio.CancelledError):
+                if gen is not None:
+                    with contextlib.suppress(Exception):
+                        gen.cancel()  # the replica aborts what it admitted of the group
+                raise
+            return
+        assert isinstance(ack, GroupAck), ack
+        if ack.carrier:
+            self._start_carrier(ack.carrier_id, ack.replica_id, caller_id, gen)
+        else:
+            self._spawn(_drain(gen))
+        if len(ack) != len(group):  # a malformed group: its one error is every request's
+            ack = GroupAck(
+                ack.replica_id,
+                ack.carrier,
+                "",
+                [ack.errors[0]] * len(group),
+                [ack.error_kinds[0]] * len(group),
+                [None] * len(group),
+            )
+        admitted_s = [s for s in ack.admitted_s if s is not None]
+        if admitted_s:  # the router's reservation for the group is keyed by its first id
+            first_id = group[0].request.request_id
+            live_stats.note_admitted(first_id, ack.replica_id, max(admitted_s))
+        for i, pending in enumerate(group):
+            error = self._take_ack(pending.request.request_id, pending.samples, ack.ack(i))
+            if pending.future.done():  # its caller stopped waiting: it forgot the samples
+                continue
+            if error is None:
+                pending.future.set_result(ack.replica_id)
+            elif isinstance(error, asyncio.CancelledError):
+                pending.future.cancel(str(error))
+            else:
+                pending.future.set_exception(error)
+
+    async def _submit_alone(
+        self, request: SubmitRequest, samples: list[_Attempt]
+    ) -> tuple[str, list[DeltaStream]]:
+        """One request as its own submit call (its samples already registered)."""
+        request_id = request.request_id
         gen: Any = None
         try:
             gen = self._submit.remote(request.to_wire())
@@ -321,15 +449,9 @@ class CallerTransport:
         except BaseException as exc:
             for sample in samples:
                 self._forget(sample.request_id)
-            if isinstance(exc, asyncio.CancelledError | ValueError | ReplicaError):
+            if isinstance(exc, asyncio.CancelledError):
                 raise
-            if is_replica_gone(exc):
-                raise ReplicaDiedError(
-                    f"replica died before acknowledging: {exc!r}", request_id
-                ) from exc
-            if type(exc).__name__ == "OverloadedError":  # router.OverloadedError, as sent
-                raise
-            raise ReplicaError(f"submit failed: {exc!r}", request_id) from exc
+            raise _submit_error(exc, request_id) from exc
         assert isinstance(ack, SubmitAck), ack
         if ack.admitted_s is not None:
             live_stats.note_admitted(request_id, ack.replica_id, ack.admitted_s)
@@ -337,14 +459,24 @@ class CallerTransport:
             self._start_carrier(ack.carrier_id, ack.replica_id, request.caller_id, gen)
         else:
             self._spawn(_drain(gen))
+        error = self._take_ack(request_id, samples, ack)
+        if error is not None:
+            raise error
+        return ack.replica_id, list(samples)
+
+    def _take_ack(
+        self, request_id: str, samples: list[_Attempt], ack: SubmitAck
+    ) -> BaseException | None:
+        """Act on one request's ack: None when admitted (its samples now wait on their
+        carrier), else the error its submit raises (its samples forgotten)."""
         if ack.error is not None:
             for sample in samples:
                 self._forget(sample.request_id)
             if ack.error_kind == UNAVAILABLE:
-                raise ReplicaDiedError(ack.error, request_id, ack.replica_id)
+                return ReplicaDiedError(ack.error, request_id, ack.replica_id)
             if ack.error_kind == ABORTED:
-                raise asyncio.CancelledError(ack.error)
-            raise ValueError(ack.error)
+                return asyncio.CancelledError(ack.error)
+            return ValueError(ack.error)
         for sample in samples:
             rid = sample.request_id
             if rid in self._attempts:  # not already finished on the carrier
@@ -353,7 +485,7 @@ class CallerTransport:
                 if ack.carrier_id in self._given_up:
                     error = ReplicaDiedError("its carrier was lost", rid, ack.replica_id)
                     self._fail(rid, error)
-        return ack.replica_id, list(samples)
+        return None
 
     async def abort(self, request_id: str) -> None:
         """Abort a request wherever it runs (or will run); its stream gets no more items."""
@@ -528,6 +660,29 @@ def _retrieve(fetch: asyncio.Future) -> None:
     """Done callback of a fetch nobody may await any more: its outcome counts as read."""
     if not fetch.cancelled():
         fetch.exception()
+
+
+def _submit_error(exc: BaseException, request_id: str) -> BaseException:
+    """What a submit raises when its call failed before an ack: ValueError and
+    ReplicaError as they are, ReplicaDiedError when the replica is gone, the router's
+    OverloadedError as it is, else a ReplicaError."""
+    if isinstance(exc, ValueError | ReplicaError):
+        return exc
+    if is_replica_gone(exc):
+        error: BaseException = ReplicaDiedError(
+            f"replica died before acknowledging: {exc!r}", request_id
+        )
+    elif type(exc).__name__ == "OverloadedError":  # router.OverloadedError, as sent
+        return exc
+    else:
+        error = ReplicaError(f"submit failed: {exc!r}", request_id)
+    error.__cause__ = exc
+    return error
+
+
+def _settle(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 async def _drain(gen: Any) -> None:
