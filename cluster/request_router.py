@@ -6,7 +6,9 @@ Contract with the replica deployment:
 - its handler is called with the request as the first positional argument (or
   as kwarg "request", or as keyword arguments): a dict or an object carrying
   "prompt_token_ids" (list[int]) or "num_prompt_tokens" (int), and "max_tokens"
-  (at top level or inside "sampling_params"). Anything else routes by load alone.
+  (at top level or inside "sampling_params"); or with a list of such requests as the
+  first positional argument (a group placed together: route_group_from_call).
+  Anything else routes by load alone.
 
 Wiring: request_router_config(RouterConfig(...)) -> RequestRouterConfig, passed as
 `request_router_config=` to `@serve.deployment` / `.options()`. Ray Serve hands
@@ -100,12 +102,37 @@ def route_request_from_call(
     return RouteRequest(request_id)
 
 
+def route_group_from_call(request_id: str, payloads: Sequence[Any]) -> RouteRequest:
+    """The RouteRequest of a group call (LLMServer.submit_group: a list of requests placed
+    together): the first request's prompt for prefix affinity, every request's prompt
+    blocks and max_tokens summed, so admission holds back or rejects the whole group."""
+    members = [route_request_from_call(request_id, (payload,), {}) for payload in payloads]
+    if not members:
+        return RouteRequest(request_id)
+    first = members[0]
+    return RouteRequest(
+        request_id,
+        first.prompt_token_ids,
+        first.num_prompt_tokens,
+        sum(m.max_tokens for m in members),
+        tuple(m.num_prompt_tokens for m in members[1:]),
+    )
+
+
 def _route_request(pending_request: PendingRequest | None) -> RouteRequest:
     """Keyed by kvfleet's request id when the call carries one (a SubmitRequest's wire
-    dict: the id the replica's ack names), else by Serve's internal request id."""
+    dict: the id the replica's ack names; a group's first one), else by Serve's internal
+    request id."""
     if pending_request is None:
         return RouteRequest("")
     args = pending_request.args
+    group = args[0] if args and isinstance(args[0], list) else None
+    if group is not None:
+        first = group[0] if group and isinstance(group[0], dict) else {}
+        request_id = first.get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            request_id = pending_request.metadata.internal_request_id
+        return route_group_from_call(request_id, group)
     request_id = args[0].get("request_id") if args and isinstance(args[0], dict) else None
     if not isinstance(request_id, str) or not request_id:
         request_id = pending_request.metadata.internal_request_id
@@ -302,8 +329,12 @@ def request_router_config(
 def prompt_hash_key(
     args: Sequence[Any], kwargs: Mapping[str, Any], num_prefix_tokens: int
 ) -> str | None:
-    """The consistent-hash key of a call: its first num_prefix_tokens prompt token ids."""
-    prompt = route_request_from_call("", args, kwargs).prompt_token_ids
+    """The consistent-hash key of a call: its first num_prefix_tokens prompt token ids
+    (a group call's: its first request's)."""
+    if args and isinstance(args[0], list):
+        prompt = route_group_from_call("", args[0]).prompt_token_ids
+    else:
+        prompt = route_request_from_call("", args, kwargs).prompt_token_ids
     if not prompt:
         return None
     return "prompt:" + ",".join(map(str, prompt[:num_prefix_tokens]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from replica.hashing import prefix_block_hashes
 
@@ -14,12 +15,17 @@ class RouteRequest:
 
     Give prompt_token_ids when known (prefix routing needs them); otherwise
     num_prompt_tokens alone sizes the admission check. Neither: route by load alone.
+    A group of requests placed together (one call carrying several) routes as its first
+    request, whose prompt gives the prefix affinity, with group_prompt_lens the prompt
+    lengths of the others: their blocks add to the group's need (num_prompt_blocks), and
+    max_tokens is the group's sum.
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
     max_tokens: int = 0
+    group_prompt_lens: tuple[int, ...] = ()
     _hashes_by_block_size: dict[int, tuple[int, ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -29,6 +35,10 @@ class RouteRequest:
             object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         if self.num_prompt_tokens < 0:
             raise ValueError(f"num_prompt_tokens must be >= 0, got {self.num_prompt_tokens}")
+        if not isinstance(self.group_prompt_lens, tuple):
+            object.__setattr__(self, "group_prompt_lens", tuple(self.group_prompt_lens))
+        if any(n < 0 for n in self.group_prompt_lens):
+            raise ValueError(f"group_prompt_lens must be >= 0, got {self.group_prompt_lens}")
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         num_ids = len(self.prompt_token_ids)
@@ -71,9 +81,13 @@ class RouteRequest:
         """Whether prefix matching has anything to match: token ids or block hashes."""
         return bool(self.prompt_token_ids) or any(self._hashes_by_block_size.values())
 
-    def num_prompt_blocks(self, block_size: int) -> int:
-        """KV blocks the prompt occupies on a replica with this block size."""
-        return -(-self.num_prompt_tokens // block_size)
+    def num_prompt_blocks(self, block_size: Any) -> Any:
+        """KV blocks the prompt (a group's prompts) occupies on a replica with this block
+        size; block_size may be a numpy array of them (one count per replica)."""
+        num_blocks = -(-self.num_prompt_tokens // block_size)
+        for num_tokens in self.group_prompt_lens:
+            num_blocks = num_blocks + -(-num_tokens // block_size)
+        return num_blocks
 
     def prompt_block_hashes(self, block_size: int) -> tuple[int, ...]:
         """Chained hashes of the prompt's full blocks, computed once per block size."""

@@ -75,7 +75,7 @@ def room_for(
     from_cached = np.minimum(reserved - from_free, cached)
     used = total - (free - from_free) - (cached - from_cached)
     queued = used + fleet.column("waiting")
-    needed = -(-request.num_prompt_tokens // fleet.column("block_size"))
+    needed = request.num_prompt_blocks(fleet.column("block_size"))
     if matched is not None:
         needed = np.maximum(needed - matched, 1)
     allowance = (total * queue_fraction).astype(np.int64)  # as int(): floor, >= 0
