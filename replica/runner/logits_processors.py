@@ -20,7 +20,9 @@ logit_bias, then min_tokens' mask of the stop tokens:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,14 +32,28 @@ from replica.sequence import Sequence
 
 @dataclass
 class ProcessorStep:
-    """One step's processor inputs for its extras rows, on the device."""
+    """One step's processor inputs for its extras rows: numpy arrays as prepare makes
+    them, device tensors once on_device has their uploaded copies."""
 
-    penalty_rows: torch.Tensor | None  # [P] int64: the extras rows with penalty state
-    state_rows: torch.Tensor | None  # [P] int64: their rows of counts / prompt_mask
-    penalties: torch.Tensor | None  # [3, P] float32: repetition, frequency, presence
+    penalty_rows: Any  # [2, P] int64: the extras rows with penalty state; their state rows
+    penalties: Any  # [3, P] float32: repetition, frequency, presence
     any_repetition: bool
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, ids [B] int64; [B]
-    masked: tuple[torch.Tensor, torch.Tensor] | None  # rows, ids [M] int64: set to -inf
+    bias_index: Any  # [2, B] int64: rows, token ids
+    bias_values: Any  # [B] float32
+    masked: Any  # [2, M] int64: rows, token ids set to -inf
+
+    def arrays(self) -> list[np.ndarray]:
+        """The inputs that are present, in on_device's order."""
+        fields = (self.penalty_rows, self.penalties, self.bias_index, self.bias_values, self.masked)
+        return [a for a in fields if a is not None]
+
+    def on_device(self, tensors: Iterator[torch.Tensor]) -> ProcessorStep:
+        """This step with its arrays replaced by tensors (their uploads, in arrays' order)."""
+        take = lambda a: None if a is None else next(tensors)  # noqa: E731
+        return ProcessorStep(
+            take(self.penalty_rows), take(self.penalties), self.any_repetition,
+            take(self.bias_index), take(self.bias_values), take(self.masked),
+        )  # fmt: skip
 
 
 def has_penalties(seq: Sequence) -> bool:
@@ -62,6 +78,9 @@ class LogitsProcessors:
         self.prompt_mask = torch.zeros((capacity, vocab_size), dtype=torch.bool, device=device)
         self.free_rows = list(range(capacity - 1, -1, -1))
         self.rows: dict[str, int] = {}  # request id -> its state row
+        # Scalars that apply and record write, made once: a fresh one a step is a copy.
+        self.neg_inf = torch.tensor(float("-inf"), device=device)
+        self.one = torch.ones((), dtype=torch.int32, device=device)
 
     def release(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)
@@ -69,8 +88,8 @@ class LogitsProcessors:
             self.free_rows.append(row)
 
     def prepare(self, seqs: list[Sequence]) -> ProcessorStep:
-        """The processors' inputs for a step whose extras rows are seqs, in order; hands
-        state rows to the requests with penalties that have none yet."""
+        """The processors' inputs (on the host) for a step whose extras rows are seqs, in
+        order; hands state rows to the requests with penalties that have none yet."""
         pen_idx, state, values = [], [], []
         bias_rows, bias_ids, bias_values = [], [], []
         mask_rows, mask_ids = [], []
@@ -92,52 +111,42 @@ class LogitsProcessors:
                         continue
                     mask_rows.append(i)
                     mask_ids.append(token)
-        penalties = None
-        if pen_idx:
-            penalties = self._to_device(np.array(values, np.float32).T)
-        any_repetition = any(v[0] != 1.0 for v in values)
-        bias = None
-        if bias_rows:
-            bias = (
-                *self._to_device(np.array([bias_rows, bias_ids], np.int64)),
-                self._to_device(np.array(bias_values, np.float32)),
-            )
-        masked = None
-        if mask_rows:
-            masked = tuple(self._to_device(np.array([mask_rows, mask_ids], np.int64)))
-        pen_rows = self._to_device(np.array([pen_idx, state], np.int64)) if pen_idx else None
         return ProcessorStep(
-            pen_rows[0] if pen_idx else None, pen_rows[1] if pen_idx else None, penalties,
-            any_repetition, bias, masked,
-        )  # fmt: skip
+            np.array([pen_idx, state], np.int64) if pen_idx else None,
+            np.array(values, np.float32).T.copy() if pen_idx else None,
+            any(v[0] != 1.0 for v in values),
+            np.array([bias_rows, bias_ids], np.int64) if bias_rows else None,
+            np.array(bias_values, np.float32) if bias_rows else None,
+            np.array([mask_rows, mask_ids], np.int64) if mask_rows else None,
+        )
 
     def apply(self, logits: torch.Tensor, step: ProcessorStep) -> None:
-        """Process the extras rows' logits [E, vocab] (float32) in place."""
+        """Process the extras rows' logits [E, vocab] (float32) in place (step on the
+        device)."""
         if step.penalty_rows is not None:
-            rows = logits[step.penalty_rows]  # [P, vocab]
-            counts = self.counts[step.state_rows]  # [P, vocab] int32
+            pen_rows, state_rows = step.penalty_rows
+            rows = logits.index_select(0, pen_rows)  # [P, vocab]
+            counts = self.counts.index_select(0, state_rows)  # [P, vocab] int32
             seen = counts > 0
             repetition, frequency, presence = step.penalties.unsqueeze(2)  # each [P, 1]
             if step.any_repetition:
-                seen_any = seen | self.prompt_mask[step.state_rows]
+                seen_any = seen | self.prompt_mask.index_select(0, state_rows)
                 penalized = torch.where(rows > 0, rows / repetition, rows * repetition)
                 rows = torch.where(seen_any, penalized, rows)
             rows = rows - frequency * counts - presence * seen
-            logits[step.penalty_rows] = rows
-        if step.bias is not None:
-            rows, ids, values = step.bias
-            logits.index_put_((rows, ids), values, accumulate=True)
+            logits.index_copy_(0, pen_rows, rows)
+        if step.bias_index is not None:
+            logits.index_put_(tuple(step.bias_index), step.bias_values, accumulate=True)
         if step.masked is not None:
-            logits.index_put_(step.masked, torch.tensor(float("-inf"), device=logits.device))
+            logits.index_put_(tuple(step.masked), self.neg_inf)
 
     def record(self, tokens: torch.Tensor, step: ProcessorStep) -> None:
         """Count the step's sampled tokens (tokens [E] int64, the extras rows') in their
         requests' state rows, on the device."""
         if step.penalty_rows is not None:
-            ids = tokens[step.penalty_rows]
-            self.counts.index_put_(
-                (step.state_rows, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True
-            )
+            pen_rows, state_rows = step.penalty_rows
+            ids = tokens.index_select(0, pen_rows)
+            self.counts.index_put_((state_rows, ids), self.one, accumulate=True)
 
     def _state_row(self, seq: Sequence) -> int:
         row = self.rows.get(seq.request_id)
@@ -159,11 +168,3 @@ class LogitsProcessors:
         self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
         self.prompt_mask = torch.cat([self.prompt_mask, torch.zeros_like(self.prompt_mask)])
         self.free_rows += range(2 * capacity - 1, capacity - 1, -1)
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A host array to the device from pinned memory, not waited for (the step's
-        forward is queued ahead of it)."""
-        if self.device.type == "cpu":
-            return torch.from_numpy(np.ascontiguousarray(array))
-        host = torch.from_numpy(np.ascontiguousarray(array)).pin_memory()
-        return host.to(self.device, non_blocking=True)

@@ -24,9 +24,10 @@ captured per graph size over the forward graph's logits and replayed after it; i
 parameters (replica.runner.graph_sampling) ride in the step's one copy, in a region of
 the decode inputs' buffers. Rows that sample outside a graph (without graphs, or in a
 step whose prefill forward samples) go through replica.runner.sampling;
-replica.runner.graphs captures the graphs. A step with a row that asks logprobs or
-processes its logits (Sequence.extras) samples through the step sampler too, after its
-forwards (_sample_extras; replica.runner.logits_processors, replica.runner.logprobs).
+replica.runner.graphs captures the graphs. A step with rows that ask logprobs or
+process their logits (Sequence.extras) runs as it would without them, then resamples
+those rows alone on a side path (replica.runner.extras_path) before its tokens go to
+the host.
 
 Steps overlap with the host: launch() enqueues a step and returns at once with
 a StepHandle (replica.runner.step_handle). Sampled tokens stay on the device too
@@ -47,18 +48,12 @@ from replica.config import EngineConfig
 from replica.models import ModelConfig, load_model
 from replica.runner import kv_cache
 from replica.runner.decode_inputs import SLOTS, DecodeInputs
+from replica.runner.extras_path import ExtrasPath
 from replica.runner.forwards import Forwards, make_attention_backend
 from replica.runner.graph_sampling import GraphSamplingInputs
 from replica.runner.graphs import capture_forward_graphs, graph_batch_sizes, graphs_on, padded_size
 from replica.runner.logits_processors import LogitsProcessors
-from replica.runner.logprobs import (
-    PromptLogprobs,
-    StepLogprobs,
-    packed_logprobs,
-    packed_rows,
-    prompt_spans,
-    to_host,
-)
+from replica.runner.logprobs import PromptLogprobs, prompt_spans
 from replica.runner.prefill_inputs import PrefillBucket, PrefillInputs
 from replica.runner.sampling import StepSampler, all_greedy
 from replica.runner.step_handle import StepHandle, TokenStaging
@@ -148,9 +143,13 @@ class ModelRunner:
         # torch ops on the CPU.
         self.sampler = StepSampler(device, self.vocab_size, config.seed, fused=graph_path)
         # Rows with logits processors or logprobs (replica.runner.logits_processors,
-        # replica.runner.logprobs): their steps sample through the step sampler.
+        # replica.runner.logprobs) resample on a side path after the step's fast path.
         self.processors = LogitsProcessors(self.max_num_seqs, self.vocab_size, device)
         self.prompt_logprobs = PromptLogprobs()
+        self.extras_path = ExtrasPath(
+            self.max_num_seqs, self.vocab_size, device, self.sampler, self.processors,
+            self.prompt_logprobs,
+        )  # fmt: skip
         self.graph_sampling: GraphSamplingInputs | None = None
         if sampling_rows:
             region = self.step_inputs
@@ -241,8 +240,8 @@ class ModelRunner:
         else:
             self.step_inputs.forget()
         prefill_forward = bool(prefill_seqs) and not mixed
-        # A row with logits processors or logprobs (or a prompt_logprobs chunk) takes the
-        # step off the fast path: two C-level passes, as all_greedy's.
+        # A row with logits processors or logprobs (or a prompt_logprobs chunk) adds a side
+        # path after the step's own sampling: two C-level passes, as all_greedy's.
         extras = any(map(_EXTRAS, batch.decode_seqs)) or any(map(_EXTRAS, batch.prefill_seqs))
         # The decode (or mixed) forward's rows first..num_rows sample; they alone do unless
         # a prefill forward completes a prompt. Alone and all greedy, the tokens are the
@@ -250,12 +249,13 @@ class ModelRunner:
         # ride in the step's one copy.
         rows_seqs = done + decode_seqs
         alone = num_rows > 0 and not (prefill_forward and completes_any(batch))
-        greedy_alone = alone and not extras and all_greedy(rows_seqs)
-        graph_kind = None
-        if alone and not greedy_alone and not extras and self.graph_sampling is not None:
+        greedy_alone = alone and all_greedy(rows_seqs)
+        graph_kind, step_key = None, None
+        if alone and not greedy_alone and self.graph_sampling is not None:
+            step_key = self.sampler.step_key()
             graph_kind = self.graph_sampling.stage(
                 [s.params for s in rows_seqs], [len(s) for s in rows_seqs],
-                self.sampler.step_key(), padded, first, self.parity,
+                step_key, padded, first, self.parity,
             )  # fmt: skip
         # The changed table rows land in the decode forward's graph, unless a prefill
         # forward runs first (or none runs): then upload scatters them.
@@ -269,7 +269,7 @@ class ModelRunner:
                 self.kv_cache, torch.tensor(src, device=self.device),
                 torch.tensor(dst, device=self.device),
             )  # fmt: skip
-        if greedy_alone and not prefill_forward:  # most steps
+        if greedy_alone and not prefill_forward and not extras:  # most steps
             _, decode_greedy = self._run_decode(padded, mixed)
             return self.token_staging.greedy_to_host(
                 decode_greedy, mixed, first, num_rows, self.parity
@@ -278,7 +278,7 @@ class ModelRunner:
             prefill_seqs = []
         rows = slice(first, num_rows) if num_rows else None
         return self._launch_sampled(
-            prefill_seqs, prefill_lens, padded, rows, rows_seqs, mixed, graph_kind,
+            prefill_seqs, prefill_lens, padded, rows, rows_seqs, mixed, (graph_kind, step_key),
             chunks if extras else None,
         )  # fmt: skip
 
@@ -290,16 +290,19 @@ class ModelRunner:
         rows: slice | None,
         rows_seqs: list[Sequence],
         mixed: bool,
-        graph_kind: tuple | None,
+        graph: tuple[tuple | None, int | None],
         extras_chunks: list[tuple[Sequence, int]] | None = None,
     ) -> StepHandle:
-        """Run a step that samples other than by the decode graph's argmax alone: the
-        prefill forward over prefill_seqs (if any), then the decode (or mixed) forward
-        at padded rows (if rows, its sampling rows, is not None); sample every forward's
-        rows in the sampling graph (graph_kind), else through the step sampler.
-        extras_chunks (not None: a step with extras rows; a mixed step's prompt chunks):
-        processors and logprobs (_sample_extras)."""
+        """Run a step that samples other than by the decode graph's argmax alone, or has
+        extras rows: the prefill forward over prefill_seqs (if any), then the decode (or
+        mixed) forward at padded rows (if rows, its sampling rows, is not None); sample
+        every forward's rows in the sampling graph (graph: its kind and the Philox key
+        staged for it; the kind None for none), else by the decode graph's argmax (a
+        decode step's greedy rows), else through the step sampler. extras_chunks (not
+        None: a step with extras rows; a mixed step's prompt chunks): then the extras
+        rows' side path (replica.runner.extras_path)."""
         extras = extras_chunks is not None
+        graph_kind, step_key = graph
         logits, slots, greedy, sampled_seqs = [], [], [], []
         if prefill_seqs:
             prefill_logits, prefill_done, done_slots = self._run_prefill(prefill_seqs, prefill_lens)
@@ -317,67 +320,28 @@ class ModelRunner:
             greedy.append(decode_greedy[rows])  # already in token_buf
             sampled_seqs += rows_seqs
         host = self.token_staging.host[self.parity, : len(sampled_seqs)]
-        if extras and sampled_seqs:
-            return self._sample_extras(logits, slots, sampled_seqs, host)
         if not sampled_seqs:
             return StepHandle(host, None)
         if graph_kind is not None:  # only the decode (or mixed) forward samples
             self.sampling_graphs[mixed, padded, graph_kind].replay()
-            return self.token_staging.to_host(self.graph_sampling.tokens[rows], host, self.parity)
-        sampling = self.sampler.batch(sampled_seqs)
-        tokens = self.sampler.sample(logits, slots, greedy, sampling, self.token_buf)
-        return self.token_staging.to_host(tokens, host, self.parity)
+            tokens = self.graph_sampling.tokens[rows]
+        else:
+            sampling = self.sampler.batch(sampled_seqs)
+            step_key = sampling.step_key
+            tokens = self.sampler.sample(logits, slots, greedy, sampling, self.token_buf)
+        step_logprobs = None
+        if extras:
+            step_logprobs = self.extras_path.run(
+                logits, slots, sampled_seqs, tokens, self.token_buf, step_key, self.parity
+            )
+        handle = self.token_staging.to_host(tokens, host, self.parity)
+        handle.extras = step_logprobs
+        return handle
 
     def warm_up(self) -> None:
         """Run every device op a step may launch outside the graphs once (replica.runner.
         warm_up); it writes only the null row and the null block."""
         warm_up(self)
-
-    def _sample_extras(
-        self,
-        logits: list[torch.Tensor],  # per forward that samples: [rows, vocab]
-        slots: list[torch.Tensor],  # [rows]: each row's token_buf entry
-        seqs: list[Sequence],  # the sampled rows' sequences, in order
-        host: torch.Tensor,  # [len(seqs)] the step's token staging
-    ) -> StepHandle:
-        """Sample a step with extras rows through the step sampler: the processors change
-        a float32 copy of the rows that ask (their logprobs come from the raw logits,
-        before it), written back over the step's logits; every row then samples from
-        those (a greedy row takes the argmax of its processed logits)."""
-        rows = logits[0] if len(logits) == 1 else torch.cat(logits)  # [N, vocab]
-        slot_rows = slots[0] if len(slots) == 1 else torch.cat(slots)
-        extras = [i for i, s in enumerate(seqs) if s.params.needs_extras]
-        extras_seqs = [seqs[i] for i in extras]
-        step_logprobs = StepLogprobs()
-        lp_rows = packed_rows(extras_seqs)
-        if extras:
-            index = torch.tensor(extras, device=self.device)
-            processed = rows[index].float()  # [E, vocab]
-            if len(lp_rows):
-                lp_index = torch.from_numpy(lp_rows).to(self.device)
-                raw = processed[lp_index]  # [L, vocab]: a copy, before the processors
-            step = self.processors.prepare(extras_seqs)
-            self.processors.apply(processed, step)
-            rows.index_copy_(0, index, processed.to(rows.dtype))
-        sampling = self.sampler.batch(seqs)
-        tokens = self.sampler.sample([rows], [slot_rows], [None], sampling, self.token_buf)
-        if extras:
-            extras_tokens = tokens[index]
-            self.processors.record(extras_tokens, step)
-            if len(lp_rows):
-                ks = [extras_seqs[j].params.logprobs for j in lp_rows.tolist()]
-                packed = packed_logprobs(raw, extras_tokens[lp_index], max(ks))
-                step_logprobs.rows = [extras[j] for j in lp_rows.tolist()]
-                step_logprobs.ks = ks
-                step_logprobs.host = to_host(packed)
-        for row, seq in enumerate(seqs):
-            if seq.params.prompt_logprobs is not None:
-                parts = self.prompt_logprobs.take(seq)
-                if parts is not None:
-                    step_logprobs.prompts[row] = (seq, parts)
-        handle = self.token_staging.to_host(tokens, host, self.parity)
-        handle.extras = step_logprobs
-        return handle
 
     def _add_mixed_prompt_logprobs(
         self,

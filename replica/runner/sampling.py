@@ -49,7 +49,10 @@ class StepSampler:
                 params, [None] * len(seqs), self.vocab_size, self.device,
                 positions=[len(s) for s in seqs], step_key=self.step_key(),
             )  # fmt: skip
-        generators = [self._request_generator(s) for s in seqs]
+        # An extras row samples again from its processed logits (replica.runner.
+        # extras_path), drawing from its own generator there: here it draws from the
+        # engine's, so that its generator moves once a step, as a plain row's does.
+        generators = [None if s.params.needs_extras else self.request_generator(s) for s in seqs]
         return SamplingBatch.build(params, generators, self.vocab_size, self.device)
 
     def sample(
@@ -86,7 +89,8 @@ class StepSampler:
     def release(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
 
-    def _request_generator(self, seq: Sequence) -> torch.Generator | None:
+    def request_generator(self, seq: Sequence) -> torch.Generator | None:
+        """A seeded request's own generator (made on its first sampled step), else None."""
         seed = seq.params.seed
         if seed is None:
             return None

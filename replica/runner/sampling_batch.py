@@ -36,6 +36,7 @@ class SamplingBatch:
     # sample_fused's Philox inputs (build with positions); None for the torch path
     keys: torch.Tensor | None = None  # [N] int64: Philox keys
     bases: torch.Tensor | None = None  # [N] int64: Philox counter bases
+    step_key: int | None = None  # the unseeded rows' Philox key (build with positions)
 
     @classmethod
     def greedy(cls) -> SamplingBatch:
@@ -79,6 +80,7 @@ class SamplingBatch:
         ints = _packed(philox_inputs(params, positions, step_key), torch.int64, pin)
         ints = ints.to(device, non_blocking=True)
         batch.keys, batch.bases = ints[0, :n], ints[1, :n]
+        batch.step_key = step_key
         return batch
 
 
