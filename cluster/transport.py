@@ -27,6 +27,13 @@ path is at most one message per (caller, step) whatever the number of requests, 
 DESIGN.md asks. Per request the cost is one short streaming call (ack + end). Aborts are rare and
 go through `handle.broadcast("abort", request_id)`; only the owning replica acts on it.
 
+Submit groups: a Serve call costs the replica's process ~1.4 ms of CPU whatever it
+carries, so the submits one caller makes in one pass of its event loop go out as one
+streaming call `submit_group([request, ...])` (up to max_group_size; a lone submit goes
+out alone, as above). The router places the group as one request (its first prompt,
+every prompt's blocks); the replica answers with one GroupAck holding each request's
+outcome, and the group's stream is elected carrier, or attaches, as one submit's would.
+
 Submits and the carriers they elect go over each replica's gRPC server (Serve's by-value
 handle path) unless the transport is made with serve_grpc=False (Ray actor calls): the
 same streams, with less time and CPU per call and per streamed item on both sides: on
