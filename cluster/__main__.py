@@ -1,12 +1,15 @@
 """CLI: `python -m cluster serve ...` runs an app; `python -m cluster demo` shows one working.
 
-The only place here that reads the environment is Ray itself (RAY_ADDRESS for serve).
+The only place here that reads the environment is Ray itself (RAY_ADDRESS for serve), and
+serve reads KVFLEET_API_KEY, the api_key when --api-key is not given (a key on the command
+line shows in `ps`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import time
 
@@ -52,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve_p.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
     serve_p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="HTTP address to bind: this machine only unless you say otherwise, e.g. 0.0.0.0 "
+        "with --api-key (default: 127.0.0.1)",
+    )
+    serve_p.add_argument(
         "--blocking", action="store_true", help="stay in the foreground until interrupted"
     )
     demo = sub.add_parser("demo", help="2 local replicas, a burst of streams, a table")
@@ -64,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def serve_config(args: argparse.Namespace) -> ClusterConfig:
+    if args.api_key is None and os.environ.get("KVFLEET_API_KEY"):
+        return config_from_args(ClusterConfig, args, api_key=os.environ["KVFLEET_API_KEY"])
     return config_from_args(ClusterConfig, args)
 
 
@@ -73,7 +84,7 @@ def serve_main(args: argparse.Namespace) -> None:
 
     config = serve_config(args)
     ray.init(ignore_reinit_error=True)
-    serve.start(http_options={"host": "0.0.0.0", "port": args.port})
+    serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=args.blocking)
     if not args.blocking:
         where = f"http://localhost:{args.port}" if config.http else f"Client({config.app_name!r})"

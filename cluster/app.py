@@ -72,7 +72,12 @@ def build_app(
     from cluster.ingress import Ingress
 
     return Ingress.options(logging_config=logging_config).bind(
-        llm, config.model, config.model_name, config.num_replicas
+        llm,
+        config.model,
+        config.model_name,
+        config.num_replicas,
+        api_key=config.api_key,
+        body_timeout_s=config.http_body_timeout_s,
     )
 
 

@@ -122,6 +122,24 @@ class ClusterConfig:
         default=False,
         metadata={"help": "an OpenAI-compatible HTTP ingress in front (else Python Client only)"},
     )
+    api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "with http, every route but /health requires `Authorization: Bearer "
+            "KEY` (401 otherwise); `python -m cluster serve` also reads KVFLEET_API_KEY. "
+            "none: no key (the server binds 127.0.0.1 unless --host says otherwise)"
+        },
+    )
+    http_body_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "with http, a request body not fully received this long after the "
+            "handler starts reading it is answered 408 and its connection closed, so a "
+            "client that declares 1,000 bytes and sends 10 holds nothing for long (a 1 MB "
+            "body, the largest taken, needs 100 KB/s at the default)"
+        },
+    )
     access_log: bool = field(
         default=False,
         metadata={
@@ -218,6 +236,9 @@ class ClusterConfig:
             )
         positive_int("max_ongoing_requests", self.max_ongoing_requests)
         is_bool("http", self.http)
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty string or None")  # never echo it
+        positive_float("http_body_timeout_s", self.http_body_timeout_s)
         is_bool("access_log", self.access_log)
         is_bool("engine_process", self.engine_process, allow_none=True)
         non_empty_str("app_name", self.app_name)

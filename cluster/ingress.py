@@ -6,7 +6,10 @@ chat template), GET /v1/models, POST /tokenize and /detokenize, GET /version, /h
 (503 until every replica answers), /stats. Bodies are cluster.openai_api's pydantic
 models. Bad input (malformed JSON, an invalid known field) -> 400 naming the field;
 unknown fields are ignored with one warning (a log line and the x-kvfleet-ignored-fields
-header); a body over MAX_BODY_BYTES -> 413; OverloadedError -> 503 with Retry-After; a
+header); a body over MAX_BODY_BYTES -> 413, one not received within the body timeout -> 408
+(its connection closed), one nested deeper than MAX_JSON_DEPTH -> 400, headers over
+MAX_HEADER_BYTES -> 431; with an api_key, every route but /health needs `Authorization:
+Bearer KEY` (401 otherwise); OverloadedError -> 503 with Retry-After; a
 replica failing mid-request -> 502 (or, once an SSE stream has started, an error event
 before [DONE]); anything else -> a typed 500. An SSE stream is one unit per request
 anyway, so it carries one event per engine step per request. A client that disconnects
@@ -19,13 +22,16 @@ Text, stop strings and their hold-back come from the Client (replica.detokenizer
 # helper the handlers call is defined above the class: Serve pickles the wrapped class
 # with the module globals that exist when it is decorated.
 
+import asyncio
+import hmac
 import importlib.metadata
 import json
 import logging
 import math
+import re
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import fields
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -56,18 +62,35 @@ from cluster.openai_api import (
 from cluster.openai_format import Echo, best_of, chat_logprobs, choice_logprobs
 from cluster.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from cluster.request_group import UsageCounter, gather_or_cancel, open_streams
+from replica.stats import ReplicaStats
 from router.errors import OverloadedError
 
 api = FastAPI(title="kvfleet")
 logger = logging.getLogger("ray.serve")
 
 MAX_BODY_BYTES = 1 << 20
+# json.loads recurses once per level: past ~1,000 levels it raised RecursionError (a bare
+# 500), and bodies of 500-979 levels failed on their way to a replica (a 502). OpenAI's
+# deepest bodies (tool schemas, content parts) stay far below 64.
+MAX_JSON_DEPTH = 64
+# Checked here, after Serve's proxy (uvicorn with httptools, which takes any size) has
+# read them: it bounds what reaches the handlers, not the proxy (docs/design.md).
+MAX_HEADER_BYTES = 64 << 10
 IGNORED_FIELDS_HEADER = "x-kvfleet-ignored-fields"
 DONE_EVENT = "data: [DONE]\n\n"
 
 
 class BodyTooLargeError(ValueError):
     """The request body is over MAX_BODY_BYTES."""
+
+
+class BodyTimeoutError(ValueError):
+    """The request body did not arrive within the ingress's body timeout."""
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 
 
 def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
@@ -78,6 +101,9 @@ def _error_response(exc: Exception) -> JSONResponse:
     """The typed JSON error for an exception raised before a response started."""
     if isinstance(exc, BodyTooLargeError):
         return _error(413, str(exc), "invalid_request_error")
+    if isinstance(exc, BodyTimeoutError):
+        # Close: the rest of a body that may still come must not be read as a request.
+        return _error(408, str(exc), "invalid_request_error", {"Connection": "close"})
     if isinstance(exc, ValueError):
         return _error(400, str(exc), "invalid_request_error")
     if isinstance(exc, OverloadedError):
@@ -96,25 +122,67 @@ def _error_event(exc: Exception) -> str:
     return f"data: {json.dumps({'error': {'message': message, 'type': kind}})}\n\n"
 
 
-async def _read_body(request: Request) -> bytes:
-    """The request body, refused (BodyTooLargeError) past MAX_BODY_BYTES without reading it all."""
+async def _read_body(request: Request, timeout_s: float) -> bytes:
+    """The request body, refused (BodyTooLargeError) past MAX_BODY_BYTES without reading it
+    all, and (BodyTimeoutError) when it has not all arrived within timeout_s."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise BodyTooLargeError(f"body: {declared} bytes exceeds the limit of {MAX_BODY_BYTES}")
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise BodyTooLargeError(f"body: exceeds the limit of {MAX_BODY_BYTES} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for part in request.stream():
+                body += part
+                if len(body) > MAX_BODY_BYTES:
+                    raise BodyTooLargeError(f"body: exceeds the limit of {MAX_BODY_BYTES} bytes")
+    except TimeoutError:
+        raise BodyTimeoutError(f"body: not received within {timeout_s:g} s") from None
     return bytes(body)
 
 
-async def _json_body(request: Request) -> Any:
-    body = await _read_body(request)
+def _check_json_depth(body: bytes) -> None:
+    """ValueError naming body when its arrays and objects nest deeper than MAX_JSON_DEPTH,
+    found on the raw bytes in one pass (strings taken out first), before json.loads
+    recurses. A body with no more openers than the limit cannot nest past it: two C-level
+    counts, the whole cost for almost every request."""
+    if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    depth = 0
+    for byte in _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS):
+        depth += _DEPTH_STEP[byte]
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"body: nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+async def _json_body(request: Request, timeout_s: float) -> Any:
+    body = await _read_body(request, timeout_s)
+    _check_json_depth(body)
     try:
         return json.loads(body)
     except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError("body: not valid JSON") from None
+    except RecursionError:  # unreachable past _check_json_depth; never a bare 500
+        raise ValueError(f"body: nested deeper than {MAX_JSON_DEPTH} levels") from None
+
+
+def _unauthorized() -> JSONResponse:
+    """OpenAI's answer to a missing or wrong key (its client raises AuthenticationError)."""
+    error = {
+        "message": "Authorization: this server needs the header `Authorization: Bearer "
+        "<api key>` with its api key",
+        "type": "invalid_request_error",
+        "code": "invalid_api_key",
+    }
+    return JSONResponse({"error": error}, 401, headers={"WWW-Authenticate": "Bearer"})
+
+
+def _public_stats(stats: ReplicaStats) -> dict:
+    """stats for /stats: the cached prefix hashes only counted. The hashes are chained
+    and unsalted, so a client that hashes a guessed prompt could match them and learn
+    what another client sent; the router reads them inside the cluster."""
+    public = {f.name: getattr(stats, f.name) for f in fields(stats)}
+    public["num_cached_prefix_hashes"] = len(public.pop("cached_prefix_hashes"))
+    return public
 
 
 def _sse(event: BaseModel) -> str:
@@ -137,24 +205,51 @@ def _kvfleet_version() -> str:
 @serve.ingress(api)
 class Ingress:
     """model_path: the engine's model (a directory or a preset); model_name: its id in
-    the API (ClusterConfig.model_name); num_replicas: how many /health waits for."""
+    the API (ClusterConfig.model_name); num_replicas: how many /health waits for;
+    api_key and body_timeout_s: ClusterConfig's api_key and http_body_timeout_s."""
 
     def __init__(
-        self, llm_handle: Any, model_path: str, model_name: str, num_replicas: int
+        self,
+        llm_handle: Any,
+        model_path: str,
+        model_name: str,
+        num_replicas: int,
+        api_key: str | None = None,
+        body_timeout_s: float = 10.0,
     ) -> None:
         self.model_path = model_path
         self.model_name = model_name
         self.num_replicas = num_replicas
+        self.api_key = None if api_key is None else api_key.encode()
+        self.body_timeout_s = body_timeout_s
         # Its own handle rather than llm_handle (which binds LLMServer into the app), to
         # route on this replica's loop, which lives as long as the replica.
         self.client = Client(llm_handle.app_name, route_on_caller_loop=True)
+
+    def _refuse(self, request: Request, needs_key: bool = True) -> JSONResponse | None:
+        """The error response for headers over MAX_HEADER_BYTES or (needs_key) a missing
+        or wrong api key; None when the request may go on."""
+        size = sum(len(name) + len(value) for name, value in request.scope["headers"])
+        if size > MAX_HEADER_BYTES:
+            message = f"headers: {size} bytes exceeds the limit of {MAX_HEADER_BYTES}"
+            return _error(431, message, "invalid_request_error", {"Connection": "close"})
+        if self.api_key is None or not needs_key:
+            return None
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken must not tell how much of a guess was right.
+        right_key = hmac.compare_digest(key.strip().encode(), self.api_key)
+        if scheme.lower() != "bearer" or not right_key:
+            return _unauthorized()
+        return None
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.model_path):
             raise ValueError(f"model: {model!r} is not served here (serving {self.model_name!r})")
 
     @api.get("/health")
-    async def health(self) -> Any:
+    async def health(self, request: Request) -> Any:
+        if (refused := self._refuse(request, needs_key=False)) is not None:
+            return refused
         # One stats call to every replica: cheap, and answered only by a replica whose
         # engine is up.
         try:
@@ -167,11 +262,15 @@ class Ingress:
         return {"status": "ok"}
 
     @api.get("/version")
-    async def version(self) -> dict:
+    async def version(self, request: Request) -> Any:
+        if (refused := self._refuse(request)) is not None:
+            return refused
         return {"version": _kvfleet_version()}
 
     @api.get("/v1/models")
-    async def models(self) -> Any:
+    async def models(self, request: Request) -> Any:
+        if (refused := self._refuse(request)) is not None:
+            return refused
         try:
             info = await self.client.model_info_async()
         except Exception as exc:
@@ -186,13 +285,17 @@ class Ingress:
         return {"object": "list", "data": [card]}
 
     @api.get("/stats")
-    async def stats(self) -> dict:
-        return {"replicas": [asdict(s) for s in await self.client.stats_async()]}
+    async def stats(self, request: Request) -> Any:
+        if (refused := self._refuse(request)) is not None:
+            return refused
+        return {"replicas": [_public_stats(s) for s in await self.client.stats_async()]}
 
     @api.get("/metrics")
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
         """Prometheus text: every live replica's engine figures (the same whichever
         ingress replica answers) and this ingress replica's routing (cluster.metrics)."""
+        if (refused := self._refuse(request)) is not None:
+            return refused
         try:
             snapshots = await self.client.metrics_async()
         except Exception as exc:
@@ -203,8 +306,10 @@ class Ingress:
 
     @api.post("/tokenize")
     async def tokenize(self, request: Request) -> Any:
+        if (refused := self._refuse(request)) is not None:
+            return refused
         try:
-            body = parse(TokenizeRequest, await _json_body(request))
+            body = parse(TokenizeRequest, await _json_body(request, self.body_timeout_s))
             self._check_model(body.model)
             tokenizer = await self.client.tokenizer_async()
             if tokenizer is None:
@@ -222,8 +327,10 @@ class Ingress:
 
     @api.post("/detokenize")
     async def detokenize(self, request: Request) -> Any:
+        if (refused := self._refuse(request)) is not None:
+            return refused
         try:
-            body = parse(DetokenizeRequest, await _json_body(request))
+            body = parse(DetokenizeRequest, await _json_body(request, self.body_timeout_s))
             self._check_model(body.model)
             tokenizer = await self.client.tokenizer_async()
             if tokenizer is None:
@@ -238,8 +345,10 @@ class Ingress:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        if (refused := self._refuse(request)) is not None:
+            return refused
         try:
-            body = parse(CompletionRequest, await _json_body(request))
+            body = parse(CompletionRequest, await _json_body(request, self.body_timeout_s))
             self._check_model(body.model)
             body.check_supported()
             prompts = body.prompts()
@@ -338,8 +447,10 @@ class Ingress:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        if (refused := self._refuse(request)) is not None:
+            return refused
         try:
-            body = parse(ChatCompletionRequest, await _json_body(request))
+            body = parse(ChatCompletionRequest, await _json_body(request, self.body_timeout_s))
             self._check_model(body.model)
             body.check_supported()
             params = body.engine_params()
