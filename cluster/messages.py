@@ -16,6 +16,7 @@ import msgpack
 
 from replica.outputs import Logprobs
 from replica.sampling_params import MAX_N
+from router.errors import OverloadedError
 
 _ACK = 0
 _BATCH = 1
@@ -32,6 +33,19 @@ ABORTED = "aborted"  # the caller aborted the request before it was admitted
 MAX_GROUP_SIZE = 256
 
 ERROR_FINISH = "error"  # TokenDelta.finish_reason when the replica's engine failed
+
+
+class GroupRefusedError(OverloadedError):
+    """The router could not place a submit group as a whole now: its requests go again
+    one by one, each admitted (or held, or rejected) on its own.
+
+    A group's need is its requests' sum, which may fit no replica where each request
+    alone would (a burst of 20 on two replicas of 48 blocks: tests/cluster/test_faults.py);
+    holding or rejecting the group would change what admission does to its requests.
+    """
+
+    def __init__(self, reason: str = "the group does not fit any replica now") -> None:
+        super().__init__(0.0, reason)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster import live_stats, routing_trace
+from cluster.messages import GroupRefusedError
 from replica.stats import ReplicaStats
 from router import Admission, OverloadedError, RouterConfig, RouteRequest
 
@@ -156,6 +157,9 @@ class KVFleetRequestRouter(RequestRouter):
       - OverloadedError (reject mode, or hold exhausted): resolve the pending
         request's future with the error, so the caller's response raises it,
         and return one tier, which makes Serve's loop see the done future and stop.
+      - a submit group (route_group_from_call) that is not admitted at once is
+        neither held nor rejected: GroupRefusedError, and the caller sends its
+        requests one by one, so admission decides for each as it would have alone.
     Invariant: every routed request ends in a replica or an OverloadedError; a
     held request waits at most RouterConfig.max_hold_s.
     Failure: replicas without readable stats are routed to only as a last tier.
@@ -252,7 +256,12 @@ class KVFleetRequestRouter(RequestRouter):
                 attempt=attempt,
                 held_since_s=held_since_s,
             )
+            if request.group_prompt_lens and not decision.admitted:
+                # Not held: its requests go again one by one (GroupRefusedError).
+                raise GroupRefusedError(decision.reason or "the group does not fit")
         except OverloadedError as error:
+            if request.group_prompt_lens and not isinstance(error, GroupRefusedError):
+                error = GroupRefusedError(error.reason)
             self.holds.pop(request.request_id, None)
             self.admission.release(request.request_id)
             if pending_request is None:

@@ -31,8 +31,10 @@ Submit groups: a Serve call costs the replica's process ~1.4 ms of CPU whatever 
 carries, so the submits one caller makes in one pass of its event loop go out as one
 streaming call `submit_group([request, ...])` (up to max_group_size; a lone submit goes
 out alone, as above). The router places the group as one request (its first prompt,
-every prompt's blocks); the replica answers with one GroupAck holding each request's
-outcome, and the group's stream is elected carrier, or attaches, as one submit's would.
+every prompt's blocks), or refuses it at once (GroupRefusedError) where it does not fit
+as a whole, and its requests then go one by one, admitted each on its own; the replica
+answers with one GroupAck holding each request's outcome, and the group's stream is
+elected carrier, or attaches, as one submit's would.
 
 Submits and the carriers they elect go over each replica's gRPC server (Serve's by-value
 handle path) unless the transport is made with serve_grpc=False (Ray actor calls): the
@@ -89,6 +91,7 @@ from cluster.messages import (
     UNAVAILABLE,
     CarrierBatch,
     GroupAck,
+    GroupRefusedError,
     Heartbeat,
     StepBatch,
     SubmitAck,
@@ -382,7 +385,8 @@ class CallerTransport:
 
     async def _submit_group(self, group: list[_Pending]) -> None:
         """One group call for these requests; resolves each one's future with its own
-        outcome: its replica id, or the error its submit raises.
+        outcome: its replica id, or the error its submit raises; None for all (each goes
+        alone) when the router could not place the group as a whole.
 
         Run by a task of the transport, not by the callers: a caller that stops waiting
         leaves the ack to be read all the same, since its stream may be the carrier."""
@@ -391,6 +395,11 @@ class CallerTransport:
         try:
             gen = self._submit_group_call.remote([p.request.to_wire() for p in group])
             ack = decode_message(await gen.__anext__())
+        except GroupRefusedError:  # each request goes again alone, admitted on its own
+            for pending in group:
+                if not pending.future.done():
+                    pending.future.set_result(None)
+            return
         except BaseException as exc:
             for pending in group:
                 for sample in pending.samples:

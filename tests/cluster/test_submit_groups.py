@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from bench.cluster import FakeEngine
-from cluster.messages import GroupAck, decode_message
+from cluster.messages import GroupAck, GroupRefusedError, decode_message
 from cluster.request_router import prompt_hash_key, route_group_from_call
 from cluster.transport import CallerTransport
 from router import OverloadedError, RouterConfig
@@ -152,45 +152,58 @@ def test_a_malformed_group_fails_every_request() -> None:
     asyncio.run(scenario())
 
 
-class _RejectingHandle(InProcessHandle):
-    """A replica behind a router that rejects every group call."""
+class _RefusingHandle(InProcessHandle):
+    """A replica behind a router that refuses every group call with `error`."""
 
-    def __init__(self, handle: InProcessHandle) -> None:
+    def __init__(self, handle: InProcessHandle, error: Exception) -> None:
         super().__init__(handle.server)
-        self.rejecting = _RejectingCall()
+        self.refusing = _RefusingCall(error)
 
     def options(self, method_name: str, stream: bool, _by_reference: bool = True) -> Any:
         if method_name == "submit_group":
-            return self.rejecting
+            return self.refusing
         return super().options(method_name, stream, _by_reference)
 
 
-class _RejectingCall:
-    """A group call the router rejected: its first item raises OverloadedError."""
+class _RefusingCall:
+    """A group call the router refused: its first item raises the router's error."""
 
-    def __init__(self) -> None:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
         self.num_calls = 0
 
     def remote(self, _wires: Any) -> Any:
         self.num_calls += 1
 
-        async def rejected() -> Any:
-            raise OverloadedError(0.5, "every replica is full")
+        async def refused() -> Any:
+            raise self.error
             yield  # an async generator, as a streaming response is
 
-        return rejected()
+        return refused()
 
 
-def test_overload_rejects_every_request_of_the_group(handle: InProcessHandle) -> None:
+def test_a_refused_group_goes_again_one_by_one(handle: InProcessHandle) -> None:
     async def scenario() -> None:
-        rejecting_handle = _RejectingHandle(handle)
-        rejecting = rejecting_handle.rejecting
-        transport = CallerTransport(rejecting_handle)
+        refusing = _RefusingHandle(handle, GroupRefusedError())
+        transport = CallerTransport(refusing)
+        outs = await asyncio.gather(*(tokens_of(transport, f"q{i}", 3) for i in range(5)))
+        assert [len(tokens) for tokens in outs] == [3] * 5
+        assert refusing.refusing.num_calls == 1
+        assert len(calls(refusing, "submit")) == 5  # each admitted on its own
+        assert transport.num_in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_overload_of_the_group_call_rejects_every_request(handle: InProcessHandle) -> None:
+    async def scenario() -> None:
+        refusing = _RefusingHandle(handle, OverloadedError(0.5, "every replica is full"))
+        transport = CallerTransport(refusing)
         results = await asyncio.gather(
             *(transport.submit(f"q{i}", [1, 2], params(4)) for i in range(5)),
             return_exceptions=True,
         )
-        assert rejecting.num_calls == 1
+        assert refusing.refusing.num_calls == 1 and calls(refusing, "submit") == []
         assert all(isinstance(r, OverloadedError) for r in results), results
         assert transport.num_in_flight == 0
 
@@ -265,23 +278,28 @@ def test_a_group_routes_as_its_first_prompt_with_the_summed_need() -> None:
     assert prompt_hash_key([group], {}, 4) == "prompt:0,1,2,3"
 
 
-def test_the_router_reserves_a_groups_blocks_and_rejects_one_that_cannot_fit() -> None:
+@pytest.mark.parametrize("on_overload", ["reject", "hold"])
+def test_the_router_reserves_a_groups_blocks_and_refuses_one_that_cannot_fit(
+    on_overload: str,
+) -> None:
     async def scenario() -> None:
-        config = RouterConfig(policy="kv", on_overload="reject")
+        config = RouterConfig(policy="kv", on_overload=on_overload)
         replicas = [fake_replica("r", num_blocks_used=60)]  # 40 of 100 blocks free
         router = make_router(config)
         fits = pending("g1", [_wire("a", 160, 8), _wire("b", 160, 8, start=500)])
         tiers = await router.choose_replicas(replicas, fits)
         assert [[r.replica_id.unique_id for r in tier] for tier in tiers] == [["r"]]
         assert router.admission.reservations.num_reserved_blocks("r") == 20  # 10 each
-        # Five of 10 blocks each: one alone fits, the group of them does not.
+        # Five of 10 blocks each: one alone fits, the group of them does not, and is
+        # refused at once (not held) so that its requests go again one by one.
         wires = [_wire(f"b{i}", 160, 8, start=1000 * i) for i in range(5)]
         assert await make_router(config).choose_replicas(replicas, pending("b0", wires[0]))
         router = make_router(config)
         too_big = pending("g2", wires)
-        await router.choose_replicas(replicas, too_big)
-        with pytest.raises(OverloadedError):
+        assert await router.choose_replicas(replicas, too_big)
+        with pytest.raises(GroupRefusedError):
             await too_big.future
         assert router.admission.reservations.num_reserved_blocks("r") == 0
+        assert router.holds == {}
 
     asyncio.run(scenario())
