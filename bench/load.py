@@ -206,7 +206,9 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict], dict | Non
         vocab = args.vocab_size or Client(args.app_name).model_info().vocab_size
     else:
         configs = {r: _cluster_config(args, r) for r in routers}  # validates every router
-        ray_address = start_local_ray(args.ray_num_cpus or _ray_num_cpus(configs))
+        ray_address = start_local_ray(
+            args.ray_num_cpus or _ray_num_cpus(configs), next(iter(configs.values()))
+        )
         vocab = args.vocab_size or load_model_config(args.model).vocab_size
         if args.http:
             start_http(args.http_url)

@@ -20,10 +20,18 @@ HTTP_READY_TIMEOUT_S = 60.0
 FRESH_WAIT_S = 2.0  # leak_check: how long a drained fleet may wait for fresh snapshots
 
 
-def start_local_ray(num_cpus: int) -> str:
-    """Start a small local Ray; returns the GCS address generator processes connect to."""
+def start_local_ray(num_cpus: int, config: Any = None) -> str:
+    """Start a small local Ray; returns the GCS address generator processes connect to.
+
+    config (a ClusterConfig, or None for none over HTTP): the app the Ray is for; with
+    http and http_proxy "haproxy" its Serve runs the HAProxy ingress (cluster.app.set_ray_env).
+    """
     import ray
 
+    if config is not None:
+        from cluster.app import set_ray_env
+
+        set_ray_env(config)
     # "local": always a new cluster, never one another user started with `ray start`.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     return ray.get_runtime_context().gcs_address

@@ -1,8 +1,9 @@
 """CLI: `python -m cluster serve ...` runs an app; `python -m cluster demo` shows one working.
 
-The only place here that reads the environment is Ray itself (RAY_ADDRESS for serve), and
-serve reads KVFLEET_API_KEY, the api_key when --api-key is not given (a key on the command
-line shows in `ps`).
+The only place here that reads the environment is Ray itself (RAY_ADDRESS for serve);
+serve writes Serve's HAProxy variables into it before it starts a local Ray
+(cluster.app.set_ray_env), and reads KVFLEET_API_KEY, the api_key when --api-key is not
+given (a key on the command line shows in `ps`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import random
 import time
 
-from cluster.app import build_app
+from cluster.app import build_app, check_http_proxy, cluster_runs_haproxy, set_ray_env, use_haproxy
 from cluster.client import Client
 from cluster.config import ROUTERS, ClusterConfig
 from replica.config_flags import add_config_flags, config_from_args
@@ -83,7 +84,12 @@ def serve_main(args: argparse.Namespace) -> None:
     from ray import serve
 
     config = serve_config(args)
+    # Read by the Ray this starts; a cluster it attaches to (RAY_ADDRESS) keeps its own,
+    # which check_http_proxy holds http_proxy against.
+    set_ray_env(config)
     ray.init(ignore_reinit_error=True)
+    if use_haproxy(config):
+        check_http_proxy(config, cluster_runs_haproxy())
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=args.blocking)
     if not args.blocking:

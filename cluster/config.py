@@ -24,6 +24,7 @@ from router.config import POLICIES, RouterConfig
 # Ray Serve's own request routers, run as peers of the kvfleet policies (no admission).
 SERVE_ROUTERS = ("serve-pow2", "serve-round-robin", "serve-consistent-hash")
 ROUTERS = (*POLICIES, *SERVE_ROUTERS)
+HTTP_PROXIES = ("haproxy", "serve")
 _ROUTER_DEFAULTS = RouterConfig()
 # RouterConfig fields that only kvfleet's routers (their admission control, their
 # ranking) read: Serve's routers refuse them away from their defaults. policy is
@@ -121,6 +122,28 @@ class ClusterConfig:
     http: bool = field(
         default=False,
         metadata={"help": "an OpenAI-compatible HTTP ingress in front (else Python Client only)"},
+    )
+    ingress_replicas: int = field(
+        default=2,
+        metadata={
+            "help": "replicas of the HTTP ingress (with http): each writes the SSE events "
+            "of its share of the streams on a core of its own (one ingress for 256 streams "
+            "was the HTTP path's bottleneck, docs/design.md), and one can die without "
+            "closing the front door. Each asks Ray for no CPU (cluster.app.INGRESS_NUM_CPUS)"
+        },
+    )
+    http_proxy: str = field(
+        default="haproxy",
+        metadata={
+            "help": "what fronts the ingress replicas on the HTTP port: haproxy (Ray Serve's "
+            "HAProxy: each ingress replica serves HTTP on a port of its own and HAProxy "
+            "balances the HTTP port over them; the Ray cluster must run with "
+            "RAY_SERVE_ENABLE_HA_PROXY=1, which `python -m cluster serve` and bench.load "
+            "set, with RAY_SERVE_THROUGHPUT_OPTIMIZED=1, when they start a local Ray) or "
+            "serve (Serve's Python HTTP proxy, which forwards every SSE event as a message "
+            "of its own)",
+            "choices": HTTP_PROXIES,
+        },
     )
     api_key: str | None = field(
         default=None,
@@ -236,6 +259,8 @@ class ClusterConfig:
             )
         positive_int("max_ongoing_requests", self.max_ongoing_requests)
         is_bool("http", self.http)
+        positive_int("ingress_replicas", self.ingress_replicas)
+        one_of("http_proxy", self.http_proxy, HTTP_PROXIES)
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")  # never echo it
         positive_float("http_body_timeout_s", self.http_body_timeout_s)

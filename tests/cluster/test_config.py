@@ -51,6 +51,8 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
         ("num_cpus_per_replica", float("inf")),
         ("num_cpus_per_replica", float("nan")),
         ("http", "yes"),
+        ("ingress_replicas", 0),
+        ("http_proxy", "nginx"),
         ("access_log", 1),
         ("engine_process", "yes"),
         ("engine", {"block_size": 32}),
@@ -201,9 +203,16 @@ def test_deploy_yaml_maps_onto_the_config_fields(name: str) -> None:
         assert getattr(config, key) == value, key
 
 
-def test_serve_yaml_builds() -> None:
+def test_serve_yaml_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray.serve._private import constants
+
     args = _app_args(yaml.safe_load((DEPLOY / "serve.yaml").read_text()))
+    # Serve builds it on the cluster, where the YAML's http_proxy wants HAProxy on.
+    monkeypatch.setattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", True)
     assert isinstance(app_builder(args), Application)
+    monkeypatch.setattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", False)
+    with pytest.raises(ValueError, match="http_proxy.*RAY_SERVE_ENABLE_HA_PROXY=1"):
+        app_builder(args)
     assert ClusterConfig.from_dict(args).http
 
 
