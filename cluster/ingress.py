@@ -62,6 +62,7 @@ from cluster.openai_api import (
 from cluster.openai_format import Echo, best_of, chat_logprobs, choice_logprobs
 from cluster.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from cluster.request_group import UsageCounter, gather_or_cancel, open_streams
+from cluster.sse import ChatDeltas, CompletionChunks
 from replica.stats import ReplicaStats
 from router.errors import OverloadedError
 
@@ -409,10 +410,17 @@ class Ingress:
         head = CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", model=self.model_name, choices=[])
         usage = UsageCounter()
         offsets: dict[int, int] = {}  # per choice: its text so far (and its echo sent)
+        fast = None
+        if body.logprobs is None and echoes is None and not body.continuous_usage:
+            fast = CompletionChunks(head)  # the common chunk without a model (cluster.sse)
         try:
             async for i, chunk in chunks:
                 index = i * body.n + chunk.index
                 usage.add(index, chunk, i)
+                if fast is not None:
+                    text = chunk.text or ""
+                    yield fast.event(index, text, chunk.finish_reason, chunk.token_ids)
+                    continue
                 echo = None
                 if echoes is not None and index not in offsets:
                     echo = echoes[i]
@@ -495,6 +503,7 @@ class Ingress:
             id=f"chatcmpl-{uuid.uuid4().hex}", model=self.model_name, choices=[]
         )
         usage = UsageCounter()
+        fast = None if body.continuous_usage else ChatDeltas(head)  # cluster.sse
 
         def event(
             index: int,
@@ -513,7 +522,9 @@ class Ingress:
                 yield event(index, ChatDelta(role="assistant", content=""))
             async for _, chunk in chunks:
                 usage.add(chunk.index, chunk, 0)
-                if chunk.text or chunk.logprobs:
+                if chunk.text and chunk.logprobs is None and fast is not None:
+                    yield fast.event(chunk.index, chunk.text)
+                elif chunk.text or chunk.logprobs:
                     logprobs = None
                     if chunk.logprobs is not None:
                         logprobs = chat_logprobs(tokenizer, chunk.logprobs)
