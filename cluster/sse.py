@@ -3,7 +3,7 @@
 Most events of a stream are the common chunk: new text and token ids, without logprobs,
 echo or per-chunk usage. Those are written from the response's JSON prefix, computed
 once per stream, and json.dumps of the text, not from a pydantic model per chunk: a
-model_copy and model_dump_json cost tens of microseconds an event, and one ingress
+model_copy and model_dump_json cost 23 us an event against 3.3 us (CPU box), and one ingress
 replica writes an event per engine step per stream (256 streams at ~1,000 steps/s on
 one H200 gpt2 replica). The bytes differ from pydantic's only in how non-ASCII text is
 escaped; both parse to the same object (tests/cluster/test_http_ingress.py).
