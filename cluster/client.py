@@ -287,7 +287,7 @@ class Client:
         self, prompt: list[int] | str, params: SamplingParams | None = None
     ) -> Completion:
         """The whole completion of one sample (n > 1: samples_async)."""
-        if params is not None and params.n > 1:
+        if isinstance(params, SamplingParams) and params.n > 1:
             raise ValueError(f"n: generate returns one completion; use samples for n={params.n}")
         return (await self.samples_async(prompt, params))[0]
 
@@ -296,7 +296,9 @@ class Client:
     ) -> list[Completion]:
         """The n completions of one prompt (SamplingParams.n), in sample order: prefilled
         once on one replica, the samples forked from it."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: must be SamplingParams, got {type(params).__name__}")
         parts: list[list[Chunk]] = [[] for _ in range(params.n)]
         async for chunk in self.stream(prompt, params):
             parts[chunk.index].append(chunk)

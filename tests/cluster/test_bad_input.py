@@ -185,11 +185,13 @@ def _bad_http_bodies() -> list[tuple[bytes, int, str]]:
         (body(stop_token_ids=[-1]), 400, "stop_token_ids"),
         (body(ignore_eos="yes"), 400, "ignore_eos"),
         (body(stream="yes"), 400, "stream"),
-        (body(n=2), 400, "n"),
+        (body(n=0), 400, "n"),
+        (body(n=2, best_of=1), 400, "best_of"),
         (body(model="other-model"), 400, "model"),
         (body(stop=[1]), 400, "stop"),
         (body(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
-        (body(logprobs=0), 400, "logprobs"),  # known, not supported yet
+        (body(logprobs=21), 400, "logprobs"),
+        (body(suffix="x"), 400, "suffix"),  # known, not supported
         (body(stream_options={"include_usage": "x"}), 400, "stream_options"),
         (b'{"prompt": [1, 2', 400, "JSON"),
         (b"\xff\xfe not utf-8", 400, "JSON"),
