@@ -155,11 +155,11 @@ def _cluster_config(args: argparse.Namespace, router: str) -> ClusterConfig:
 
 
 def _ray_num_cpus(configs: dict[str, ClusterConfig]) -> int:
-    """CPUs for a local Ray: a replica's num_cpus_per_replica (at least one) each, two for
-    Serve's controller and proxy, and one for the HTTP ingress's replica (Serve's default)."""
+    """CPUs for a local Ray: a replica's num_cpus_per_replica (at least one) each, and two
+    for Serve's controller and proxy (the HTTP ingress replicas ask for none)."""
     config = next(iter(configs.values()))
     per_replica = max(config.num_cpus_per_replica or 1, 1)
-    return math.ceil(config.num_replicas * per_replica) + 2 + (1 if config.http else 0)
+    return math.ceil(config.num_replicas * per_replica) + 2
 
 
 def round_app_name(app_name: str, router: str) -> str:
@@ -340,7 +340,8 @@ def _run_json(args: argparse.Namespace, run: dict) -> dict:
 _TARGET_KEYS = (
     "app_name model num_replicas routers router num_blocks max_num_seqs block_size device "
     "dtype on_overload queue_fraction balance_band num_procs "
-    "carrier_messages_per_step access_log engine_process http http_url offline_peer"
+    "carrier_messages_per_step access_log engine_process http http_url http_proxy "
+    "ingress_replicas offline_peer"
 ).split()
 
 

@@ -429,6 +429,7 @@ def test_num_cpus_per_replica_reaches_the_config_and_the_local_ray() -> None:
     assert _ray_num_cpus({"kv": default}) == 3 + 2  # one each, as a CPU replica takes
     half = replace(default, num_cpus_per_replica=0.5)
     assert _ray_num_cpus({"kv": half}) == 3 + 2  # at least one each
+    assert _ray_num_cpus({"kv": replace(default, http=True)}) == 3 + 2  # ingress: no CPU
     with pytest.raises(ValueError, match="num_cpus_per_replica"):
         _cluster_config(
             _parser().parse_args(["--model", "gpt2-tiny", "--num-cpus-per-replica", "-1"]), "kv"
