@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 import kernels
-from replica.runner.logits_processors import LogitsProcessors
-from replica.runner.logprobs import PromptLogprobs, StepLogprobs, packed_logprobs
+from replica.runner.logits_processors import LogitsProcessors, has_penalties
+from replica.runner.logprobs import PromptLogprobs, StepLogprobs, pack
 from replica.runner.packed_upload import PackedUpload
 from replica.runner.sampling import StepSampler
 from replica.runner.sampling_batch import SamplingBatch, param_columns, sample
@@ -86,12 +86,13 @@ class ExtrasPath:
         extras = [row for row in rows if seqs[row].params.needs_extras]
         if not extras:
             return out
+        processing = any(seqs[row].params.processes_logits for row in extras)
+        if processing:  # the rows with penalties first (LogitsProcessors.prepare)
+            extras.sort(key=lambda row: not has_penalties(seqs[row]))
         extras_seqs = [seqs[row] for row in extras]
         params = [s.params for s in extras_seqs]
         lp_rows = [j for j, p in enumerate(params) if p.logprobs is not None]
-        step = None
-        if any(p.processes_logits for p in params):
-            step = self.processors.prepare(extras_seqs)
+        step = self.processors.prepare(extras_seqs) if processing else None
         sampled = not all(p.greedy for p in params)
         fused = sampled and self.sampler.fused
         arrays = [np.array(extras, np.int64)]
@@ -116,11 +117,9 @@ class ExtrasPath:
             step = step.on_device(views)
         all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)
         rows_logits = all_logits.index_select(0, index).float()  # [E, vocab]
-        raw = rows_logits
-        if lp_rows and (lp_index is not None or step is not None):
-            # the model's logits, before the processors change rows_logits in place
+        if lp_rows:  # of the model's logits, before the processors change them in place
             raw = rows_logits if lp_index is None else rows_logits.index_select(0, lp_index)
-            raw = raw.clone() if raw is rows_logits else raw
+            logprobs = torch.log_softmax(raw, dim=-1)  # [L, vocab]
         if step is not None:
             self.processors.apply(rows_logits, step)
         if fused:
@@ -144,7 +143,7 @@ class ExtrasPath:
         if lp_rows:
             ks = [params[j].logprobs for j in lp_rows]
             targets = extras_tokens if lp_index is None else extras_tokens.index_select(0, lp_index)
-            packed = packed_logprobs(raw, targets, max(ks))  # [L, 1 + 2 max(ks)]
+            packed = pack(logprobs, targets, max(ks))  # [L, 1 + 2 max(ks)]
             out.rows = [extras[j] for j in lp_rows]
             out.ks = ks
             out.host = self._to_host(packed, parity)

@@ -33,26 +33,34 @@ from replica.sequence import Sequence
 @dataclass
 class ProcessorStep:
     """One step's processor inputs for its extras rows: numpy arrays as prepare makes
-    them, device tensors once on_device has their uploaded copies."""
+    them, device tensors once on_device has their uploaded copies. The rows with
+    penalties come first (prepare's seqs are so ordered), so that apply reads them as
+    a slice of the logits, not a gather and a scatter. Token positions are flat
+    (row * vocab + token id): each is one index_add_ / index_fill_ launch, where a
+    (rows, ids) index_put_ that accumulates sorts its indices first on CUDA."""
 
-    penalty_rows: Any  # [2, P] int64: the extras rows with penalty state; their state rows
+    num_penalty_rows: int  # P: rows 0..P-1 have penalty state
+    penalty_state: Any  # [2, P] int64: their rows of counts / prompt_mask; those * vocab
     penalties: Any  # [3, P] float32: repetition, frequency, presence
     any_repetition: bool
-    bias_index: Any  # [2, B] int64: rows, token ids
+    bias_at: Any  # [B] int64: flat positions in the step's [E, vocab] logits
     bias_values: Any  # [B] float32
-    masked: Any  # [2, M] int64: rows, token ids set to -inf
+    masked_at: Any  # [M] int64: flat positions set to -inf
+    prompt_at: Any  # [Q] int64: flat positions in prompt_mask of new rows' prompt tokens
 
     def arrays(self) -> list[np.ndarray]:
         """The inputs that are present, in on_device's order."""
-        fields = (self.penalty_rows, self.penalties, self.bias_index, self.bias_values, self.masked)
+        fields = (self.penalty_state, self.penalties, self.bias_at, self.bias_values,
+                  self.masked_at, self.prompt_at)  # fmt: skip
         return [a for a in fields if a is not None]
 
     def on_device(self, tensors: Iterator[torch.Tensor]) -> ProcessorStep:
         """This step with its arrays replaced by tensors (their uploads, in arrays' order)."""
         take = lambda a: None if a is None else next(tensors)  # noqa: E731
         return ProcessorStep(
-            take(self.penalty_rows), take(self.penalties), self.any_repetition,
-            take(self.bias_index), take(self.bias_values), take(self.masked),
+            self.num_penalty_rows, take(self.penalty_state), take(self.penalties),
+            self.any_repetition, take(self.bias_at), take(self.bias_values),
+            take(self.masked_at), take(self.prompt_at),
         )  # fmt: skip
 
 
@@ -78,9 +86,9 @@ class LogitsProcessors:
         self.prompt_mask = torch.zeros((capacity, vocab_size), dtype=torch.bool, device=device)
         self.free_rows = list(range(capacity - 1, -1, -1))
         self.rows: dict[str, int] = {}  # request id -> its state row
-        # Scalars that apply and record write, made once: a fresh one a step is a copy.
-        self.neg_inf = torch.tensor(float("-inf"), device=device)
-        self.one = torch.ones((), dtype=torch.int32, device=device)
+        # What record adds, made once (a fresh tensor a step is a launch): a step has at
+        # most max_num_seqs (the initial capacity) rows with penalties.
+        self.ones = torch.ones(capacity, dtype=torch.int32, device=device)
 
     def release(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)
@@ -89,43 +97,48 @@ class LogitsProcessors:
 
     def prepare(self, seqs: list[Sequence]) -> ProcessorStep:
         """The processors' inputs (on the host) for a step whose extras rows are seqs, in
-        order; hands state rows to the requests with penalties that have none yet."""
-        pen_idx, state, values = [], [], []
-        bias_rows, bias_ids, bias_values = [], [], []
-        mask_rows, mask_ids = [], []
+        order, those with penalties first; hands state rows to the requests with
+        penalties that have none yet."""
+        vocab = self.vocab_size
+        state, values, prompt_at = [], [], []
+        bias_at, bias_values, masked_at = [], [], []
         for i, seq in enumerate(seqs):
             p = seq.params
             if has_penalties(seq):
-                pen_idx.append(i)
-                state.append(self._state_row(seq))
+                if len(state) != i:
+                    raise ValueError("seqs: the rows with penalties must come first")
+                state.append(self._state_row(seq, prompt_at))
                 values.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
-            for token, bias in p.logit_bias:
-                bias_rows.append(i)
-                bias_ids.append(token)
+            for token, bias in p.logit_bias:  # a dict's: one entry per token
+                bias_at.append(i * vocab + token)
                 bias_values.append(bias)
             # Tokens out so far, the one in flight (a PLACEHOLDER) included: this step
             # samples the next one.
             if len(seq.token_ids) - seq.num_prompt_tokens < p.min_tokens:
-                for token in seq.stop_ids:
-                    if token >= self.vocab_size:  # never sampled: nothing to mask
-                        continue
-                    mask_rows.append(i)
-                    mask_ids.append(token)
+                masked_at += (
+                    i * vocab + t for t in seq.stop_ids if t < vocab
+                )  # others: never sampled
+        state_rows = np.array(state, np.int64)
         return ProcessorStep(
-            np.array([pen_idx, state], np.int64) if pen_idx else None,
-            np.array(values, np.float32).T.copy() if pen_idx else None,
+            len(state),
+            np.stack([state_rows, state_rows * vocab]) if state else None,
+            np.array(values, np.float32).T.copy() if state else None,
             any(v[0] != 1.0 for v in values),
-            np.array([bias_rows, bias_ids], np.int64) if bias_rows else None,
-            np.array(bias_values, np.float32) if bias_rows else None,
-            np.array([mask_rows, mask_ids], np.int64) if mask_rows else None,
+            np.array(bias_at, np.int64) if bias_at else None,
+            np.array(bias_values, np.float32) if bias_at else None,
+            np.array(masked_at, np.int64) if masked_at else None,
+            np.concatenate(prompt_at) if prompt_at else None,
         )
 
     def apply(self, logits: torch.Tensor, step: ProcessorStep) -> None:
-        """Process the extras rows' logits [E, vocab] (float32) in place (step on the
-        device)."""
-        if step.penalty_rows is not None:
-            pen_rows, state_rows = step.penalty_rows
-            rows = logits.index_select(0, pen_rows)  # [P, vocab]
+        """Process the extras rows' logits [E, vocab] (float32, contiguous) in place (step
+        on the device)."""
+        num_rows = step.num_penalty_rows
+        if step.prompt_at is not None:  # after prepare's zero_ of the new rows
+            self.prompt_mask.view(-1).index_fill_(0, step.prompt_at, True)
+        if num_rows:
+            state_rows = step.penalty_state[0]
+            rows = logits[:num_rows]  # [P, vocab]
             counts = self.counts.index_select(0, state_rows)  # [P, vocab] int32
             seen = counts > 0
             repetition, frequency, presence = step.penalties.unsqueeze(2)  # each [P, 1]
@@ -133,22 +146,25 @@ class LogitsProcessors:
                 seen_any = seen | self.prompt_mask.index_select(0, state_rows)
                 penalized = torch.where(rows > 0, rows / repetition, rows * repetition)
                 rows = torch.where(seen_any, penalized, rows)
-            rows = rows - frequency * counts - presence * seen
-            logits.index_copy_(0, pen_rows, rows)
-        if step.bias_index is not None:
-            logits.index_put_(tuple(step.bias_index), step.bias_values, accumulate=True)
-        if step.masked is not None:
-            logits.index_put_(tuple(step.masked), self.neg_inf)
+            torch.sub(rows - frequency * counts, presence * seen, out=logits[:num_rows])
+        flat = logits.view(-1)
+        if step.bias_at is not None:
+            flat.index_add_(0, step.bias_at, step.bias_values)
+        if step.masked_at is not None:
+            flat.index_fill_(0, step.masked_at, float("-inf"))
 
     def record(self, tokens: torch.Tensor, step: ProcessorStep) -> None:
         """Count the step's sampled tokens (tokens [E] int64, the extras rows') in their
         requests' state rows, on the device."""
-        if step.penalty_rows is not None:
-            pen_rows, state_rows = step.penalty_rows
-            ids = tokens.index_select(0, pen_rows)
-            self.counts.index_put_((state_rows, ids), self.one, accumulate=True)
+        num_rows = step.num_penalty_rows
+        if num_rows:
+            at = step.penalty_state[1] + tokens[:num_rows]  # flat positions in counts
+            self.counts.view(-1).index_add_(0, at, self.ones[:num_rows])
 
-    def _state_row(self, seq: Sequence) -> int:
+    def _state_row(self, seq: Sequence, prompt_at: list[np.ndarray]) -> int:
+        """seq's state row; a new one is zeroed, and its prompt tokens' flat positions in
+        prompt_mask (repetition) added to prompt_at for apply to set: a pageable copy of
+        the ids here would hold the host until the device finished the queued forward."""
         row = self.rows.get(seq.request_id)
         if row is not None:
             return row
@@ -159,8 +175,7 @@ class LogitsProcessors:
         self.counts[row].zero_()
         self.prompt_mask[row].zero_()
         if seq.params.repetition_penalty != 1.0:
-            prompt = torch.from_numpy(seq.prompt_ids).to(self.device)
-            self.prompt_mask[row, prompt] = True
+            prompt_at.append(row * self.vocab_size + seq.prompt_ids.astype(np.int64))
         return row
 
     def _grow(self) -> None:

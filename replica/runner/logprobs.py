@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from replica.outputs import Logprobs
@@ -31,7 +30,15 @@ def packed_logprobs(
     k: int,  # top logprobs per row
 ) -> torch.Tensor:  # [L, 1 + 2k] float32
     """Each row's target logprob, then its top k logprobs and their ids."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return pack(torch.log_softmax(logits.float(), dim=-1), targets, k)
+
+
+def pack(
+    logprobs: torch.Tensor,  # [L, vocab] float32: log_softmax of the raw logits
+    targets: torch.Tensor,  # [L] int64
+    k: int,
+) -> torch.Tensor:  # [L, 1 + 2k] float32
+    """packed_logprobs of logprobs already taken."""
     chosen = logprobs.gather(1, targets.unsqueeze(1))
     if k == 0:
         return chosen
@@ -133,8 +140,3 @@ class StepLogprobs:
                 entries += (unpack(p, t, k, k) for p, t in zip(part.host.tolist(), ids))
             prompts[row] = entries
         return sampled, prompts
-
-
-def packed_rows(seqs: list[Sequence]) -> np.ndarray:
-    """The rows of seqs that ask logprobs (int64)."""
-    return np.fromiter((i for i, s in enumerate(seqs) if s.params.logprobs is not None), np.int64)

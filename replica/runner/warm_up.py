@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from replica.runner.sampling_batch import SamplingBatch
+from replica.runner.sampling_batch import SamplingBatch, sample_fused
 from replica.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -57,6 +57,11 @@ def warm_up(runner: ModelRunner) -> None:
         )
         runner.token_staging.to_host(tokens, host, runner.parity).wait()
     generator.set_state(state)
+    if runner.sampler.fused and runner.dtype != torch.float32:
+        # The extras rows' side path samples their processed logits in float32
+        # (replica.runner.extras_path): Triton compiles those launch forms apart.
+        for sampling in batches[1:]:
+            sample_fused(logits.float(), sampling)
     runner.step_inputs.upload(
         runner.parity, False, runner.block_table.cpu().numpy(), [null], runner.block_table
     )
