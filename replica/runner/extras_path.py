@@ -13,8 +13,10 @@ path's tokens and token_buf before the copy to the host.
 The host's share is what sets its cost (~26 rows x vocab is nothing for the GPU, while
 each launch and each copy costs the host microseconds): the Python here visits the E
 rows only, every host input goes to the device in one copy from persistent pinned
-staging (replica.runner.packed_upload), nothing waits for the device, and work no row
-asks for (logprobs, penalty state, sampling) is skipped.
+staging (replica.runner.packed_upload), nothing waits for the device (a copy from
+pageable memory, as torch.tensor(..., device=) makes, first waits for the stream, so for
+the queued forward), and work no row asks for (logprobs, penalty state, sampling) is
+skipped.
 """
 
 from __future__ import annotations
