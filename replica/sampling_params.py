@@ -174,9 +174,7 @@ def sample_request_id(request_id: str, index: int) -> str:
 
 
 def _is_number(value: object) -> bool:
-    return (
-        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    )
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
