@@ -84,6 +84,7 @@ def run_trace(
     next_poll_s = 0.0
 
     stats_at_start = client.stats()  # the prefix-cache counters before any request
+    counters_at_start = client.serving_counters()  # the replicas' CPU and submits
 
     def show_progress(state: Round, end: str = "") -> None:  # one rewritten stderr line
         done = f"{sum(state.done_by_proc.values())}/{len(trace)}"
@@ -116,12 +117,39 @@ def run_trace(
         "routing_rows": rows,
         "leak_check": leaks,
         "prefix_cache": prefix_cache_hits(stats_at_start, stats_at_end),
+        "replica_cpu": replica_cpu(counters_at_start, client.serving_counters()),
         "generator": [
             _generator_row(p, state.results.get(p), state.failures.get(p))
             for p in range(pool.num_procs)
         ],
         "kv_samples": samples,
     }
+
+
+def replica_cpu(before: list[dict], after: list[dict]) -> list[dict]:
+    """Per replica over a round: its process's CPU (and its engine child's, when the engine
+    runs in one) per request submitted, from LLMServer.serving_counters."""
+    starts = {c["replica_id"]: c for c in before}
+    rows = []
+    for end in after:
+        start = starts.get(end["replica_id"])
+        if start is None:
+            continue
+        requests = end["submits"] - start["submits"]
+        calls = end.get("submit_calls", end["submits"]) - start.get("submit_calls", 0)
+        engine_s = None
+        if end.get("engine_cpu_s") is not None and start.get("engine_cpu_s") is not None:
+            engine_s = end["engine_cpu_s"] - start["engine_cpu_s"]
+        rows.append({
+            "replica_id": end["replica_id"], "requests": requests, "calls": calls,
+            "cpu_ms_per_request": _ms_per(end["cpu_s"] - start["cpu_s"], requests),
+            "engine_cpu_ms_per_request": None if engine_s is None else _ms_per(engine_s, requests),
+        })  # fmt: skip
+    return rows
+
+
+def _ms_per(cpu_s: float, requests: int) -> float | None:
+    return round(1e3 * cpu_s / requests, 3) if requests else None
 
 
 def _generator_row(proc: int, result: WorkerResult | None, failure: str | None) -> dict:
@@ -294,6 +322,12 @@ def report(
             )
         if run["routing"]["decisions"]:
             print(f"{router}: routing trace: {routing_line(run['routing'])}")
+        for row in run.get("replica_cpu", []):
+            print(
+                f"{router}: replica {row['replica_id']}: {row['cpu_ms_per_request']} ms of its"
+                f" process's CPU a request ({row['requests']} requests in {row['calls']} Serve"
+                f" calls; engine child {row['engine_cpu_ms_per_request']} ms a request)"
+            )
         admit = m["admit_ms"]
         if not math.isnan(admit["p50"]):
             print(

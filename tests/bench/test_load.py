@@ -434,3 +434,24 @@ def test_num_cpus_per_replica_reaches_the_config_and_the_local_ray() -> None:
         _cluster_config(
             _parser().parse_args(["--model", "gpt2-tiny", "--num-cpus-per-replica", "-1"]), "kv"
         )
+
+
+def test_replica_cpu_is_each_replicas_cpu_per_request_over_the_round() -> None:
+    from bench.load import replica_cpu
+
+    before = [
+        {"replica_id": "a", "submits": 10, "submit_calls": 4, "cpu_s": 1.0, "engine_cpu_s": 2.0},
+        {"replica_id": "b", "submits": 0, "submit_calls": 0, "cpu_s": 0.5, "engine_cpu_s": None},
+    ]
+    after = [
+        {"replica_id": "a", "submits": 110, "submit_calls": 6, "cpu_s": 1.3, "engine_cpu_s": 2.5},
+        {"replica_id": "b", "submits": 0, "submit_calls": 0, "cpu_s": 0.6, "engine_cpu_s": None},
+        {"replica_id": "c", "submits": 5, "submit_calls": 5, "cpu_s": 9.0, "engine_cpu_s": None},
+    ]
+    rows = replica_cpu(before, after)
+    assert rows == [
+        {"replica_id": "a", "requests": 100, "calls": 2, "cpu_ms_per_request": 3.0,
+         "engine_cpu_ms_per_request": 5.0},
+        {"replica_id": "b", "requests": 0, "calls": 0, "cpu_ms_per_request": None,
+         "engine_cpu_ms_per_request": None},
+    ]  # fmt: skip
