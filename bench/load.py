@@ -251,7 +251,9 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict], dict | Non
         if args.offline_peer:  # before any replica holds the GPU
             offline = _offline_peer(next(iter(configs.values())), trace, args.concurrency)
         http_url = args.http_url if args.http else None
-        pool = GeneratorPool(num_procs, ray_address, args.routing_trace, http_url)
+        pool = GeneratorPool(
+            num_procs, ray_address, args.routing_trace, http_url, args.submit_group_size
+        )
         for router, config in configs.items():
             app_name = args.app_name if config is None else config.app_name
             if config is not None:

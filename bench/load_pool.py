@@ -49,12 +49,15 @@ class GeneratorPool:
         ray_address: str,
         routing_trace: bool = False,
         http_url: str | None = None,
+        submit_group_size: int = 1,
     ) -> None:
         """routing_trace: each generator records its routers' decisions
         (WorkerResult.routing_rows); http_url: the generators drive this OpenAI endpoint
-        instead of a Client (bench.load_http)."""
+        instead of a Client (bench.load_http); submit_group_size: their Clients'
+        max_group_size."""
         self.routing_trace = routing_trace
         self.http_url = http_url
+        self.submit_group_size = submit_group_size
         ctx = mp.get_context("spawn")
         self.events = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(num_procs)]
@@ -94,6 +97,7 @@ class GeneratorPool:
                 plan = WorkerPlan(
                     p, app_name, shares[p], users[p] if users else None, timeout_s,
                     routing_trace=self.routing_trace, http_url=self.http_url,
+                    submit_group_size=self.submit_group_size,
                 )  # fmt: skip
                 commands.put(("prepare", plan))
         t_prepare = time.monotonic()

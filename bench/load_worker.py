@@ -49,6 +49,7 @@ class WorkerPlan:
     warmup: bool = True
     routing_trace: bool = False  # record this process's routing decisions (cluster.routing_trace)
     http_url: str | None = None  # drive this OpenAI endpoint (bench.load_http), not a Client
+    submit_group_size: int = 1  # the Client's max_group_size (ClusterConfig.submit_group_size)
 
 
 @dataclass
@@ -204,7 +205,7 @@ async def _sender(plan: WorkerPlan) -> tuple[Send, Callable[[], Awaitable[None]]
             await send(warmup, RequestRecord(-1, 2, 1, 0.0), time.perf_counter())
         return send, session.close
     # A new one per round (the app was redeployed), on this round's loop.
-    client = Client(plan.app_name)
+    client = Client(plan.app_name, max_group_size=plan.submit_group_size)
     await client.model_info_async()
     send = partial(send_one, client)
     if plan.warmup:

@@ -94,6 +94,7 @@ def build_app(
         config.num_replicas,
         api_key=config.api_key,
         body_timeout_s=config.http_body_timeout_s,
+        submit_group_size=config.submit_group_size,
     )
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from cluster.errors import ReplicaDiedError, ReplicaError
+from cluster.messages import MAX_GROUP_SIZE
 from cluster.metrics import CallerMetrics, MetricsSnapshot
 from cluster.transport import CallerTransport, DeltaStream, TokenDelta, broadcast
 from replica.detokenizer import TextStream
@@ -135,7 +136,10 @@ class Client:
     (Serve's by-value handle path, `_by_reference=False`) instead of Ray actor calls:
     the TTFT Serve adds on an H200 host falls from 3.4-3.9 to 2.3-2.9 ms, and a gpt2
     replica's process spends a third less CPU per request (docs/design.md, "Serve's
-    gRPC path"); False keeps Ray's actor-call path.
+    gRPC path"); False keeps Ray's actor-call path. max_group_size: requests made in one
+    event-loop pass go to the replicas in Serve calls of up to this many, each placed by the
+    router as one request (ClusterConfig.submit_group_size); 1, the default, places each
+    request on its own.
 
     Cost per streamed token in the calling process is a few microseconds, a good part of
     it garbage collection walking the start-up heap (Ray, torch) when the per-chunk
@@ -155,6 +159,7 @@ class Client:
         stats_timeout_s: float = 10.0,
         route_on_caller_loop: bool = False,
         serve_grpc: bool = True,
+        max_group_size: int = 1,
     ) -> None:
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
@@ -172,6 +177,12 @@ class Client:
         ):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
+        if not isinstance(max_group_size, int) or not 1 <= max_group_size <= MAX_GROUP_SIZE:
+            raise ValueError(
+                f"max_group_size must be an integer in [1, {MAX_GROUP_SIZE}], "
+                f"got {max_group_size!r}"
+            )
+        self.max_group_size = max_group_size
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self.carrier_timeout_s = carrier_timeout_s
@@ -413,8 +424,9 @@ class Client:
 
                 handle = self._handle = serve.get_deployment_handle(LLM_DEPLOYMENT, self.app_name)
             transport = CallerTransport(
-                handle, self.carrier_timeout_s, self.abort_timeout_s, self.serve_grpc
-            )
+                handle, self.carrier_timeout_s, self.abort_timeout_s, self.serve_grpc,
+                max_group_size=self.max_group_size,
+            )  # fmt: skip
             self._transports[loop] = transport
         return transport
 

@@ -217,6 +217,7 @@ class Ingress:
         num_replicas: int,
         api_key: str | None = None,
         body_timeout_s: float = 10.0,
+        submit_group_size: int = 1,
     ) -> None:
         self.model_path = model_path
         self.model_name = model_name
@@ -225,7 +226,9 @@ class Ingress:
         self.body_timeout_s = body_timeout_s
         # Its own handle rather than llm_handle (which binds LLMServer into the app), to
         # route on this replica's loop, which lives as long as the replica.
-        self.client = Client(llm_handle.app_name, route_on_caller_loop=True)
+        self.client = Client(
+            llm_handle.app_name, route_on_caller_loop=True, max_group_size=submit_group_size
+        )
 
     def _refuse(self, request: Request, needs_key: bool = True) -> JSONResponse | None:
         """The error response for headers over MAX_HEADER_BYTES or (needs_key) a missing

@@ -245,6 +245,7 @@ def base_url() -> Iterator[str]:
         model="gpt2-tiny",
         served_model_name=MODEL_NAME,
         num_replicas=2,
+        ingress_replicas=1,  # the routing counters are one ingress replica's
         num_blocks=128,
         max_num_seqs=8,
         device="cpu",

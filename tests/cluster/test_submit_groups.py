@@ -303,3 +303,15 @@ def test_the_router_reserves_a_groups_blocks_and_refuses_one_that_cannot_fit(
         assert router.holds == {}
 
     asyncio.run(scenario())
+
+
+def test_callers_place_each_request_alone_unless_asked_to_group() -> None:
+    from cluster import Client, ClusterConfig
+
+    assert Client("app").max_group_size == 1 and ClusterConfig().submit_group_size == 1
+    assert Client("app", max_group_size=64).max_group_size == 64
+    for bad in (0, 257, "8"):
+        with pytest.raises(ValueError, match="max_group_size"):
+            Client("app", max_group_size=bad)
+        with pytest.raises(ValueError, match="submit_group_size"):
+            ClusterConfig(submit_group_size=bad)
