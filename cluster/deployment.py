@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import sys
 import time
@@ -187,21 +188,14 @@ class LLMServer:
             yield SubmitAck(self.replica_id, False, "", str(exc), INVALID).encode()
             return
         caller_id, rid = request.caller_id, request.request_id
-        carrier = self._carriers.get(caller_id)
-        is_carrier = carrier is None
-        if carrier is None:
-            carrier = self._carriers[caller_id] = _Carrier()
+        carrier, is_carrier = self._elect(caller_id)
         # n > 1: the engine runs n samples, each under its own id, all carried here.
         rids = [sample_request_id(rid, i) for i in range(num_samples(request.params))]
         carrier.in_flight.update(rids)
         try:
             error, error_kind, admitted_s = await self._admit(caller_id, request)
         except BaseException:  # cancelled by the caller, or an engine bug: never leak blocks
-            for sample_id in rids:
-                self._drop(caller_id, carrier, sample_id)
-                self._engine_loop.abort(sample_id)
-            if is_carrier:
-                self._close_carrier(caller_id, carrier)
+            self._abandon(caller_id, carrier, is_carrier, rids)
             raise
         if error is not None:
             for sample_id in rids:
@@ -210,15 +204,12 @@ class LLMServer:
         ack = SubmitAck(
             self.replica_id, is_carrier, carrier_id, error, error_kind, admitted_s
         ).encode()
-        if not is_carrier:
-            yield ack
-            return
-        try:
-            yield ack
-            async for message in self._carry(carrier):
+        # aclosing: a caller that goes away closes the carrier now, not when collected.
+        async with contextlib.aclosing(
+            self._ack_and_carry(ack, is_carrier, caller_id, carrier)
+        ) as messages:
+            async for message in messages:
                 yield message
-        finally:  # done, or the caller went away (cancelled / closed at any yield)
-            self._close_carrier(caller_id, carrier)
 
     async def submit_group(self, wires: list) -> AsyncIterator[bytes]:
         """Admit a group of one caller's requests (a list of SubmitRequest wires) in one
@@ -239,10 +230,7 @@ class LLMServer:
             yield GroupAck(self.replica_id, False, "", errors, kinds, [None] * len(errors)).encode()
             return
         caller_id = next(iter(requests.values())).caller_id
-        carrier = self._carriers.get(caller_id)
-        is_carrier = carrier is None
-        if carrier is None:
-            carrier = self._carriers[caller_id] = _Carrier()
+        carrier, is_carrier = self._elect(caller_id)
         sample_ids = {
             i: [sample_request_id(r.request_id, k) for k in range(num_samples(r.params))]
             for i, r in requests.items()
@@ -255,12 +243,9 @@ class LLMServer:
                 *(self._admit(caller_id, request) for request in requests.values())
             )
         except BaseException:  # cancelled by the caller, or an engine bug: never leak blocks
-            for rids in sample_ids.values():
-                for sample_id in rids:
-                    self._drop(caller_id, carrier, sample_id)
-                    self._engine_loop.abort(sample_id)
-            if is_carrier:
-                self._close_carrier(caller_id, carrier)
+            self._abandon(
+                caller_id, carrier, is_carrier, [r for rs in sample_ids.values() for r in rs]
+            )
             raise
         error_kinds: list[str | None] = [None if e is None else INVALID for e in errors]
         admitted_s: list[float | None] = [None] * len(errors)
@@ -274,15 +259,12 @@ class LLMServer:
         ack = GroupAck(
             self.replica_id, is_carrier, carrier_id, errors, error_kinds, admitted_s
         ).encode()
-        if not is_carrier:
-            yield ack
-            return
-        try:
-            yield ack
-            async for message in self._carry(carrier):
+        # aclosing: a caller that goes away closes the carrier now, not when collected.
+        async with contextlib.aclosing(
+            self._ack_and_carry(ack, is_carrier, caller_id, carrier)
+        ) as messages:
+            async for message in messages:
                 yield message
-        finally:  # done, or the caller went away (cancelled / closed at any yield)
-            self._close_carrier(caller_id, carrier)
 
     @staticmethod
     def _parse_group(wires: Any) -> tuple[dict[int, SubmitRequest], list[str | None]]:
@@ -326,6 +308,40 @@ class LLMServer:
         except AbortedBeforeAdmissionError as exc:
             return str(exc), ABORTED, None
         return None, None, admitted_s
+
+    def _elect(self, caller_id: str) -> tuple[_Carrier, bool]:
+        """The caller's carrier here, and whether this call's stream becomes it (the caller
+        has none yet: election on arrival, so later submits attach to it)."""
+        carrier = self._carriers.get(caller_id)
+        if carrier is not None:
+            return carrier, False
+        carrier = self._carriers[caller_id] = _Carrier()
+        return carrier, True
+
+    def _abandon(
+        self, caller_id: str, carrier: _Carrier, is_carrier: bool, rids: list[str]
+    ) -> None:
+        """A submit call that ends before its ack: abort what it admitted (no leaked
+        blocks), and close the carrier it was elected as."""
+        for rid in rids:
+            self._drop(caller_id, carrier, rid)
+            self._engine_loop.abort(rid)
+        if is_carrier:
+            self._close_carrier(caller_id, carrier)
+
+    async def _ack_and_carry(
+        self, ack: bytes, is_carrier: bool, caller_id: str, carrier: _Carrier
+    ) -> AsyncIterator[bytes]:
+        """The ack; then, for the elected stream, the carrier's messages until it is done."""
+        if not is_carrier:
+            yield ack
+            return
+        try:
+            yield ack
+            async for message in self._carry(carrier):
+                yield message
+        finally:  # done, or the caller went away (cancelled / closed at any yield)
+            self._close_carrier(caller_id, carrier)
 
     def _drop(self, caller_id: str, carrier: _Carrier, rid: str) -> None:
         carrier.in_flight.discard(rid)
