@@ -1,0 +1,214 @@
+"""router.autoscale: the KV policy (signals, delays, bounds) and the mirror of Serve's default."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from router.autoscale import (
+    AutoscaleConfig,
+    FleetLoad,
+    KVAutoscalePolicy,
+    ReplicaLoad,
+    ScaleState,
+    ServeDefaultPolicy,
+    apply_delay,
+)
+
+CFG = AutoscaleConfig(
+    min_replicas=1,
+    max_replicas=4,
+    upscale_delay_s=5.0,
+    downscale_delay_s=20.0,
+    max_queue_wait_s=2.0,
+    upscale_wait_fraction=0.5,
+    kv_high_watermark=0.8,
+    kv_low_threshold=0.2,
+)
+
+
+def load(kv: float, waiting: int = 0, rate: float = 1000.0) -> ReplicaLoad:
+    return ReplicaLoad(kv_usage=kv, num_waiting_tokens=waiting, tokens_per_s=rate)
+
+
+def run(policy, loads_at, target: int, times):
+    """Calls decide at each time with the loads of that time; returns the targets."""
+    state = ScaleState()
+    out = []
+    for t in times:
+        loads = loads_at(t)
+        decision = policy.decide(loads, len(loads), target, t, state)
+        target, state = decision.num_replicas, decision.state
+        out.append(target)
+    return out
+
+
+def test_fleet_load_predicts_wait_from_queued_tokens_and_rate():
+    fleet = FleetLoad.of([load(0.5, 3000, 1000.0), load(0.3, 1000, 1000.0)])
+    assert fleet.predicted_wait_s == pytest.approx(2.0)
+    assert fleet.kv_usage == pytest.approx(0.4)
+    assert FleetLoad.of([load(0.1, 10, 0.0)]).predicted_wait_s == math.inf
+    assert FleetLoad.of([load(0.1, 0, 0.0)]).predicted_wait_s == 0.0
+
+
+def test_scales_up_before_the_wait_reaches_the_admission_bound():
+    policy = KVAutoscalePolicy(CFG)
+    # 1.5 s of queue against a 2 s bound: past the 1 s threshold, below the bound.
+    loads = [load(0.4, 1500, 1000.0)]
+    first = policy.decide(loads, 1, 1, 100.0, ScaleState())
+    assert first.num_replicas == 1 and first.reason == "wait"  # waiting out upscale_delay_s
+    second = policy.decide(loads, 1, 1, 105.0, first.state)
+    assert second.num_replicas == 2
+
+
+def test_scale_up_is_proportional_to_the_wait_and_capped_by_max_replicas():
+    policy = KVAutoscalePolicy(CFG)
+    loads = [load(0.4, 3000, 1000.0)]  # 3 s of queue: 3 replicas bring it to 1 s
+    assert policy.desired(FleetLoad.of(loads), 1, 1) == (3, "wait")
+    loads = [load(0.4, 100_000, 1000.0)]
+    d = policy.decide(loads, 1, 1, 0.0, ScaleState())
+    assert policy.decide(loads, 1, 1, 5.0, d.state).num_replicas == 4
+    # A queue on a replica that has not decoded yet is an infinite wait.
+    assert policy.desired(FleetLoad.of([load(0.0, 10, 0.0)]), 1, 1) == (4, "wait")
+
+
+def test_scales_up_on_kv_near_the_watermark_with_no_queue():
+    policy = KVAutoscalePolicy(CFG)
+    desired, reason = policy.desired(FleetLoad.of([load(0.9), load(0.85)]), 2, 2)
+    assert reason == "kv" and desired == 4  # 2 * 0.875 / 0.5 (middle of the band)
+    assert policy.desired(FleetLoad.of([load(0.7)]), 1, 1) == (1, "hold")
+
+
+def test_pressure_never_undoes_a_scale_up_in_progress():
+    policy = KVAutoscalePolicy(CFG)
+    # One replica running, three asked for: a wait that one more replica would cure
+    # still asks for the three.
+    assert policy.desired(FleetLoad.of([load(0.4, 1500)]), 1, 3) == (3, "wait")
+
+
+def test_scales_down_only_after_occupancy_stays_low_for_the_delay():
+    policy = KVAutoscalePolicy(CFG)
+
+    def loads_at(t: float):
+        kv = 0.9 if 28.0 <= t < 29.0 else 0.05
+        return [load(kv)] * 3
+
+    targets = run(policy, loads_at, 3, [float(t) for t in range(0, 60)])
+    # Low from 0: down to 1 at 20 s, the fewest that keep 3 * 0.05 under the band's middle.
+    assert targets[19] == 3 and targets[20] == 1
+    policy2 = KVAutoscalePolicy(CFG)
+    # A spike at 28 s restarts the downscale wait, so a fleet held at 3 stays at 3 until 49 s.
+    targets = run(policy2, lambda t: loads_at(t + 10.0), 3, [float(t) for t in range(0, 60)])
+    assert targets[17] == 3 and targets[18] == 3 and targets[38] == 3 and targets[39] == 1
+
+
+def test_scale_down_keeps_the_wait_and_occupancy_in_band():
+    policy = KVAutoscalePolicy(CFG)
+    # 0.15 each on 4 replicas: 2 replicas would hold 0.3 (< 0.5, the band's middle).
+    assert policy.desired(FleetLoad.of([load(0.15)] * 4), 4, 4) == (2, "low")
+    # Low occupancy but a queue: 0.9 s of wait on 4 replicas needs 4 to stay under 1 s.
+    assert policy.desired(FleetLoad.of([load(0.1, 900, 1000.0)] * 4), 4, 4)[0] == 4
+
+
+def test_bounds_and_no_metrics():
+    cfg = AutoscaleConfig(
+        min_replicas=2, max_replicas=3, upscale_delay_s=0.0, downscale_delay_s=0.0
+    )
+    policy = KVAutoscalePolicy(cfg)
+    assert policy.decide([load(0.01)] * 2, 2, 2, 0.0, ScaleState()).num_replicas == 2
+    assert policy.decide([load(0.99, 10**6)] * 2, 2, 2, 0.0, ScaleState()).num_replicas == 3
+    held = policy.decide([], 0, 3, 0.0, ScaleState())
+    assert held.num_replicas == 3 and held.reason == "no-metrics"
+
+
+def test_delay_resets_when_the_direction_changes():
+    n, s = apply_delay(3, 2, CFG, 0.0, ScaleState())
+    assert n == 2 and s == ScaleState(1, 0.0)
+    n, s = apply_delay(1, 2, CFG, 3.0, s)  # now down: the up wait is lost
+    assert n == 2 and s == ScaleState(-1, 3.0)
+    n, s = apply_delay(3, 2, CFG, 6.0, s)
+    assert n == 2 and s == ScaleState(1, 6.0)
+    n, s = apply_delay(3, 2, CFG, 11.0, s)
+    assert n == 3 and s == ScaleState()
+    assert ScaleState.from_dict(ScaleState(-1, 7.5).to_dict()) == ScaleState(-1, 7.5)
+
+
+def test_serve_default_matches_rays_policy(monkeypatch):
+    import ray.serve.autoscaling_policy as rsp
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.autoscaling_policy import _apply_autoscaling_config, default_autoscaling_policy
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    cfg = AutoscaleConfig(
+        min_replicas=1,
+        max_replicas=8,
+        upscale_delay_s=3.0,
+        downscale_delay_s=7.0,
+        target_ongoing_requests=4.0,
+        upscaling_factor=0.5,
+        downscaling_factor=0.5,
+    )
+    ray_cfg = AutoscalingConfig(
+        min_replicas=1,
+        max_replicas=8,
+        upscale_delay_s=3.0,
+        downscale_delay_s=7.0,
+        target_ongoing_requests=4.0,
+        upscaling_factor=0.5,
+        downscaling_factor=0.5,
+    )
+    ray_policy = _apply_autoscaling_config(default_autoscaling_policy)
+    ours = ServeDefaultPolicy(cfg)
+    ongoing = [0, 5, 30, 30, 30, 30, 30, 9, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0] * 2 + [0] * 30
+    current = target = 1
+    ray_state: dict = {}
+    state = ScaleState()
+    seen = []
+    for step, total in enumerate(ongoing):
+        now = float(step)
+        ctx = AutoscalingContext(
+            deployment_id=DeploymentID(name="d", app_name="a"),
+            deployment_name="d",
+            app_name="a",
+            current_num_replicas=current,
+            target_num_replicas=target,
+            running_replicas=[],
+            total_num_requests=float(total),
+            total_queued_requests=0.0,
+            aggregated_metrics={},
+            raw_metrics={},
+            capacity_adjusted_min_replicas=1,
+            capacity_adjusted_max_replicas=8,
+            policy_state=ray_state,
+            last_scale_up_time=None,
+            last_scale_down_time=None,
+            current_time=now,
+            config=ray_cfg,
+        )
+        # Serve's delay rule reads time.time(); give it this step's clock.
+        monkeypatch.setattr(rsp.time, "time", lambda now=now: now)
+        ray_n, ray_state = ray_policy(ctx)
+        monkeypatch.undo()
+        ray_n = max(1, min(8, ray_n))
+        decision = ours.decide(float(total), current, target, now, state)
+        state = decision.state
+        assert decision.num_replicas == ray_n, f"step {step}: ongoing {total}"
+        current = target = ray_n
+        seen.append(ray_n)
+    # The trace exercised both directions and the damping.
+    assert max(seen) >= 4 and seen[-1] == 1 and len(set(seen)) >= 3
+
+
+def test_config_validation_names_the_field():
+    for kwargs, name in [
+        ({"min_replicas": 0}, "min_replicas"),
+        ({"min_replicas": 3, "max_replicas": 2}, "max_replicas"),
+        ({"upscale_delay_s": -1.0}, "upscale_delay_s"),
+        ({"max_queue_wait_s": 0.0}, "max_queue_wait_s"),
+        ({"kv_high_watermark": 1.5}, "kv_high_watermark"),
+        ({"kv_low_threshold": 0.9, "kv_high_watermark": 0.8}, "kv_low_threshold"),
+        ({"target_ongoing_requests": 0}, "target_ongoing_requests"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            AutoscaleConfig(**kwargs)
