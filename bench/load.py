@@ -58,7 +58,15 @@ from bench.load_target import (
     wait_http_ready,
 )
 from bench.load_worker import WorkerResult
-from bench.load_workload import DATASETS, TAILS, RequestSpec, WorkloadConfig, build_trace
+from bench.load_workload import (
+    DATASETS,
+    TAILS,
+    RequestSpec,
+    WorkloadConfig,
+    build_trace,
+    trace_specs,
+)
+from bench.trace import FORMATS, ReplayConfig, read_trace, replay
 from cluster import routing_trace
 from cluster.config import ADMISSION_FIELDS, ROUTERS, ClusterConfig
 from replica.config_flags import add_config_flags, flag_values
@@ -204,6 +212,18 @@ def _workload(args: argparse.Namespace, vocab_size: int) -> WorkloadConfig:
     return WorkloadConfig(**{n: getattr(args, n) for n in names}, vocab_size=vocab_size)
 
 
+def _replayed(args: argparse.Namespace, vocab_size: int) -> tuple[list[RequestSpec], dict]:
+    """--trace: its requests (open loop at its timestamps) and the workload's description."""
+    replay_config = ReplayConfig(
+        time_scale=args.time_scale, length_scale=args.length_scale, start_s=args.start_s,
+        duration_s=args.duration_s, vocab_size=vocab_size - 1,  # the last id is often EOS
+    )  # fmt: skip
+    trace = trace_specs(replay(read_trace(args.trace, args.trace_format), replay_config))
+    workload = {"trace": args.trace, "trace_format": args.trace_format,
+                "num_requests": len(trace)} | asdict(replay_config)  # fmt: skip
+    return trace, workload
+
+
 def _offline_peer(config: ClusterConfig, trace: list[RequestSpec], concurrency: int | None) -> dict:
     """The trace through a bare engine with the EngineConfig, device and torch threads that
     a replica of config gets (Ray sets its OMP_NUM_THREADS to its CPUs, at least 1)."""
@@ -241,9 +261,12 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict], dict | Non
         if args.http:
             start_http(args.http_url)
     workload_config = _workload(args, vocab)
-    trace = build_trace(workload_config)
-    workload = asdict(workload_config) | {"concurrency": args.concurrency}
-    num_procs = min(args.num_procs, args.concurrency or args.num_procs, args.num_requests)
+    if args.trace is None:
+        trace = build_trace(workload_config)
+        workload = asdict(workload_config) | {"concurrency": args.concurrency}
+    else:
+        trace, workload = _replayed(args, vocab)
+    num_procs = min(args.num_procs, args.concurrency or args.num_procs, len(trace))
     runs: dict[str, dict] = {}
     offline: dict | None = None
     pool: GeneratorPool | None = None
@@ -437,6 +460,18 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--max-output-len", type=int, default=256, help="longtail: output cap")
     w.add_argument("--vocab-size", type=int, default=None, help="default: the model's")
     w.add_argument(
+        "--trace", default=None,
+        help="replay this trace file open loop at its timestamps instead of --dataset",
+    )  # fmt: skip
+    w.add_argument("--trace-format", default="mooncake", choices=FORMATS)
+    w.add_argument("--time-scale", type=float, default=1.0, help="--trace: timestamps times this")
+    w.add_argument(
+        "--length-scale", type=float, default=1.0,
+        help="--trace: its 512-token blocks and output lengths times this (e.g. 0.03125)",
+    )  # fmt: skip
+    w.add_argument("--start-s", type=float, default=0.0, help="--trace: window start (s)")
+    w.add_argument("--duration-s", type=float, default=math.inf, help="--trace: window (s)")
+    w.add_argument(
         "--seed", type=int, default=0, help="seeds the trace, the engines and the routers"
     )
     m = p.add_argument_group("measurement")
@@ -460,6 +495,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.trace is not None and args.concurrency is not None:
+        raise SystemExit("--trace replays open loop at its timestamps; drop --concurrency")
     if args.concurrency is not None and not math.isinf(args.rate):
         raise SystemExit("--rate and --concurrency are exclusive (open or closed loop)")
     if args.concurrency is not None and args.concurrency < 1:

@@ -13,6 +13,8 @@ last id, often EOS, never appears):
            system-prompt case that prefix-affinity routing is for.
   longtail lengths lognormal (median len, sigma) or Pareto (median len, shape alpha),
            clipped to [1, max_*_len]: a few very long requests among many short ones.
+  --trace  a Mooncake-format file replayed open loop at its timestamps (trace_specs;
+           token ids from its block ids, bench/trace.py).
 Arrivals and dataset draw from separate seeded streams, so changing the rate keeps the
 prompts and changing the dataset keeps the arrival times.
 """
@@ -153,6 +155,15 @@ def build_trace(config: WorkloadConfig) -> list[RequestSpec]:
             prompt = prefixes[prefix_ids[i]] + prompt
         trace.append(RequestSpec(i, prompt, out_lens[i], arrivals[i], prefix_ids[i]))
     return trace
+
+
+def trace_specs(replayed: list) -> list[RequestSpec]:
+    """A replayed trace (bench.trace.replay) as the load test's requests; prefix_id is
+    the request's family (its first block id), for the placement report."""
+    return [
+        RequestSpec(i, list(r.prompt_token_ids), r.max_tokens, r.arrival_s, r.family)
+        for i, r in enumerate(replayed)
+    ]
 
 
 def _spread(config: WorkloadConfig) -> float:

@@ -11,8 +11,16 @@ Dynamo-style, Serve's pow2, random, round robin) are simulator-side
 
     python -m bench.sim --replicas 16 --requests 50000 --rate 4000 8000 12000 \
         --dataset shared_prefix --out results/sim.json --plot results/sim.png
+    python -m bench.sim --trace trace.jsonl --trace-format mooncake --length-scale 0.03125 \
+        --replicas 8 --routers prefix,kv,serve-pow2,serve-consistent-hash,dynamo,random \
+        --load-scales 0.5 1 2 4 --out results/trace.json --plot results/trace.png
     python -m bench.sim --fit results/engine_fit.json ...     # refit the cost model
     python -m bench.sim --validate results/load.json          # compare with a real run
+
+--trace replays a Mooncake-format trace (bench/trace.py: token ids synthesized from its
+block ids) instead of a --dataset; --load-scales multiply its arrival rate (each a run
+per router). --routers takes the issue's names (serve-pow2, serve-consistent-hash);
+--policies is the older spelling of the same choice.
 
 --validate replays the trace of a `python -m bench.load --out` result (its
 workload, replica count, replica config and routers) and prints predicted vs
@@ -37,9 +45,10 @@ from dataclasses import asdict
 from bench.common import write_json
 from bench.sim_core import DEFAULT_NUM_BLOCKS, sim_config, simulate
 from bench.sim_model import cost_model_from_file
-from bench.sim_policies import ALL_POLICIES
+from bench.sim_policies import ALL_POLICIES, ROUTER_ALIASES, policy_name
 from bench.sim_report import markdown, plot
 from bench.sim_workload import ARRIVALS, DATASETS, Workload, WorkloadConfig
+from bench.trace import FORMATS, ReplayConfig, read_trace, replay
 from replica.config_flags import add_config_flags
 from router import RouterConfig
 
@@ -49,7 +58,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--requests", type=int, default=20_000)
     p.add_argument("--rate", type=float, nargs="+", default=[1500.0], help="offered req/s")
-    p.add_argument("--policies", nargs="+", default=list(ALL_POLICIES), choices=ALL_POLICIES)
+    p.add_argument(
+        "--routers", default=None,
+        help=f"comma-separated, of {sorted(ROUTER_ALIASES)} (default: all)",
+    )  # fmt: skip
+    p.add_argument(
+        "--policies", nargs="+", default=None, choices=ALL_POLICIES, help="--routers' older form"
+    )
+    t = p.add_argument_group("trace replay (bench/trace.py)")
+    t.add_argument("--trace", default=None, help="a trace file, replayed instead of --dataset")
+    t.add_argument("--trace-format", default="mooncake", choices=FORMATS)
+    t.add_argument("--time-scale", type=float, default=1.0, help="multiplies the timestamps")
+    t.add_argument(
+        "--length-scale", type=float, default=1.0,
+        help="block size (512 tokens) and output lengths times this, e.g. 0.03125",
+    )  # fmt: skip
+    t.add_argument("--start-s", type=float, default=0.0, help="window start, trace seconds")
+    t.add_argument("--duration-s", type=float, default=float("inf"), help="window length")
+    t.add_argument(
+        "--load-scales", type=float, nargs="+", default=[1.0],
+        help="with --trace: a run at each multiple of the trace's arrival rate",
+    )  # fmt: skip
     p.add_argument("--dataset", default="random", choices=DATASETS)
     p.add_argument("--arrival", default="poisson", choices=ARRIVALS)
     p.add_argument("--arrival-cv", type=float, default=1.0)
@@ -115,19 +144,17 @@ def main(argv: list[str] | None = None) -> None:
         write_json(args.out, payload | {"cost_model": cost.as_dict()})
         return
     config = sim_config(args, args.replicas)
+    routers = _routers(args)
     results = []
-    for rate in args.rate:
-        workload_config = WorkloadConfig(
-            dataset=args.dataset, num_requests=args.requests, rate=rate, arrival=args.arrival,
-            arrival_cv=args.arrival_cv, num_prefixes=args.num_prefixes,
-            prefix_len=args.prefix_len, max_model_len=args.max_model_len, seed=args.seed,
-        )  # fmt: skip
-        for policy in args.policies:
-            result = simulate(policy, Workload(workload_config), config, cost)
+    for load_scale, workload in _workloads(args):
+        for router in routers:
+            result = simulate(policy_name(router), workload, config, cost)
+            result |= {"router": router, "load_scale": load_scale}
             results.append(result)
             print(markdown([result]).splitlines()[-1], flush=True)
+    source = f"trace={args.trace}" if args.trace else f"dataset={args.dataset}"
     print(
-        f"\nreplicas={args.replicas} requests={args.requests} dataset={args.dataset} "
+        f"\nreplicas={args.replicas} requests={args.requests} {source} "
         f"arrival={args.arrival} slo ttft<={args.slo_ttft_ms}ms tpot<={args.slo_tpot_ms}ms"
     )
     print(markdown(results))
@@ -135,6 +162,56 @@ def main(argv: list[str] | None = None) -> None:
                       "sim_config": asdict(config), "results": results})  # fmt: skip
     if args.plot:
         plot(results, args.plot)
+
+
+def _routers(args: argparse.Namespace) -> list[str]:
+    if args.routers is not None and args.policies is not None:
+        raise ValueError("routers: give --routers or --policies, not both")
+    if args.routers is not None:
+        routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    else:
+        routers = args.policies or list(ALL_POLICIES)
+    if not routers:
+        raise ValueError("routers: name at least one")
+    for router in routers:
+        policy_name(router)  # raises naming it
+    return routers
+
+
+def _workloads(args: argparse.Namespace) -> list[tuple[float, Workload]]:
+    """(load scale, trace) per run: --trace at each --load-scales, else --dataset at each --rate."""
+    if args.trace is None:
+        return [
+            (rate / args.rate[0], Workload(WorkloadConfig(
+                dataset=args.dataset, num_requests=args.requests, rate=rate,
+                arrival=args.arrival, arrival_cv=args.arrival_cv,
+                num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
+                max_model_len=args.max_model_len, seed=args.seed,
+            )))
+            for rate in args.rate
+        ]  # fmt: skip
+    if any(not s > 0 for s in args.load_scales):
+        raise ValueError(f"load_scales must be > 0, got {args.load_scales}")
+    requests = read_trace(args.trace, args.trace_format)
+    out = []
+    for load_scale in args.load_scales:
+        replay_config = ReplayConfig(
+            time_scale=args.time_scale / load_scale, length_scale=args.length_scale,
+            start_s=args.start_s, duration_s=args.duration_s,
+        )  # fmt: skip
+        out.append((load_scale, trace_workload(replay(requests, replay_config))))
+    return out
+
+
+def trace_workload(replayed: list) -> Workload:
+    """A replayed trace (bench.trace.replay) as the simulator's Workload."""
+    span_s = replayed[-1].arrival_s - replayed[0].arrival_s
+    return Workload.from_trace(
+        [r.arrival_s for r in replayed],
+        [r.prompt_token_ids for r in replayed],
+        [r.max_tokens for r in replayed],
+        offered_rate=len(replayed) / span_s if span_s > 0 else float("inf"),
+    )
 
 
 if __name__ == "__main__":

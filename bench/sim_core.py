@@ -20,7 +20,7 @@ from bench.sim_workload import Workload
 from replica.config_flags import config_from_args
 from router import RouterConfig
 
-_STEP, _PUBLISH, _RETRY, _ADMIT = 0, 1, 2, 3
+_STEP, _PUBLISH, _RETRY, _ADMIT, _SAMPLE = 0, 1, 2, 3, 4
 DEFAULT_NUM_BLOCKS = 8192
 
 
@@ -58,6 +58,34 @@ class SimConfig:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
         if not self.serve_request_s >= 0:
             raise ValueError(f"serve_request_s must be >= 0, got {self.serve_request_s}")
+
+
+class KVBalance:
+    """KV usage across the replicas, sampled every stats period: the widest spread
+    (max - min used fraction) and how often one replica sat at the watermark
+    (committed: used + queued prompt blocks) while another was under half full."""
+
+    def __init__(self, replicas: list[SimReplica], high_watermark: float) -> None:
+        self.replicas = replicas
+        self.high_watermark = high_watermark
+        self.num_samples = 0
+        self.num_imbalanced = 0
+        self.max_spread = 0.0
+
+    def sample(self) -> None:
+        used = [r.num_used_blocks / r.config.num_blocks for r in self.replicas]
+        committed = max(
+            (r.num_used_blocks + r.num_waiting_blocks) / r.config.num_blocks for r in self.replicas
+        )
+        self.num_samples += 1
+        self.max_spread = max(self.max_spread, max(used) - min(used))
+        self.num_imbalanced += committed >= self.high_watermark and min(used) < 0.5
+
+    def metrics(self) -> dict:
+        return {
+            "max_kv_usage_spread": self.max_spread,
+            "watermark_imbalance_frac": self.num_imbalanced / max(1, self.num_samples),
+        }
 
 
 class Arrivals:
@@ -149,6 +177,9 @@ def _simulate(
             heap.append((offset_s, counter, _PUBLISH, i))
             counter += 1
         heapq.heapify(heap)
+    balance = KVBalance(replicas, (config.router or RouterConfig()).high_watermark)
+    heapq.heappush(heap, (0.0, counter, _SAMPLE, None))
+    counter += 1
     arrivals = Arrivals(workload, config.concurrency)
     serve_request_s = config.serve_request_s
     path_free_s = [0.0] * config.num_replicas  # when each replica's request path is free
@@ -191,6 +222,13 @@ def _simulate(
             if kind == _ADMIT:
                 admit(*arg, now)
                 continue
+            if kind == _SAMPLE:
+                balance.sample()
+                # Not alone on the heap: a stalled run must still reach the check below.
+                if num_done < n and (heap or arrivals.peek_s() < math.inf):
+                    heapq.heappush(heap, (now + stats_period_s, counter, _SAMPLE, None))
+                    counter += 1
+                continue
             if kind == _PUBLISH:
                 visible.append(
                     (now + stats_delay_s, arg, replicas[arg].stats(now, router.needs_hashes))
@@ -232,7 +270,7 @@ def _simulate(
     wall_s = time.perf_counter() - wall_start
     result = summarize(workload, replicas, arrivals.times, first_token_s, finish_s,
                        config.slo_ttft_s, config.slo_tpot_s)  # fmt: skip
-    result |= {
+    result |= balance.metrics() | {
         "policy": policy,
         "wall_s": wall_s,
         "num_rejected": num_rejected,

@@ -15,6 +15,15 @@ at the replica as their own systems do):
                + (active blocks + this prompt's blocks), ties at random.
   serve_pow2   Ray Serve's default router: two replicas at random, the one with
                fewer requests in flight (Serve's queue-length cache, here exact).
+  serve_consistent_hash
+               Ray Serve's ConsistentHashRouter (ray.serve.experimental, Ray 2.60):
+               a ring of 100 virtual nodes per replica, node i of a replica at
+               mmh3.hash64(f"{replica id}:{i}", seed 0xF9B4CA77), a key at the first
+               node clockwise (bisect_right, wrapping); the key is the session id,
+               here the prompt's head (its first block's tokens, as a client would set
+               x-session-id per system prompt). The owner, else up to 2 clockwise
+               successors when the owner is at max_ongoing_requests (kvfleet's
+               ClusterConfig default, 4096), else backoff and retry, as Serve does.
   random       uniform.
   round_robin  in turn.
 The router-side tree is a per-worker LRU of chained block hashes (a radix tree's
@@ -24,6 +33,7 @@ index hash -> workers for longest-prefix search.
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -36,8 +46,22 @@ from router import Admission, OverloadedError, RouterConfig, RouteRequest
 from router.prefix_index import HashPostings
 
 REAL_POLICIES = ("kv", "prefix", "pow2")
-PEER_POLICIES = ("sglang", "dynamo", "serve_pow2", "random", "round_robin")
+PEER_POLICIES = (
+    "sglang", "dynamo", "serve_pow2", "serve_consistent_hash", "random", "round_robin",
+)  # fmt: skip
 ALL_POLICIES = REAL_POLICIES + PEER_POLICIES
+# The issue's names (bench.sim --routers): dashes for underscores.
+ROUTER_ALIASES = {p.replace("_", "-"): p for p in ALL_POLICIES}
+
+
+def policy_name(router: str) -> str:
+    """A --routers name (serve-pow2 or serve_pow2) as the simulator's policy name."""
+    name = ROUTER_ALIASES.get(router, router)
+    if name not in ALL_POLICIES:
+        raise ValueError(f"routers: unknown {router!r}; choose from {sorted(ROUTER_ALIASES)}")
+    return name
+
+
 HELD = -1
 REJECTED = -2
 
@@ -187,6 +211,63 @@ class ServePow2Router(RandomRouter):
         self.in_flight[replica] -= 1
 
 
+class ServeConsistentHashRouter(SimRouter):
+    """See the module docstring (serve_consistent_hash)."""
+
+    name = "serve_consistent_hash"
+    tracks_progress = True
+    SEED = 0xF9B4CA77  # ray.serve.experimental.consistent_hash_router.CONSISTENT_HASH_SEED
+
+    def __init__(
+        self,
+        workload: Workload,
+        num_replicas: int,
+        key_tokens: int,
+        num_virtual_nodes: int = 100,
+        num_fallback_replicas: int = 2,
+        max_ongoing_requests: int = 4096,
+    ) -> None:
+        import mmh3
+
+        self.hash64 = lambda key: mmh3.hash64(key, seed=self.SEED, signed=False)[0]
+        self.workload = workload
+        self.key_tokens = key_tokens
+        ring = sorted(
+            (self.hash64(f"replica-{r}:{i}".encode()), r)
+            for r in range(num_replicas)
+            for i in range(num_virtual_nodes)
+        )
+        self.ring_hashes = [h for h, _ in ring]
+        self.ring_replicas = [r for _, r in ring]
+        self.num_ranked = min(num_replicas, 1 + num_fallback_replicas)
+        self.max_ongoing = max_ongoing_requests
+        self.in_flight = [0] * num_replicas
+
+    def ranked(self, rid: int) -> list[int]:
+        """The owner of the prompt head's key, then its distinct clockwise successors."""
+        head = self.workload.prompt_token_ids(rid)[: self.key_tokens]
+        key_hash = self.hash64(",".join(map(str, head)).encode())
+        start = bisect.bisect_right(self.ring_hashes, key_hash) % len(self.ring_hashes)
+        ranked: list[int] = []
+        for offset in range(len(self.ring_hashes)):
+            replica = self.ring_replicas[(start + offset) % len(self.ring_hashes)]
+            if replica not in ranked:
+                ranked.append(replica)
+                if len(ranked) == self.num_ranked:
+                    break
+        return ranked
+
+    def route(self, rid: int, now_s: float, attempt: int, held_since_s: float) -> tuple[int, float]:
+        for replica in self.ranked(rid):
+            if self.in_flight[replica] < self.max_ongoing:
+                self.in_flight[replica] += 1
+                return replica, 0.0
+        return HELD, min(0.025 * 2**attempt, 0.5)  # Serve's backoff sequence, capped
+
+    def on_finish(self, rid: int, replica: int) -> None:
+        self.in_flight[replica] -= 1
+
+
 class ApproxPrefixIndex:
     """Router-side record of which worker was sent which block chains (LRU-capped per worker).
 
@@ -330,6 +411,8 @@ def make_sim_router(
     if name in ("sglang", "dynamo"):  # router-side prefix trees of max_blocks per replica
         cls = SGLangRouter if name == "sglang" else DynamoRouter
         return cls(workload, num_replicas, max_blocks, seed)
+    if name == "serve_consistent_hash":
+        return ServeConsistentHashRouter(workload, num_replicas, key_tokens=workload.block_size)
     peers = {"random": RandomRouter, "round_robin": RoundRobinRouter, "serve_pow2": ServePow2Router}
     if name in peers:
         return peers[name](num_replicas, seed)

@@ -37,6 +37,7 @@ def summarize(
     good = done & (first - arrival <= slo_ttft_s) & (tpot_all <= slo_tpot_s)
     makespan_s = float(finish[done].max() - arrival[0]) if done.any() else float("nan")
     num_prompt = sum(r.num_prompt_tokens for r in replicas)
+    ttft_ms = summary_ms(ttft.tolist())
 
     return {
         "num_replicas": len(replicas),
@@ -44,12 +45,15 @@ def summarize(
         "num_completed": int(done.sum()),
         "offered_rate": float(workload.offered_rate),
         "sim_s": makespan_s,
-        "ttft_ms": summary_ms(ttft.tolist()),
+        "ttft_ms": ttft_ms,
         "tpot_ms": summary_ms(tpot.tolist()),
         "e2e_ms": summary_ms(e2e.tolist()),
         "throughput_req_s": float(done.sum() / makespan_s),
         "output_tokens_per_s": float(output[done].sum() / makespan_s),
         "goodput_req_s": float(good.sum() / makespan_s),
+        "goodput_rps": float(good.sum() / makespan_s),  # the name for goodput_req_s
+        "ttft_p50_s": ttft_ms["p50"] / 1e3,
+        "ttft_p99_s": ttft_ms["p99"] / 1e3,
         "slo_attainment": float(good.sum() / len(arrival)),
         "cache_hit_rate": sum(r.num_hit_tokens for r in replicas) / max(1, num_prompt),
         "num_preempted": sum(r.num_preempted_total for r in replicas),
