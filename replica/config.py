@@ -115,6 +115,16 @@ class EngineConfig:
             "a seed of their own"
         },
     )
+    prefix_salt: str = field(
+        default="",
+        repr=False,
+        metadata={
+            "help": "mixed into every prefix-cache block hash (replica.hashing.root_hash), so "
+            "hashes cannot be computed from a guessed prompt outside the deployment; the "
+            "router must hash with the same salt (a cluster sets both). A cluster app "
+            "draws a random one when this is empty (cluster.app.build_app)"
+        },
+    )
     gpu_memory_utilization: float = field(
         default=0.85,
         metadata={
@@ -182,6 +192,8 @@ class EngineConfig:
         positive_int("max_model_len", self.max_model_len, allow_none=True)
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         is_int("seed", self.seed)
+        if not isinstance(self.prefix_salt, str):
+            raise ValueError("prefix_salt must be a string")  # never echo a salt
         number_in("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         positive_float("cpu_kv_cache_gb", self.cpu_kv_cache_gb)
         positive_int("max_prefix_hashes_in_stats", self.max_prefix_hashes_in_stats)

@@ -14,6 +14,7 @@ import torch
 from replica.block_manager import BlockManager
 from replica.config import CacheConfig, EngineConfig, SchedulerConfig
 from replica.detokenizer import TextStream
+from replica.hashing import root_hash
 from replica.in_flight import InFlightStep
 from replica.models import load_model_config, load_tokenizer
 from replica.outputs import CompletionOutput, Logprobs, StepOutputs
@@ -175,17 +176,25 @@ class LLMEngine:
                 f"max_tokens: prompt + max_tokens needs {self.block_manager.blocks_needed(total)}"
                 f" KV blocks, more than the replica's {self.cache_config.num_blocks}"
             )
+        root = root_hash(self.config.prefix_salt, params.cache_salt)
         if params.n == 1:
             seq = Sequence(
                 request_id, prompt, params, self.model_config.eos_token_id,
-                max_model_len=self.max_model_len,
+                max_model_len=self.max_model_len, root_hash=root,
             )  # fmt: skip
             self.requests[request_id] = seq
             self.scheduler.add(seq)
             return
         eos, max_len = self.model_config.eos_token_id, self.max_model_len
         family = [
-            Sequence(sample_id, prompt, _sample_params(params, i), eos, max_model_len=max_len)
+            Sequence(
+                sample_id,
+                prompt,
+                _sample_params(params, i),
+                eos,
+                max_model_len=max_len,
+                root_hash=root,
+            )  # fmt: skip
             for i, sample_id in enumerate(ids)
         ]
         for seq in family:

@@ -4,6 +4,14 @@ A full block is named by hash(parent block's hash, its token ids), so equal
 hashes mean equal whole prefixes. The hash is stable across processes (no
 Python hash randomization), which lets a router in another process match a
 request's prompt against a replica's cached blocks.
+
+Salts: a chain starts from root_hash(prefix_salt, cache_salt) instead of ROOT_HASH
+when either is set. cache_salt is a request's (vLLM's field): prompts under two salts
+share no block, since the first block's parent differs and every later block chains
+from it. prefix_salt is the deployment's (EngineConfig / RouterConfig.prefix_salt, a
+random one per app by default): without it, anyone who can guess a prompt can compute
+its block hashes, so a hash that leaks (a log, a stats snapshot) confirms the prompt.
+Router and replica must hash alike, so both read the same two salts.
 """
 
 from __future__ import annotations
@@ -19,6 +27,24 @@ ROOT_HASH = 0
 # (summarize): those whose hash is a multiple of it.
 SUMMARY_STRIDE = 8
 assert SUMMARY_STRIDE & (SUMMARY_STRIDE - 1) == 0, "summarize masks by SUMMARY_STRIDE - 1"
+
+
+def root_hash(prefix_salt: str = "", cache_salt: str | None = None) -> int:
+    """The parent of a prompt's first block: ROOT_HASH without salts (an offline engine's
+    hashes stay those of prefix_block_hashes' default), else a hash of both salts, each
+    length-prefixed (and cache_salt's presence marked) so that no two pairs of salts
+    give the same bytes."""
+    if not prefix_salt and cache_salt is None:
+        return ROOT_HASH
+    payload = b"kvfleet-root" + _length_prefixed(prefix_salt)
+    if cache_salt is not None:
+        payload += b"\x01" + _length_prefixed(cache_salt)
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
+
+
+def _length_prefixed(text: str) -> bytes:
+    data = text.encode("utf-8", "surrogatepass")  # JSON may carry a lone surrogate
+    return len(data).to_bytes(4, "little") + data
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:

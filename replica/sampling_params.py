@@ -10,6 +10,9 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
 MAX_N = 128  # OpenAI's limit on `n`
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's limit
+# cache_salt travels with the request on every hop (msgpack wire, router, replica); a
+# tenant id or a random token fits in far less.
+MAX_CACHE_SALT_CHARS = 1024
 
 
 def _is_int(value: object) -> bool:
@@ -35,6 +38,9 @@ class SamplingParams:
     one multiplied), logit_bias ({token id: bias in [-100, 100]}, added to the logits) and
     min_tokens (stop tokens masked until that many tokens are out) change the logits
     before sampling, for the rows that set them only.
+    cache_salt (vLLM's field; it does not change sampling): the request's prompt blocks
+    are cached under this salt (replica.hashing.root_hash), so requests share cached
+    prefixes only with requests of the same salt; None shares with unsalted requests.
     Invalid values raise ValueError naming the field.
     """
 
@@ -54,6 +60,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     min_tokens: int = 0
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -126,6 +133,15 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        salt = self.cache_salt
+        if salt is not None and (
+            not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            raise ValueError(
+                f"cache_salt must be None or a non-empty string of at most "
+                f"{MAX_CACHE_SALT_CHARS} characters, got {type(salt).__name__} "
+                f"of length {len(salt) if isinstance(salt, str) else '-'}"
             )
 
     @property

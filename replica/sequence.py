@@ -39,6 +39,7 @@ class Sequence:
         "status",
         "block_ids",
         "block_hashes",
+        "root_hash",
         "num_committed_blocks",
         "slot",
         "num_computed_tokens",
@@ -65,6 +66,7 @@ class Sequence:
         eos_token_id: int | None = None,
         arrival_s: float | None = None,
         max_model_len: int | None = None,
+        root_hash: int = ROOT_HASH,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -77,6 +79,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the leading full blocks, in order
+        # The first block's parent: replica.hashing.root_hash of the engine's prefix_salt
+        # and the request's cache_salt, so only requests of the same salts share blocks.
+        self.root_hash = root_hash
         self.num_committed_blocks = 0  # leading blocks whose KV is computed and hashed
         self.slot = -1
         self.num_computed_tokens = 0
@@ -136,7 +141,7 @@ class Sequence:
         hashes = self.block_hashes
         start = len(hashes) * block_size
         if end - start >= block_size:
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else self.root_hash
             if end <= self.num_prompt_tokens:
                 hashes += packed_block_hashes(
                     self.prompt_ids[start:end].tobytes(), block_size, parent
