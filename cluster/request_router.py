@@ -35,6 +35,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from cluster import live_stats, routing_trace
 from cluster.messages import GroupRefusedError
+from replica.hashing import root_hash
 from replica.stats import ReplicaStats
 from router import Admission, OverloadedError, RouterConfig, RouteRequest
 
@@ -85,9 +86,11 @@ def _as_count(value: Any) -> int:
 
 
 def route_request_from_call(
-    request_id: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+    request_id: str, args: Sequence[Any], kwargs: Mapping[str, Any], prefix_salt: str = ""
 ) -> RouteRequest:
-    """The RouteRequest for a handle call; tolerant: no prompt info means route by load."""
+    """The RouteRequest for a handle call; tolerant: no prompt info means route by load.
+    Its prompt hashes from root_hash(prefix_salt, the request's cache_salt), as the
+    replica's engine hashes it (replica.hashing)."""
     payloads = [*args[:1], kwargs.get("request"), kwargs]
     for payload in payloads:
         if payload is None:
@@ -99,15 +102,30 @@ def route_request_from_call(
         max_tokens = _as_count(_field(payload, "max_tokens")) or _as_count(
             _field(_field(payload, "sampling_params"), "max_tokens")
         )
-        return RouteRequest(request_id, token_ids, num_prompt_tokens, max_tokens)
+        root = root_hash(prefix_salt, _cache_salt(payload))
+        return RouteRequest(request_id, token_ids, num_prompt_tokens, max_tokens, root_hash=root)
     return RouteRequest(request_id)
 
 
-def route_group_from_call(request_id: str, payloads: Sequence[Any]) -> RouteRequest:
+def _cache_salt(payload: Any) -> str | None:
+    # The wire's params (SamplingParams.to_dict) or a call's sampling_params; a malformed
+    # one is the replica's to refuse, so routing takes it as no salt.
+    for params in (_field(payload, "params"), _field(payload, "sampling_params")):
+        salt = _field(params, "cache_salt") if params is not None else None
+        if isinstance(salt, str) and salt:
+            return salt
+    return None
+
+
+def route_group_from_call(
+    request_id: str, payloads: Sequence[Any], prefix_salt: str = ""
+) -> RouteRequest:
     """The RouteRequest of a group call (LLMServer.submit_group: a list of requests placed
     together): the first request's prompt for prefix affinity, every request's prompt
     blocks and max_tokens summed, so admission holds back or rejects the whole group."""
-    members = [route_request_from_call(request_id, (payload,), {}) for payload in payloads]
+    members = [
+        route_request_from_call(request_id, (payload,), {}, prefix_salt) for payload in payloads
+    ]
     if not members:
         return RouteRequest(request_id)
     first = members[0]
@@ -117,10 +135,11 @@ def route_group_from_call(request_id: str, payloads: Sequence[Any]) -> RouteRequ
         first.num_prompt_tokens,
         sum(m.max_tokens for m in members),
         tuple(m.num_prompt_tokens for m in members[1:]),
+        root_hash=first.root_hash,
     )
 
 
-def _route_request(pending_request: PendingRequest | None) -> RouteRequest:
+def _route_request(pending_request: PendingRequest | None, prefix_salt: str = "") -> RouteRequest:
     """Keyed by kvfleet's request id when the call carries one (a SubmitRequest's wire
     dict: the id the replica's ack names; a group's first one), else by Serve's internal
     request id."""
@@ -133,11 +152,11 @@ def _route_request(pending_request: PendingRequest | None) -> RouteRequest:
         request_id = first.get("request_id")
         if not isinstance(request_id, str) or not request_id:
             request_id = pending_request.metadata.internal_request_id
-        return route_group_from_call(request_id, group)
+        return route_group_from_call(request_id, group, prefix_salt)
     request_id = args[0].get("request_id") if args and isinstance(args[0], dict) else None
     if not isinstance(request_id, str) or not request_id:
         request_id = pending_request.metadata.internal_request_id
-    return route_request_from_call(request_id, args, pending_request.kwargs)
+    return route_request_from_call(request_id, args, pending_request.kwargs, prefix_salt)
 
 
 class KVFleetRequestRouter(RequestRouter):
@@ -175,6 +194,10 @@ class KVFleetRequestRouter(RequestRouter):
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # tests inject both
         # request id (route_request_from_call's) -> (first held at, attempts so far)
         self.holds: dict[str, tuple[float, int]] = {}
+        # Prompt tokens of the held requests (keyed as holds), and their sum: work
+        # ahead of every new request (router.queue_wait).
+        self.held_tokens: dict[str, int] = {}
+        self.num_held_tokens = 0
         # replica unique id -> (routing stats bytes, decoded stats)
         self.decoded: dict[str, tuple[bytes, ReplicaStats]] = {}
         # replica unique id -> (Serve's snapshot, carrier snapshot, merged): see merge()
@@ -234,6 +257,19 @@ class KVFleetRequestRouter(RequestRouter):
         horizon_s = now_s - config.max_hold_s - 2 * config.backoff_max_s
         if self.holds and min(since_s for since_s, _ in self.holds.values()) < horizon_s:
             self.holds = {k: v for k, v in self.holds.items() if v[0] >= horizon_s}
+            for request_id in [r for r in self.held_tokens if r not in self.holds]:
+                self.num_held_tokens -= self.held_tokens.pop(request_id)
+
+    def hold(self, request: RouteRequest, since_s: float, attempt: int) -> None:
+        if request.request_id not in self.held_tokens:
+            num_tokens = request.num_prompt_tokens + sum(request.group_prompt_lens)
+            self.held_tokens[request.request_id] = num_tokens
+            self.num_held_tokens += num_tokens
+        self.holds[request.request_id] = (since_s, attempt)
+
+    def unhold(self, request_id: str) -> None:
+        self.holds.pop(request_id, None)
+        self.num_held_tokens -= self.held_tokens.pop(request_id, 0)
 
     async def choose_replicas(
         self,
@@ -241,12 +277,16 @@ class KVFleetRequestRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         if pending_request is not None and pending_request.future.done():
+            # Its caller went away (or it is settled): it reaches no replica, and it is
+            # no longer work ahead of anyone.
+            self.unhold(_route_request(pending_request).request_id)
             return [candidate_replicas]
         now_s = self.clock()
         self.forget_abandoned_holds(now_s)
-        request = _route_request(pending_request)
+        request = _route_request(pending_request, self.router_config.prefix_salt)
         stats, unknown = self.collect_stats(candidate_replicas)
         held_since_s, attempt = self.holds.get(request.request_id, (None, 0))
+        num_held_tokens = self.num_held_tokens - self.held_tokens.get(request.request_id, 0)
         try:
             decision = self.admission.admit(
                 stats,
@@ -255,6 +295,7 @@ class KVFleetRequestRouter(RequestRouter):
                 unknown_replica_ids=unknown,
                 attempt=attempt,
                 held_since_s=held_since_s,
+                num_held_tokens=num_held_tokens,
             )
             if request.group_prompt_lens and not decision.admitted:
                 # Not held: its requests go again one by one (GroupRefusedError).
@@ -262,7 +303,7 @@ class KVFleetRequestRouter(RequestRouter):
         except OverloadedError as error:
             if request.group_prompt_lens and not isinstance(error, GroupRefusedError):
                 error = GroupRefusedError(error.reason)
-            self.holds.pop(request.request_id, None)
+            self.unhold(request.request_id)
             self.admission.release(request.request_id)
             if pending_request is None:
                 raise
@@ -273,20 +314,17 @@ class KVFleetRequestRouter(RequestRouter):
             return [candidate_replicas[:1]]
 
         if not decision.admitted:
-            self.holds[request.request_id] = (
-                now_s if held_since_s is None else held_since_s,
-                attempt + 1,
-            )
+            self.hold(request, now_s if held_since_s is None else held_since_s, attempt + 1)
             if pending_request is not None:
                 pending_request.routing_context.should_backoff = False
             try:
                 await self.sleep(decision.retry_after_s)
             except asyncio.CancelledError:
-                self.holds.pop(request.request_id, None)
+                self.unhold(request.request_id)
                 raise
             return []
 
-        self.holds.pop(request.request_id, None)
+        self.unhold(request.request_id)
         self.admission.reserve(request, decision.tiers[0][0], now_s)
         if routing_trace.is_enabled():
             summaries = {replica_id: stats for replica_id, (_, stats) in self.decoded.items()}

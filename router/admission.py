@@ -32,6 +32,7 @@ from router.errors import OverloadedError
 from router.factory import make_policy
 from router.fleet import Fleet
 from router.load import committed_fraction, num_available_blocks
+from router.queue_wait import DrainRates, expected_wait_s
 from router.request import RouteRequest
 from router.reservations import Reservation, ReservationBook
 from router.room import Room, room_for
@@ -42,6 +43,9 @@ __all__ = ["Admission", "Decision", "DecisionView", "Reservation", "ReservationB
 DEFAULT_BLOCK_SIZE = 16
 # Refusals named in a held or rejected decision's reason; the rest are counted.
 MAX_REFUSALS_NAMED = 4
+# The longest Retry-After given for a backlog that does not drain (a replica whose engine
+# took nothing from its queue for router.queue_wait.MIN_BACKLOG_S: rate 0, wait inf).
+MAX_RETRY_AFTER_S = 60.0
 
 
 def refusal(
@@ -114,7 +118,14 @@ class Admission:
       3. stale replicas whose last snapshot (charged) would still admit, and
          replicas with no snapshot at all, follow as last-resort tiers (fewest
          reservations first): unknown is not trusted, but is not proof of overload;
-      4. nothing admissible: "reject" raises OverloadedError(retry_after_s =
+         Replicas where the request's expected queueing wait (router.queue_wait:
+         prompt tokens queued there and held at this router, over the replica's
+         measured drain rate) exceeds
+         max_queue_wait_s are left out of both;
+      4. nothing admissible because of that wait: OverloadedError at once, in either
+         overload mode (holding would only lengthen the wait), its retry_after_s the
+         time the least backlogged replica takes to drain its queue;
+      5. nothing admissible otherwise: "reject" raises OverloadedError(retry_after_s =
          backoff_max_s); "hold" returns a Decision with the backoff delay for
          this attempt, and raises OverloadedError once max_hold_s is spent.
     Replicas live in a Fleet (numpy columns, prefix index) updated per changed
@@ -124,7 +135,8 @@ class Admission:
     Cost: O(changed snapshots + changed reservations) of Python, then numpy over
     the replicas and the policy's own cost; no Python loop over replicas.
     Invariant: a replica whose fresh snapshot refuses the request is never in
-    the tiers; a held request waits at most max_hold_s in total.
+    the tiers, nor one whose fresh snapshot gives it an expected wait past
+    max_queue_wait_s; a held request waits at most max_hold_s in total.
     Failure: a prompt larger than every replica's whole cache raises at once.
     """
 
@@ -133,18 +145,22 @@ class Admission:
         self.policy = policy if policy is not None else make_policy(config)
         self.reservations = ReservationBook(config.reservation_ttl_s, config.reservation_arrival_s)
         self.fleet = Fleet(with_prefix_index=self.policy.needs_prefix_index)
+        self.drain = DrainRates()
         self.block_size_by_replica: dict[str, int] = {}
         # The last decision's request, the fleet version it read and its matched blocks
         # per slot: the reservation that follows it reuses them (num_blocks_to_reserve).
         self._decided_match: tuple[RouteRequest, int, np.ndarray] | None = None
 
     def observe(self, stats: ReplicaStats) -> None:
-        """A replica's newer snapshot (incremental callers; admit() does this itself)."""
+        """A replica's newer snapshot (incremental callers; admit() does this itself,
+        where the drain rates see the snapshots current at each decision)."""
         self.fleet.observe(stats)
+        self.drain.observe(stats)
 
     def forget(self, replica_id: str) -> None:
         """The replica left; its reservations stay until the TTL, as its requests may run."""
         self.fleet.forget(replica_id)
+        self.drain.forget(replica_id)
 
     def admit(
         self,
@@ -155,6 +171,7 @@ class Admission:
         unknown_replica_ids: Sequence[str] = (),
         attempt: int = 0,
         held_since_s: float | None = None,
+        num_held_tokens: int = 0,
     ) -> Decision:
         """decide() over exactly the replicas in `stats` (plus unknown_replica_ids)."""
         self.fleet.sync(stats)
@@ -164,6 +181,7 @@ class Admission:
             unknown_replica_ids=unknown_replica_ids,
             attempt=attempt,
             held_since_s=held_since_s,
+            num_held_tokens=num_held_tokens,
         )
 
     def decide(
@@ -174,8 +192,12 @@ class Admission:
         unknown_replica_ids: Sequence[str] = (),
         attempt: int = 0,
         held_since_s: float | None = None,
+        num_held_tokens: int = 0,
     ) -> Decision:
-        """The decision over the replicas observed so far (plus unknown_replica_ids)."""
+        """The decision over the replicas observed so far (plus unknown_replica_ids).
+
+        num_held_tokens: prompt tokens of the other requests this router holds (they
+        enter before this one, wherever they go: router.queue_wait)."""
         config, fleet = self.config, self.fleet
         self.settle_reservations(now_s)
         own = self.reservations.by_request.get(request.request_id)
@@ -186,7 +208,11 @@ class Admission:
         room = room_for(fleet, request, own_slot, own_blocks, matched, config.queue_fraction)
         refused = room.refused(config.high_watermark)
         fresh = now_s - fleet.column("timestamp_s") <= config.stats_max_age_s
-        admissible = np.flatnonzero(~refused & fresh)
+        wait_s = self.queue_wait_s(own_slot, own_blocks, num_held_tokens)
+        too_long = np.zeros(len(fleet), dtype=bool)
+        if config.max_queue_wait_s is not None:
+            too_long = fresh & ~refused & (wait_s > config.max_queue_wait_s)
+        admissible = np.flatnonzero(~refused & fresh & ~too_long)
         tiers = []
         if len(admissible):
             candidates = Candidates(
@@ -211,6 +237,14 @@ class Admission:
             )
             return Decision(tiers, view=view)
 
+        if too_long.any():
+            slots = np.flatnonzero(too_long)
+            best = int(slots[np.argmin(wait_s[slots])])
+            raise OverloadedError(
+                min(float(wait_s[best]), MAX_RETRY_AFTER_S),
+                f"expected wait {wait_s[best]:.2f}s on {fleet.ids[best]} (the least "
+                f"backlogged of {len(slots)}) > max_queue_wait_s {config.max_queue_wait_s}",
+            )
         reason = self.refusals(np.flatnonzero(refused), request, now_s, room)
         reason = reason or "no replicas"
         if len(fleet) and not last_resort and bool(np.all(room.needed > fleet.column("total"))):
@@ -242,12 +276,32 @@ class Admission:
                 stats = fleet.stats[slot]
                 self.block_size_by_replica[replica_id] = stats.block_size
                 book.expire_replica(replica_id, stats.timestamp_s, now_s)
+                self.drain.observe(stats)
+                fleet.set_drain_rate(replica_id, self.drain.rate(replica_id))
+        if len(self.drain.last) > 2 * len(fleet) + 16:  # replicas left the fleet
+            for replica_id in [r for r in self.drain.last if r not in fleet.slot_of]:
+                self.drain.forget(replica_id)
         for replica_id in touched | book.drain_changed():
             fleet.set_reserved(
                 replica_id,
                 book.num_reserved_blocks(replica_id),
                 book.num_reservations(replica_id),
             )
+
+    def queue_wait_s(
+        self, own_slot: int | None = None, own_blocks: int = 0, num_held_tokens: int = 0
+    ) -> np.ndarray:
+        """Per fleet slot, the expected queueing wait of a request entering there now
+        (router.queue_wait.expected_wait_s): the replica's queued prompt tokens and this
+        router's reservations there (blocks, at its block size), less own_blocks at
+        own_slot (the request's own reservation is not ahead of it)."""
+        fleet = self.fleet
+        reserved = fleet.column("reserved")
+        if own_slot is not None and own_blocks:
+            reserved = reserved.copy()
+            reserved[own_slot] -= own_blocks
+        queued = fleet.column("waiting_tokens") + reserved * fleet.column("block_size")
+        return expected_wait_s(queued, fleet.column("drain_rate"), num_held_tokens)
 
     def refusals(
         self,

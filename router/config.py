@@ -57,6 +57,18 @@ class RouterConfig:
             "choices": OVERLOAD_MODES,
         },
     )
+    max_queue_wait_s: float | None = field(
+        default=2.0,
+        metadata={
+            "help": "a request whose expected queueing wait (the prompt tokens queued ahead "
+            "of it on the best replica, and held at this router, over the rate that "
+            "replica's engine drains its queue: router.queue_wait) exceeds this is refused "
+            "at once, never held: OverloadedError with a Retry-After of the time that "
+            "backlog takes to drain (HTTP 503). Seconds; it bounds the wait for a slot, not "
+            "the TTFT, which adds the prompt's own prefill and the way in. none: no bound "
+            "(admission by KV room and watermark alone)"
+        },
+    )
     max_hold_s: float = field(
         default=30.0, metadata={"help": "longest a held request waits before OverloadedError"}
     )
@@ -128,12 +140,23 @@ class RouterConfig:
         },
     )
     seed: int = field(default=0, metadata={"help": "seeds the per-request tiebreaks"})
+    prefix_salt: str = field(
+        default="",
+        repr=False,
+        metadata={
+            "help": "the replicas' EngineConfig.prefix_salt: a prompt's block hashes are "
+            "matched against the replicas' only when both hash from the same salt "
+            "(replica.hashing.root_hash; a cluster sets both from one flat prefix_salt)"
+        },
+    )
 
     def __post_init__(self) -> None:
         one_of("policy", self.policy, POLICIES)
         number_in("high_watermark", self.high_watermark, 0.0, 1.0, low_open=True)
         number_in("queue_fraction", self.queue_fraction, 0.0, 4.0)
         one_of("on_overload", self.on_overload, OVERLOAD_MODES)
+        if self.max_queue_wait_s is not None:
+            positive_float("max_queue_wait_s", self.max_queue_wait_s)
         for name in (
             "max_hold_s",
             "backoff_initial_s",
@@ -159,6 +182,8 @@ class RouterConfig:
         number_in("balance_rel_threshold", self.balance_rel_threshold, 1.0, float("inf"))
         non_negative_int("prefix_affinity_tokens", self.prefix_affinity_tokens)
         is_int("seed", self.seed)
+        if not isinstance(self.prefix_salt, str):
+            raise ValueError("prefix_salt must be a string")  # never echo a salt
 
     def backoff_s(self, attempt: int) -> float:
         """Delay before retry number `attempt` (0-based): exponential, capped."""

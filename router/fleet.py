@@ -21,6 +21,8 @@ _DTYPES = {
     "max_seqs": np.int64,  # max_num_seqs (0: the snapshot does not say)
     "reserved": np.int64,  # this router's reserved blocks (set by router.Admission)
     "reserved_seqs": np.int64,  # this router's reserved requests (likewise)
+    "waiting_tokens": np.int64,  # num_waiting_tokens: the queued prompts' tokens
+    "drain_rate": np.float64,  # router.queue_wait.DrainRates.rate (NaN: unknown; Admission)
     "timestamp_s": np.float64,
     "replica_key": np.uint64,  # router.tiebreak.replica_key
     "replica_id": object,  # ids again, so a ranking becomes tiers without a Python loop
@@ -78,6 +80,7 @@ class Fleet:
         c["free"][slot] = stats.num_blocks_free
         c["cached"][slot] = stats.num_blocks_cached
         c["waiting"][slot] = num_waiting_blocks(stats)
+        c["waiting_tokens"][slot] = stats.num_waiting_tokens
         c["block_size"][slot] = stats.block_size
         c["seqs"][slot] = stats.num_running + stats.num_waiting
         c["max_seqs"][slot] = stats.max_num_seqs
@@ -132,6 +135,11 @@ class Fleet:
             self._columns["reserved"][slot] = num_blocks
             self._columns["reserved_seqs"][slot] = num_requests
 
+    def set_drain_rate(self, replica_id: str, tokens_per_s: float | None) -> None:
+        slot = self.slot_of.get(replica_id)
+        if slot is not None:
+            self._columns["drain_rate"][slot] = np.nan if tokens_per_s is None else tokens_per_s
+
     def drain_changed(self) -> set[str]:
         changed, self.changed = self.changed, set()
         return changed
@@ -148,6 +156,7 @@ class Fleet:
         self.slot_of[replica_id] = slot
         self._columns["reserved"][slot] = 0
         self._columns["reserved_seqs"][slot] = 0
+        self._columns["drain_rate"][slot] = np.nan
         self._columns["replica_key"][slot] = replica_key(replica_id)
         self._columns["replica_id"][slot] = replica_id
         return slot
