@@ -7,7 +7,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from cluster.client import LLM_DEPLOYMENT
 from cluster.config import ClusterConfig
@@ -39,6 +39,13 @@ def cluster_gpus() -> float:
     import ray
 
     return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
+
+
+def backpressure_config(config: ClusterConfig) -> BackpressureConfig:
+    """Serve's answer to a request past a full queue: 503 with config's Retry-After (over
+    HTTP; a handle raises BackPressureError carrying it, which the Client turns into
+    OverloadedError)."""
+    return BackpressureConfig(status_code=503, retry_after_s=config.backpressure_retry_after_s)
 
 
 def routing_config(config: ClusterConfig) -> RequestRouterConfig:
@@ -75,6 +82,8 @@ def build_app(
         name=LLM_DEPLOYMENT,
         num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
+        max_queued_requests=config.max_queued_requests,
+        backpressure_config=backpressure_config(config),
         ray_actor_options=actor_options,
         request_router_config=routing_config(config),
         logging_config=logging_config,
@@ -85,6 +94,9 @@ def build_app(
 
     return Ingress.options(
         num_replicas=config.ingress_replicas,
+        max_ongoing_requests=config.ingress_max_ongoing_requests,
+        max_queued_requests=config.ingress_max_queued_requests,
+        backpressure_config=backpressure_config(config),
         ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
         logging_config=logging_config,
     ).bind(

@@ -119,6 +119,39 @@ class ClusterConfig:
     max_ongoing_requests: int = field(
         default=4096, metadata={"help": "Serve's bound on one replica's requests in flight"}
     )
+    max_queued_requests: int = field(
+        default=1024,
+        metadata={
+            "help": "Serve's bound on the requests one caller process (an ingress replica, a "
+            "Client) has waiting to be routed to the LLM deployment, held ones included: "
+            "past it a submit fails at once with OverloadedError (HTTP 503 with "
+            "Retry-After: backpressure_retry_after_s) rather than queue where admission "
+            "does not look; -1: unbounded"
+        },
+    )
+    ingress_max_ongoing_requests: int = field(
+        default=1024,
+        metadata={
+            "help": "requests one HTTP ingress replica serves at once (a stream counts until "
+            "it ends); more wait in its queue (ingress_max_queued_requests)"
+        },
+    )
+    ingress_max_queued_requests: int = field(
+        default=256,
+        metadata={
+            "help": "requests waiting for one HTTP ingress replica to take them; past it Serve "
+            "answers 503 with Retry-After (backpressure_retry_after_s) before any handler "
+            "runs; -1: unbounded"
+        },
+    )
+    backpressure_retry_after_s: float = field(
+        default=1.0,
+        metadata={
+            "help": "the Retry-After of a request refused by a full Serve queue "
+            "(max_queued_requests, ingress_max_queued_requests), in seconds; admission's "
+            "own refusals compute theirs from the backlog (RouterConfig.max_queue_wait_s)"
+        },
+    )
     http: bool = field(
         default=False,
         metadata={"help": "an OpenAI-compatible HTTP ingress in front (else Python Client only)"},
@@ -268,6 +301,12 @@ class ClusterConfig:
                 "num_cpus_per_replica and num_gpus_per_replica"
             )
         positive_int("max_ongoing_requests", self.max_ongoing_requests)
+        positive_int("ingress_max_ongoing_requests", self.ingress_max_ongoing_requests)
+        for name in ("max_queued_requests", "ingress_max_queued_requests"):
+            value = getattr(self, name)
+            if not (type(value) is int and value == -1):  # -1: Serve's unbounded
+                positive_int(name, value)
+        positive_float("backpressure_retry_after_s", self.backpressure_retry_after_s)
         is_bool("http", self.http)
         positive_int("ingress_replicas", self.ingress_replicas)
         if not isinstance(self.submit_group_size, int) or not 1 <= self.submit_group_size <= 256:

@@ -38,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
 from cluster.client import Chunk, Client, Completion, chat_prompt_ids
 from cluster.errors import ReplicaError
@@ -109,6 +110,9 @@ def _error_response(exc: Exception) -> JSONResponse:
         return _error(400, str(exc), "invalid_request_error")
     if isinstance(exc, OverloadedError):
         retry_after = str(max(1, math.ceil(exc.retry_after_s)))
+        return _error(503, str(exc), "overloaded", {"Retry-After": retry_after})
+    if isinstance(exc, BackPressureError):  # a full Serve queue the Client did not map
+        retry_after = str(max(1, math.ceil(exc.retry_after_s or 1.0)))
         return _error(503, str(exc), "overloaded", {"Retry-After": retry_after})
     if isinstance(exc, ReplicaError):
         return _error(502, str(exc), "replica_error")

@@ -690,8 +690,28 @@ def _submit_error(exc: BaseException, request_id: str) -> BaseException:
         )
     elif type(exc).__name__ == "OverloadedError":  # router.OverloadedError, as sent
         return exc
+    elif _is_backpressure(exc):
+        return _overloaded(exc)
     else:
         error = ReplicaError(f"submit failed: {exc!r}", request_id)
+    error.__cause__ = exc
+    return error
+
+
+def _is_backpressure(exc: BaseException) -> bool:
+    from ray.serve.exceptions import BackPressureError
+
+    return isinstance(exc, BackPressureError)
+
+
+def _overloaded(exc: Any) -> BaseException:
+    """Serve's BackPressureError (a caller's queue to the deployment is full:
+    ClusterConfig.max_queued_requests) as the router's OverloadedError, the one type a
+    caller handles for "not admitted, retry later"."""
+    from router.errors import OverloadedError
+
+    retry_after_s = exc.retry_after_s if exc.retry_after_s is not None else 1.0
+    error = OverloadedError(retry_after_s, f"queue full: {exc}")
     error.__cause__ = exc
     return error
 
