@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import secrets
 from typing import Any
 
 from ray import serve
@@ -55,6 +57,15 @@ def routing_config(config: ClusterConfig) -> RequestRouterConfig:
     return request_router_config(config.router_config(), stats_period_s=config.stats_period_s)
 
 
+def with_prefix_salt(config: ClusterConfig) -> ClusterConfig:
+    """config with a random prefix_salt (128 bits) where it has none: drawn per app, so no
+    one outside it can compute its block hashes from a guessed prompt. Its replicas and
+    request routers get it in their configs, so they hash alike (replica.hashing)."""
+    if config.prefix_salt:
+        return config
+    return dataclasses.replace(config, prefix_salt=secrets.token_hex(16))
+
+
 def build_app(
     config: ClusterConfig,
     num_gpus_in_cluster: float | None = None,
@@ -62,11 +73,14 @@ def build_app(
 ) -> Application:
     """The LLMServer deployment (config.router in front), behind the HTTP ingress if http.
 
+    An empty prefix_salt (the default) becomes a random one for this app.
+
     Replicas get `num_gpus` and `num_cpus` Ray resources as ClusterConfig.resolve_num_gpus
     and resolve_num_cpus decide, plus config.replica_resources. engine_factory
     (picklable; default: LLMEngine) builds each replica's engine: benchmarks and tests
     pass fake or paced engines.
     """
+    config = with_prefix_salt(config)
     gpus = cluster_gpus() if num_gpus_in_cluster is None else num_gpus_in_cluster
     num_gpus = config.resolve_num_gpus(gpus)
     actor_options: dict[str, Any] = {

@@ -28,8 +28,10 @@ HTTP_PROXIES = ("haproxy", "serve")
 _ROUTER_DEFAULTS = RouterConfig()
 # RouterConfig fields that only kvfleet's routers (their admission control, their
 # ranking) read: Serve's routers refuse them away from their defaults. policy is
-# ClusterConfig.router's, and seed is shared with the engine.
-ADMISSION_FIELDS = tuple(f.name for f in fields(RouterConfig) if f.name not in ("policy", "seed"))
+# ClusterConfig.router's, and seed and prefix_salt are shared with the engine.
+ADMISSION_FIELDS = tuple(
+    f.name for f in fields(RouterConfig) if f.name not in ("policy", "seed", "prefix_salt")
+)
 
 
 @dataclass(frozen=True, init=False)

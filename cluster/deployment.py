@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from cluster.autoscale import ReplicaMeter
 from cluster.config import ClusterConfig
 from cluster.engine_loop import (
     GIL_SWITCH_INTERVAL_S,
@@ -145,6 +146,7 @@ class LLMServer:
         self._num_messages = 0
         self._num_heartbeats = 0
         self._metrics = ReplicaMetrics()
+        self._scale_meter = ReplicaMeter()
         self._engine_loop: EngineLoop | EngineProcess
         in_child = config.engine_process if config.engine_process is not None else num_gpus > 0
         if in_child:
@@ -401,6 +403,11 @@ class LLMServer:
 
     async def record_routing_stats(self) -> dict[str, bytes]:
         return encode_routing_stats(self._engine_loop.stats)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (with autoscale): KV usage, queued prompt
+        tokens and the prompt-token admission rate (cluster.autoscale.ReplicaMeter)."""
+        return self._scale_meter.record(self._engine_loop.stats)
 
     async def stats(self) -> bytes:
         return self._engine_loop.stats.to_msgpack()

@@ -77,6 +77,8 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
+    # vLLM's: the request's prompt is cached apart from other salts' (replica.hashing).
+    cache_salt: str | None = None
 
     @property
     def ignored_fields(self) -> list[str]:
@@ -113,7 +115,7 @@ class _SamplingRequest(_Strict):
             "prompt_logprobs": prompt_logprobs,
             "logit_bias": self.logit_bias or {},
         }
-        for name in ("top_p", "top_k", "seed", "stop", "stop_token_ids"):
+        for name in ("top_p", "top_k", "seed", "stop", "stop_token_ids", "cache_salt"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):

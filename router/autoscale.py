@@ -34,7 +34,7 @@ keep both there. Between the two the target stands (a scale-up in progress is
 not undone). A direction is applied only once it has been wanted continuously
 for upscale_delay_s / downscale_delay_s (Serve's delay rule, so a short lull
 never removes a replica). A queue with no measured rate (a replica that has not
-decoded yet) reads as an infinite wait.
+decoded yet) reads as an infinite wait, which adds one replica at a time.
 
 ServeDefaultPolicy mirrors ray.serve.autoscaling_policy (Ray 2.60):
 desired = total ongoing requests / target_ongoing_requests, damped by the up- and
@@ -187,7 +187,7 @@ class KVAutoscalePolicy:
         n = current_replicas
         by_kv = math.ceil(n * fleet.kv_usage / cfg.kv_target)
         if math.isinf(fleet.predicted_wait_s):
-            by_wait = cfg.max_replicas
+            by_wait = n + 1  # no rate to size a jump by: one more, then measure again
         else:
             by_wait = math.ceil(n * fleet.predicted_wait_s / cfg.upscale_wait_s)
         # Under pressure never below the current target: replicas still starting count.

@@ -23,8 +23,10 @@ from replica.stats import ReplicaStats
 # replica admits in bursts) and short enough to follow a change of workload.
 DRAIN_WINDOW_S = 2.0
 # Less backlogged time than this in the window: the rate is unknown, not zero. A replica
-# that has just started to queue (one engine step or two) tells nothing of its rate yet.
-MIN_BACKLOG_S = 0.2
+# that has just started to queue tells nothing of its rate yet, and a slot-bound one
+# admits in cohorts (64-token outputs at 5 ms a step end together every 0.32 s), so a
+# shorter span could read a gap between cohorts as a rate of 0.
+MIN_BACKLOG_S = 0.5
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from replica.hashing import prefix_block_hashes
+from replica.hashing import ROOT_HASH, prefix_block_hashes
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,9 @@ class RouteRequest:
     request, whose prompt gives the prefix affinity, with group_prompt_lens the prompt
     lengths of the others: their blocks add to the group's need (num_prompt_blocks), and
     max_tokens is the group's sum.
+    root_hash: the parent of the prompt's first block, replica.hashing.root_hash of the
+    deployment's prefix_salt and the request's cache_salt, as the replica hashes it
+    (cluster.request_router sets it); matching under another root finds nothing.
     """
 
     request_id: str
@@ -26,6 +29,7 @@ class RouteRequest:
     num_prompt_tokens: int = 0
     max_tokens: int = 0
     group_prompt_lens: tuple[int, ...] = ()
+    root_hash: int = ROOT_HASH
     _hashes_by_block_size: dict[int, tuple[int, ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -93,7 +97,7 @@ class RouteRequest:
         """Chained hashes of the prompt's full blocks, computed once per block size."""
         hashes = self._hashes_by_block_size.get(block_size)
         if hashes is None:
-            hashes = tuple(prefix_block_hashes(self.prompt_token_ids, block_size))
+            hashes = tuple(prefix_block_hashes(self.prompt_token_ids, block_size, self.root_hash))
             self._hashes_by_block_size[block_size] = hashes
         return hashes
 

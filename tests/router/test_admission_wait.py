@@ -43,27 +43,27 @@ def test_drain_rate_counts_only_backlogged_time() -> None:
     rates.observe(snap("a", 10.0, 0, 0))
     rates.observe(snap("a", 10.5, 400, 0))
     assert rates.rate("a") is None
-    # Queued from 10.5: 1,000 tokens admitted in the next 0.1 s, then 300 in 0.2 s.
+    # Queued from 10.5: 1,000 tokens admitted in the next 0.3 s, then 300 in 0.4 s.
     rates.observe(snap("a", 10.6, 400, 800))  # previous snapshot had no queue: not counted
     assert rates.rate("a") is None
-    rates.observe(snap("a", 10.7, 1400, 500))
-    assert rates.rate("a") is None  # 0.1 s backlogged < MIN_BACKLOG_S
-    rates.observe(snap("a", 10.9, 1700, 0))
-    assert rates.rate("a") == pytest.approx(1300 / 0.3)
+    rates.observe(snap("a", 10.9, 1400, 500))
+    assert rates.rate("a") is None  # 0.3 s backlogged < MIN_BACKLOG_S
+    rates.observe(snap("a", 11.3, 1700, 0))
+    assert rates.rate("a") == pytest.approx(1300 / 0.7)
     # The queue emptied: later intervals add nothing, and old ones leave the window.
-    rates.observe(snap("a", 12.0, 1700, 0))
-    assert rates.rate("a") == pytest.approx(1300 / 0.3)
-    rates.observe(snap("a", 13.0, 1700, 0))
+    rates.observe(snap("a", 12.5, 1700, 0))
+    assert rates.rate("a") == pytest.approx(1300 / 0.7)
+    rates.observe(snap("a", 13.5, 1700, 0))
     assert rates.rate("a") is None
 
 
 def test_drain_rate_of_a_stuck_queue_is_zero_and_a_restart_starts_over() -> None:
     rates = DrainRates()
-    for i in range(6):  # 0.25 s queued, nothing admitted
+    for i in range(12):  # 0.55 s queued, nothing admitted
         rates.observe(snap("a", 20.0 + 0.05 * i, 5000, 200))
-    assert 0.25 >= MIN_BACKLOG_S
+    assert 0.55 >= MIN_BACKLOG_S
     assert rates.rate("a") == 0.0
-    rates.observe(snap("a", 20.5, 10, 200))  # the counter went back: a new engine
+    rates.observe(snap("a", 20.7, 10, 200))  # the counter went back: a new engine
     assert rates.rate("a") is None
 
 

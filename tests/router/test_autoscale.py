@@ -69,8 +69,8 @@ def test_scale_up_is_proportional_to_the_wait_and_capped_by_max_replicas():
     loads = [load(0.4, 100_000, 1000.0)]
     d = policy.decide(loads, 1, 1, 0.0, ScaleState())
     assert policy.decide(loads, 1, 1, 5.0, d.state).num_replicas == 4
-    # A queue on a replica that has not decoded yet is an infinite wait.
-    assert policy.desired(FleetLoad.of([load(0.0, 10, 0.0)]), 1, 1) == (4, "wait")
+    # A queue on a replica that has not decoded yet is an infinite wait: one more.
+    assert policy.desired(FleetLoad.of([load(0.0, 10, 0.0)]), 1, 1) == (2, "wait")
 
 
 def test_scales_up_on_kv_near_the_watermark_with_no_queue():

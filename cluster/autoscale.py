@@ -1,0 +1,121 @@
+"""KV-occupancy autoscaling on Ray Serve: what a replica records, and the custom policy.
+
+Each LLMServer replica answers Serve's `record_autoscaling_stats` with ReplicaMeter's
+three metrics (KV usage counting its queue, queued prompt tokens, and the rate it
+admits prompt tokens); Serve averages each over look_back_period_s per replica and
+hands them to KVServePolicy in the controller, which decides with
+router.autoscale.KVAutoscalePolicy, the same code the simulator runs.
+
+Why a custom policy: Serve's default counts ongoing calls, and a kvfleet carrier stream
+is an ongoing call for as long as its caller has requests on the replica, so one caller
+with 200 requests in flight reads as 1 to 2 "requests" there. The KV policy carries its
+own delays (router.autoscale.apply_delay), so the AutoscalingConfig built here sets
+Serve's delays to 0 and its scaling factors to 1: Serve's wrapper then passes the
+decision through to its min/max bounds.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any
+
+from ray.serve.config import AutoscalingConfig, AutoscalingContext, AutoscalingPolicy
+
+from replica.stats import ReplicaStats
+from router.autoscale import AutoscaleConfig, KVAutoscalePolicy, ReplicaLoad, ScaleState
+from router.load import committed_fraction
+
+KV_USAGE = "kvfleet_kv_usage"
+WAITING_TOKENS = "kvfleet_waiting_tokens"
+TOKENS_PER_S = "kvfleet_prompt_tokens_per_s"
+# The window ReplicaMeter measures the admission rate over: the engine's own
+# tokens_per_s window, long enough for a few steps' admissions.
+RATE_WINDOW_S = 2.0
+# Each replica records and pushes its metrics this many times per look-back period
+# (Serve averages over the period; fewer points made a 1-s spike vanish or dominate).
+POINTS_PER_LOOK_BACK = 5
+
+
+class ReplicaMeter:
+    """A replica's autoscaling metrics from its ReplicaStats snapshots.
+
+    The token rate is the prompt tokens the engine admitted per second over the last
+    RATE_WINDOW_S (growth of prefix_query_tokens): the rate its queue drains at, so
+    queued tokens over it is the wait a new request would see. Before two snapshots
+    span any time it falls back to the engine's generated tokens/s.
+    """
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self._clock = clock
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+
+    def record(self, stats: ReplicaStats) -> dict[str, float]:
+        now_s = self._clock()
+        samples = self._samples
+        samples.append((now_s, stats.prefix_query_tokens))
+        while len(samples) > 2 and samples[1][0] <= now_s - RATE_WINDOW_S:
+            samples.popleft()
+        (first_s, first_tokens), (last_s, last_tokens) = samples[0], samples[-1]
+        if last_s > first_s:
+            rate = max(0, last_tokens - first_tokens) / (last_s - first_s)
+        else:
+            rate = stats.tokens_per_s
+        return {
+            KV_USAGE: committed_fraction(stats),
+            WAITING_TOKENS: float(stats.num_waiting_tokens),
+            TOKENS_PER_S: float(rate),
+        }
+
+
+class KVServePolicy:
+    """Serve's custom autoscaling policy (deployment scope): KVAutoscalePolicy over the
+    metrics each running replica recorded. A replica with no metrics yet (just started)
+    is left out of the averages but counted as running; with none at all the target
+    stands."""
+
+    def __init__(self, **config: Any) -> None:
+        self.policy = KVAutoscalePolicy(AutoscaleConfig(**config))
+
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
+        metrics = ctx.aggregated_metrics or {}
+        columns = [metrics.get(name, {}) for name in (KV_USAGE, WAITING_TOKENS, TOKENS_PER_S)]
+        loads = [
+            ReplicaLoad(kv, int(waiting), rate)
+            for replica_id in ctx.running_replicas
+            if all(replica_id in column for column in columns)
+            for kv, waiting, rate in [tuple(column[replica_id] for column in columns)]
+        ]
+        now_s = ctx.current_time if ctx.current_time is not None else time.time()
+        decision = self.policy.decide(
+            loads,
+            ctx.current_num_replicas,
+            ctx.target_num_replicas,
+            now_s,
+            ScaleState.from_dict(ctx.policy_state),
+        )
+        state = {**ctx.policy_state, **decision.state.to_dict(), "kvfleet_reason": decision.reason}
+        return decision.num_replicas, state
+
+
+def autoscaling_config(
+    config: AutoscaleConfig, initial_replicas: int, look_back_s: float
+) -> AutoscalingConfig:
+    """The deployment's AutoscalingConfig running KVServePolicy with `config`."""
+    return AutoscalingConfig(
+        min_replicas=config.min_replicas,
+        max_replicas=config.max_replicas,
+        initial_replicas=initial_replicas,
+        # The KV policy applies the delays itself; Serve's would wait a second time.
+        upscale_delay_s=0.0,
+        downscale_delay_s=0.0,
+        look_back_period_s=look_back_s,
+        # Deprecated in 2.60 but still how often a replica records and pushes its
+        # metrics; the env var that replaces it would be read once per Ray cluster.
+        metrics_interval_s=look_back_s / POINTS_PER_LOOK_BACK,
+        policy=AutoscalingPolicy(
+            policy_function=f"{__name__}:KVServePolicy",
+            policy_kwargs=dataclasses.asdict(config),
+        ),
+    )
