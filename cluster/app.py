@@ -11,6 +11,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
+from cluster.autoscale import autoscaling_config
 from cluster.client import LLM_DEPLOYMENT
 from cluster.config import ClusterConfig
 from cluster.deployment import LLMServer
@@ -34,6 +35,10 @@ INGRESS_NUM_CPUS = 0.0
 # with it served 16,000 tokens/s against 12,600 through Serve's Python proxy.
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
+# How often a replica being removed checks whether its calls (submits, and the carrier
+# streams, which end once their caller's requests there have finished) are done; Serve's
+# default of 2 s would hold every drained replica up to 2 s past its last token.
+GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.25
 
 
 def cluster_gpus() -> float:
@@ -91,16 +96,25 @@ def build_app(
     if config.replica_resources:
         actor_options["resources"] = dict(config.replica_resources)
     logging_config = {"enable_access_log": config.access_log}
+    replicas: dict[str, Any] = {"num_replicas": config.num_replicas}
+    if config.autoscale:
+        replicas = {
+            "autoscaling_config": autoscaling_config(
+                config.autoscale_config(), config.num_replicas, config.autoscale_look_back_s
+            )
+        }
     llm = serve.deployment(
         LLMServer,
         name=LLM_DEPLOYMENT,
-        num_replicas=config.num_replicas,
+        **replicas,
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
         backpressure_config=backpressure_config(config),
         ray_actor_options=actor_options,
         request_router_config=routing_config(config),
         logging_config=logging_config,
+        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
     ).bind(config, num_gpus, engine_factory)
     if not config.http:
         return llm
@@ -117,7 +131,8 @@ def build_app(
         llm,
         config.model,
         config.model_name,
-        config.num_replicas,
+        # /health waits for this many: with autoscale, the fewest the app may scale to.
+        config.min_replicas if config.autoscale else config.num_replicas,
         api_key=config.api_key,
         body_timeout_s=config.http_body_timeout_s,
         submit_group_size=config.submit_group_size,

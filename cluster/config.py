@@ -19,6 +19,7 @@ from replica.validate import (
     positive_float,
     positive_int,
 )
+from router.autoscale import AutoscaleConfig
 from router.config import POLICIES, RouterConfig
 
 # Ray Serve's own request routers, run as peers of the kvfleet policies (no admission).
@@ -229,6 +230,71 @@ class ClusterConfig:
             "cores and served less"
         },
     )
+    autoscale: bool = field(
+        default=False,
+        metadata={
+            "help": "scale the LLM deployment between min_replicas and max_replicas on KV "
+            "occupancy and the predicted queue wait (cluster.autoscale, router.autoscale), "
+            "starting from num_replicas; off: num_replicas, fixed"
+        },
+    )
+    min_replicas: int = field(default=1, metadata={"help": "with autoscale, the fewest replicas"})
+    max_replicas: int = field(default=4, metadata={"help": "with autoscale, the most replicas"})
+    upscale_delay_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "with autoscale, how long a scale-up must be wanted without a break "
+            "before replicas are added (a replica takes seconds to start: its engine, "
+            "weights and warm-up, so a shorter burst is better held by admission)"
+        },
+    )
+    downscale_delay_s: float = field(
+        default=120.0,
+        metadata={
+            "help": "with autoscale, how long occupancy must stay under downscale_kv_usage "
+            "before replicas are removed (each removal drains the replica first)"
+        },
+    )
+    upscale_wait_fraction: float = field(
+        default=0.5,
+        metadata={
+            "help": "with autoscale, add replicas once the predicted queue wait (queued "
+            "prompt tokens over the rate replicas admit them, fleet-wide) passes this "
+            "fraction of max_queue_wait_s, the admission bound, so that capacity arrives "
+            "before admission starts refusing"
+        },
+    )
+    upscale_kv_usage: float = field(
+        default=0.85,
+        metadata={
+            "help": "with autoscale, add replicas once the mean KV usage (blocks held and "
+            "promised to queued prompts) reaches this fraction"
+        },
+    )
+    downscale_kv_usage: float = field(
+        default=0.3,
+        metadata={
+            "help": "with autoscale, remove replicas while the mean KV usage stays under "
+            "this fraction (and the queue wait under its threshold) for downscale_delay_s, "
+            "down to the fewest that keep it mid-band"
+        },
+    )
+    autoscale_look_back_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "with autoscale, the window Serve averages each replica's metrics over; "
+            "replicas push them every fifth of it"
+        },
+    )
+    graceful_shutdown_timeout_s: float = field(
+        default=300.0,
+        metadata={
+            "help": "a replica being removed (scale-down, redeploy) gets no new requests "
+            "and finishes those it has, its carrier streams ending with them; Serve kills "
+            "it after this many seconds regardless, cutting what still runs, so keep it "
+            "above the longest request (max_model_len tokens at the slowest decode rate)"
+        },
+    )
     app_name: str = field(default="kvfleet", metadata={"help": "the Serve application's name"})
     served_model_name: str | None = field(
         default=None,
@@ -321,6 +387,16 @@ class ClusterConfig:
         positive_float("http_body_timeout_s", self.http_body_timeout_s)
         is_bool("access_log", self.access_log)
         is_bool("engine_process", self.engine_process, allow_none=True)
+        is_bool("autoscale", self.autoscale)
+        positive_float("graceful_shutdown_timeout_s", self.graceful_shutdown_timeout_s)
+        positive_float("autoscale_look_back_s", self.autoscale_look_back_s)
+        self.autoscale_config()  # validates the policy's fields, naming them
+        if self.autoscale and not self.min_replicas <= self.num_replicas <= self.max_replicas:
+            raise ValueError(
+                f"num_replicas ({self.num_replicas}) must be in [min_replicas, max_replicas] "
+                f"([{self.min_replicas}, {self.max_replicas}]) with autoscale: replicas start "
+                "from it"
+            )
         non_empty_str("app_name", self.app_name)
         if self.served_model_name is not None:
             non_empty_str("served_model_name", self.served_model_name)
@@ -331,6 +407,29 @@ class ClusterConfig:
         if self.served_model_name is not None:
             return self.served_model_name
         return os.path.basename(os.path.normpath(self.engine.model))
+
+    def autoscale_config(self) -> AutoscaleConfig:
+        """The replica-count policy's config (router.autoscale). Its admission bound is
+        the router's max_queue_wait_s; Serve's routers, or a router without that bound,
+        leave AutoscaleConfig's default."""
+        bound = None if self.is_serve_router else self.routing.max_queue_wait_s
+        extra = {} if bound is None else {"max_queue_wait_s": bound}
+        try:
+            return AutoscaleConfig(
+                min_replicas=self.min_replicas,
+                max_replicas=self.max_replicas,
+                upscale_delay_s=self.upscale_delay_s,
+                downscale_delay_s=self.downscale_delay_s,
+                upscale_wait_fraction=self.upscale_wait_fraction,
+                kv_high_watermark=self.upscale_kv_usage,
+                kv_low_threshold=self.downscale_kv_usage,
+                **extra,
+            )
+        except ValueError as exc:  # name ClusterConfig's fields, not the policy's
+            message = str(exc)
+            for ours, theirs in _AUTOSCALE_NAMES.items():
+                message = message.replace(theirs, ours)
+            raise ValueError(message) from None
 
     @property
     def is_serve_router(self) -> bool:
@@ -381,6 +480,12 @@ class ClusterConfig:
             raise ValueError(_POLICY_IS_ROUTER)
         return from_mapping(cls, data)
 
+
+# ClusterConfig's name for each AutoscaleConfig field it sets under another name.
+_AUTOSCALE_NAMES = {
+    "upscale_kv_usage": "kv_high_watermark",
+    "downscale_kv_usage": "kv_low_threshold",
+}
 
 _POLICY_IS_ROUTER = (
     "policy: a ClusterConfig's routing policy is its router field (which also names Ray "
