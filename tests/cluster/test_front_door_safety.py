@@ -3,7 +3,8 @@
 One app with an api key: 401 without it or with a wrong one (the official openai client
 included), /health open; /stats shows no prefix hash; nested JSON, a slow body and huge
 headers get 400 / 408 / 431; top_p far below float32's range samples the top token; a
-client that disconnects mid-stream leaves no traceback in the ingress's log.
+client that disconnects mid-stream leaves no traceback in the ingress's log; a prompt
+under two cache_salts hits no cached block, under the same one it does.
 """
 
 from __future__ import annotations
@@ -122,6 +123,37 @@ def test_stats_shows_no_prefix_hash(app: App) -> None:
     assert "cached_prefix_hashes" not in public
     for value in stats.cached_prefix_hashes:
         assert str(value) not in response.text
+
+
+def _prefix_hit_tokens(app: App, after_s: float) -> int:
+    """The replica's prefix_hit_tokens in a snapshot taken after after_s (time.time())."""
+    deadline_s = time.monotonic() + 10.0
+    while (stats := app.client.stats()[0]).timestamp_s <= after_s or stats.num_running:
+        assert time.monotonic() < deadline_s, stats
+        time.sleep(0.05)
+    return stats.prefix_hit_tokens
+
+
+def test_cache_salts_keep_prompts_apart_and_the_same_salt_hits(app: App) -> None:
+    prompt = list(range(400, 440))  # 2 full blocks of 16, in no other test's prompt
+    hits = [_prefix_hit_tokens(app, time.time())]
+    with httpx.Client(base_url=app.base_url, timeout=60) as http:
+        for route, salt in [
+            ("/v1/completions", "tenant-a"),
+            ("/v1/completions", "tenant-b"),
+            ("/v1/completions", None),
+            ("/v1/completions", "tenant-a"),
+        ]:
+            body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+            if salt is not None:
+                body["cache_salt"] = salt
+            response = http.post(route, json=body, headers=AUTH)
+            assert response.status_code == 200, response.text
+            hits.append(_prefix_hit_tokens(app, time.time()))
+        bad_body = {"prompt": prompt, "max_tokens": 2, "cache_salt": ""}
+        bad = http.post("/v1/completions", json=bad_body, headers=AUTH)
+    assert [b - a for a, b in zip(hits, hits[1:])] == [0, 0, 0, 32]
+    assert bad.status_code == 400 and "cache_salt" in bad.json()["error"]["message"]
 
 
 def _post(app: App, content: bytes) -> httpx.Response:
