@@ -1,0 +1,143 @@
+"""Graceful drain on a real local Ray: a replica removed while it streams (a scale-down by
+the KV policy, a redeploy) takes no new requests, finishes every stream it carries, and
+only then exits. The Client has no retries, so a cut or lost stream fails the test.
+
+Why it holds: Serve stops routing to a replica it removes and waits for the replica's
+calls to end (up to graceful_shutdown_timeout_s); a kvfleet carrier stream is such a
+call and ends by itself once its caller's last request there has finished, so the wait
+ends with the replica's own requests (cluster.transport).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from bench.cluster import paced_engine
+from cluster import Client, ClusterConfig, build_app
+from tests.cluster.local_ray import local_serve
+from tests.cluster.test_autoscale import (
+    Tally,
+    num_running,
+    one_request,
+    replica_states,
+    wait_for_replicas,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+APP_NAME = "kvfleet-drain"
+STEP_S = 0.04  # 300 tokens: 12 s and more, past the 6-s downscale delay
+MAX_TOKENS = 300
+
+
+def drain_config(**fields) -> ClusterConfig:
+    base = dict(
+        model="gpt2-tiny",
+        device="cpu",
+        num_blocks=256,  # 4 streams of 316 tokens hold 0.31 of a replica: under 0.5
+        max_num_seqs=8,
+        num_cpus_per_replica=0.5,
+        router="kv",
+        app_name=APP_NAME,
+        autoscale=True,
+        num_replicas=2,
+        min_replicas=1,
+        max_replicas=2,
+        upscale_delay_s=1.0,
+        downscale_delay_s=6.0,
+        upscale_kv_usage=0.9,
+        downscale_kv_usage=0.5,
+        autoscale_look_back_s=1.0,
+        graceful_shutdown_timeout_s=60.0,
+    )
+    return ClusterConfig(**{**base, **fields})
+
+
+def deploy(config: ClusterConfig) -> None:
+    from ray import serve
+
+    factory = functools.partial(paced_engine, min_step_s=STEP_S)
+    serve.run(build_app(config, engine_factory=factory), name=APP_NAME, route_prefix=None)
+
+
+def running_replica_ids(client: Client) -> set[str]:
+    return {s.replica_id for s in client.stats()}
+
+
+@pytest.fixture(scope="module")
+def drain_client() -> Iterator[Client]:
+    with local_serve(num_cpus=4):
+        yield Client(APP_NAME, max_retries=0)
+
+
+def prompts(num: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 500) for _ in range(16)] for _ in range(num)]
+
+
+def test_scale_down_drains_the_removed_replica(drain_client: Client) -> None:
+    """Two replicas start idle, so the KV policy scales to one after 6 s: by then eight
+    12-s streams run on both. The removed replica finishes its streams before it exits."""
+    client = drain_client
+    deploy(drain_config())
+    tally = Tally()
+
+    async def scenario() -> tuple[float, float]:
+        streams = asyncio.gather(
+            *(one_request(client, p, MAX_TOKENS, tally) for p in prompts(8, seed=1))
+        )
+        start_s = time.monotonic()
+        while replica_states(APP_NAME).get("RUNNING", 0) != 1:  # one is chosen for removal
+            assert time.monotonic() - start_s < 60.0, replica_states(APP_NAME)
+            await asyncio.sleep(0.1)
+        decided_s = time.monotonic() - start_s
+        assert not streams.done()  # the removal was decided with the streams in flight
+        gone_s = await wait_for_replicas(APP_NAME, 1, timeout_s=60.0)
+        await streams
+        return decided_s, decided_s + gone_s
+
+    decided_s, gone_s = asyncio.run(scenario())
+    print(
+        f"\n2 -> 1 decided {decided_s:.1f} s into 8 streams, the removed replica gone at "
+        f"{gone_s:.1f} s; {tally}"
+    )
+    assert tally.failures == [] and tally.completed == 8
+    # Both replicas carried streams, and the one now gone was one of them.
+    assert len(tally.replica_ids) == 2
+    assert tally.replica_ids - running_replica_ids(client)
+
+
+def test_redeploy_drains_the_old_replicas(drain_client: Client) -> None:
+    """A new version replaces the replica while four streams run on it: they finish on
+    the old replica, which exits after them; new requests go to the new one."""
+    client = drain_client
+    config = drain_config(num_replicas=1, min_replicas=1, max_replicas=1)
+    deploy(config)
+    (old_id,) = running_replica_ids(client)
+    tally = Tally()
+
+    async def scenario() -> None:
+        streams = asyncio.gather(
+            *(one_request(client, p, MAX_TOKENS, tally) for p in prompts(4, seed=2))
+        )
+        await asyncio.sleep(1.0)  # the streams are under way on the old replica
+        # Another seed is another version: Serve starts a new replica, then stops the old.
+        await asyncio.to_thread(deploy, dataclasses.replace(config, seed=1))
+        await streams
+        await wait_for_replicas(APP_NAME, 1, timeout_s=60.0)
+
+    asyncio.run(scenario())
+    print(f"\nredeployed under 4 streams; {tally}")
+    assert tally.failures == [] and tally.completed == 4
+    assert tally.replica_ids == {old_id}
+    assert num_running(APP_NAME) == 1 and running_replica_ids(client) != {old_id}
+    after = Tally()
+    asyncio.run(one_request(client, prompts(1, seed=3)[0], 8, after))
+    assert after.completed == 1 and after.replica_ids == running_replica_ids(client)
