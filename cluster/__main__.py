@@ -4,6 +4,10 @@ The only place here that reads the environment is Ray itself (RAY_ADDRESS for se
 serve writes Serve's HAProxy variables into it before it starts a local Ray
 (cluster.app.set_ray_env), and reads KVFLEET_API_KEY, the api_key when --api-key is not
 given (a key on the command line shows in `ps`).
+
+serve fails at once, with the message and exit status 2, on a bad flag value and on
+replicas the Ray cluster cannot hold (cluster.resources.check_fits), instead of
+deploying an app that would never become healthy.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ import argparse
 import asyncio
 import os
 import random
+import sys
 import time
 
 from cluster.app import build_app, check_http_proxy, cluster_runs_haproxy, set_ray_env, use_haproxy
 from cluster.client import Client
 from cluster.config import ROUTERS, ClusterConfig
+from cluster.resources import check_fits, ray_node_resources
 from replica.config_flags import add_config_flags, config_from_args
 from replica.sampling_params import SamplingParams
 
@@ -79,17 +85,31 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
     return config_from_args(ClusterConfig, args)
 
 
-def serve_main(args: argparse.Namespace) -> None:
+def prepare_serve(args: argparse.Namespace) -> ClusterConfig:
+    """The app's config, on a Ray that is up (RAY_ADDRESS's, else a local one started
+    here); ValueError naming the field or flag, before anything is deployed, when a value
+    is bad or the replicas do not fit the Ray cluster."""
     import ray
-    from ray import serve
 
     config = serve_config(args)
     # Read by the Ray this starts; a cluster it attaches to (RAY_ADDRESS) keeps its own,
     # which check_http_proxy holds http_proxy against.
     set_ray_env(config)
     ray.init(ignore_reinit_error=True)
+    check_fits(config, ray_node_resources())
     if use_haproxy(config):
         check_http_proxy(config, cluster_runs_haproxy())
+    return config
+
+
+def serve_main(args: argparse.Namespace) -> None:
+    from ray import serve
+
+    try:
+        config = prepare_serve(args)
+    except ValueError as error:
+        print(f"python -m cluster serve: error: {error}", file=sys.stderr)
+        sys.exit(2)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=args.blocking)
     if not args.blocking:
