@@ -202,6 +202,7 @@ class Tally:
     """Every request of a load run: completed in full, or not (with why)."""
 
     completed: int = 0
+    in_flight: int = 0  # submitted, not yet ended
     refused: int = 0  # OverloadedError before any token: retried, not lost
     failures: list[str] = field(default_factory=list)
     replica_ids: set[str] = field(default_factory=set)
@@ -210,6 +211,14 @@ class Tally:
 async def one_request(client: Client, prompt: list[int], max_tokens: int, tally: Tally) -> None:
     """One request to completion: every token, finish "length"; an admission refusal is
     retried after a pause (it streamed nothing), anything else is a failure."""
+    tally.in_flight += 1
+    try:
+        await _one_request(client, prompt, max_tokens, tally)
+    finally:
+        tally.in_flight -= 1
+
+
+async def _one_request(client: Client, prompt: list[int], max_tokens: int, tally: Tally) -> None:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     while True:
         tokens: list[int] = []

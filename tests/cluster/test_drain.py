@@ -24,7 +24,6 @@ from cluster import Client, ClusterConfig, build_app
 from tests.cluster.local_ray import local_serve
 from tests.cluster.test_autoscale import (
     Tally,
-    num_running,
     one_request,
     replica_states,
     wait_for_replicas,
@@ -33,8 +32,9 @@ from tests.cluster.test_autoscale import (
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 APP_NAME = "kvfleet-drain"
-STEP_S = 0.04  # 300 tokens: 12 s and more, past the 6-s downscale delay
+STEP_S = 0.03  # 300 tokens: 9 s and more, past the 3-s downscale delay
 MAX_TOKENS = 300
+REDEPLOY_MAX_TOKENS = 100  # 3 s a request: waves of them while the new replica starts
 
 
 def drain_config(**fields) -> ClusterConfig:
@@ -51,7 +51,7 @@ def drain_config(**fields) -> ClusterConfig:
         min_replicas=1,
         max_replicas=2,
         upscale_delay_s=1.0,
-        downscale_delay_s=6.0,
+        downscale_delay_s=3.0,
         upscale_kv_usage=0.9,
         downscale_kv_usage=0.5,
         autoscale_look_back_s=1.0,
@@ -83,8 +83,8 @@ def prompts(num: int, seed: int) -> list[list[int]]:
 
 
 def test_scale_down_drains_the_removed_replica(drain_client: Client) -> None:
-    """Two replicas start idle, so the KV policy scales to one after 6 s: by then eight
-    12-s streams run on both. The removed replica finishes its streams before it exits."""
+    """Two replicas start idle, so the KV policy scales to one after 3 s: by then eight
+    9-s streams run on both. The removed replica finishes its streams before it exits."""
     client = drain_client
     deploy(drain_config())
     tally = Tally()
@@ -115,29 +115,45 @@ def test_scale_down_drains_the_removed_replica(drain_client: Client) -> None:
 
 
 def test_redeploy_drains_the_old_replicas(drain_client: Client) -> None:
-    """A new version replaces the replica while four streams run on it: they finish on
-    the old replica, which exits after them; new requests go to the new one."""
+    """A new version replaces the replica while four users stream back to back: the
+    streams under way on the old replica when Serve stops it finish there, and it exits
+    after them; later requests go to the new one."""
     client = drain_client
     config = drain_config(num_replicas=1, min_replicas=1, max_replicas=1)
     deploy(config)
     (old_id,) = running_replica_ids(client)
     tally = Tally()
 
-    async def scenario() -> None:
-        streams = asyncio.gather(
-            *(one_request(client, p, MAX_TOKENS, tally) for p in prompts(4, seed=2))
-        )
-        await asyncio.sleep(1.0)  # the streams are under way on the old replica
-        # Another seed is another version: Serve starts a new replica, then stops the old.
-        await asyncio.to_thread(deploy, dataclasses.replace(config, seed=1))
-        await streams
-        await wait_for_replicas(APP_NAME, 1, timeout_s=60.0)
+    async def scenario() -> int:
+        stop = asyncio.Event()
 
-    asyncio.run(scenario())
-    print(f"\nredeployed under 4 streams; {tally}")
-    assert tally.failures == [] and tally.completed == 4
-    assert tally.replica_ids == {old_id}
-    assert num_running(APP_NAME) == 1 and running_replica_ids(client) != {old_id}
+        async def user(seed: int) -> None:
+            rng = random.Random(seed)
+            while not stop.is_set():
+                prompt = [rng.randrange(1, 500) for _ in range(16)]
+                await one_request(client, prompt, REDEPLOY_MAX_TOKENS, tally)
+
+        load = asyncio.gather(*(user(seed) for seed in range(4)))
+        # Another seed is another version: Serve starts a new replica, then stops the old.
+        redeploy = asyncio.create_task(
+            asyncio.to_thread(deploy, dataclasses.replace(config, seed=1))
+        )
+        start_s = time.monotonic()
+        while "STOPPING" not in replica_states(APP_NAME):
+            assert time.monotonic() - start_s < 90.0, replica_states(APP_NAME)
+            await asyncio.sleep(0.1)
+        in_flight = tally.in_flight  # the old replica is draining these
+        stop.set()
+        await asyncio.gather(load, redeploy)
+        await wait_for_replicas(APP_NAME, 1, timeout_s=60.0)
+        return in_flight
+
+    in_flight = asyncio.run(scenario())
+    print(f"\nredeployed with {in_flight} streams in flight on the old replica; {tally}")
+    assert in_flight > 0
+    assert tally.failures == [] and tally.completed > 0
+    new_ids = running_replica_ids(client)
+    assert old_id in tally.replica_ids and old_id not in new_ids
     after = Tally()
     asyncio.run(one_request(client, prompts(1, seed=3)[0], 8, after))
-    assert after.completed == 1 and after.replica_ids == running_replica_ids(client)
+    assert after.completed == 1 and after.replica_ids == new_ids
