@@ -16,8 +16,10 @@ import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+import yaml
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingContext
 
@@ -31,6 +33,7 @@ from router.errors import OverloadedError
 from tests.cluster.local_ray import local_serve
 
 APP_NAME = "kvfleet-autoscale"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 def stats(**fields) -> ReplicaStats:
@@ -165,6 +168,26 @@ def test_build_app_puts_the_kv_policy_on_the_llm_deployment() -> None:
 def test_autoscale_fields_are_validated_by_name(fields: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         ClusterConfig(**fields)
+
+
+def test_cli_flag_and_yaml_turn_autoscale_on() -> None:
+    from cluster.__main__ import _parser, serve_config
+
+    argv = ["serve", "--model", "gpt2-tiny", "--autoscale", "--max-replicas", "3"]
+    argv += ["--upscale-delay-s", "2", "--downscale-kv-usage", "0.2"]
+    config = serve_config(_parser().parse_args(argv))
+    assert config.autoscale
+    policy = config.autoscale_config()
+    assert (policy.max_replicas, policy.upscale_delay_s, policy.kv_low_threshold) == (3, 2.0, 0.2)
+    assert not serve_config(_parser().parse_args(["serve"])).autoscale
+
+    document = yaml.safe_load((DEPLOY / "serve-autoscale.yaml").read_text())
+    (app,) = document["applications"]
+    config = ClusterConfig.from_dict(app["args"])
+    assert config.autoscale and (config.min_replicas, config.max_replicas) == (1, 4)
+    assert config.autoscale_config().max_queue_wait_s == config.routing.max_queue_wait_s
+    llm = build_app(dataclasses.replace(config, http=False), num_gpus_in_cluster=0)
+    assert llm._bound_deployment._deployment_config.autoscaling_config.max_replicas == 4
 
 
 # --- a real local Ray -----------------------------------------------------------------
