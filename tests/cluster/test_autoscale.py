@@ -323,20 +323,32 @@ def test_load_scales_one_to_three_and_back_with_no_stream_lost(autoscaled_app: C
     assert num_running(APP_NAME) == 1
     tally = Tally()
 
+    timeline: list[tuple[float, dict[str, int]]] = []  # (s since the load began, states)
+
+    async def watch(start_s: float) -> None:
+        while True:
+            timeline.append((time.monotonic() - start_s, replica_states(APP_NAME)))
+            await asyncio.sleep(0.25)
+
     async def scenario() -> tuple[float, float]:
         stop = asyncio.Event()
+        watcher = asyncio.create_task(watch(time.monotonic()))
         load = asyncio.create_task(users(client, 20, stop, tally))
         rise_s = await wait_for_replicas(APP_NAME, 3, timeout_s=90.0)
         await asyncio.sleep(2.0)  # the three serve together for a while
         stop.set()
         await load
         fall_s = await wait_for_replicas(APP_NAME, 1, timeout_s=60.0)
+        watcher.cancel()
         return rise_s, fall_s
 
     rise_s, fall_s = asyncio.run(scenario())
+    # When the policy first asked for 2 and for 3 (a replica appears, starting).
+    asked = {n: next((t for t, st in timeline if sum(st.values()) >= n), None) for n in (2, 3)}
     print(
-        f"\n1 -> 3 replicas in {rise_s:.1f} s; back to 1 in {fall_s:.1f} s after the load "
-        f"stopped; {tally.completed} requests completed, {tally.refused} refusals retried, "
+        f"\n1 -> 3 replicas running in {rise_s:.1f} s (2 asked for at {asked[2]:.1f} s, 3 at "
+        f"{asked[3]:.1f} s); back to 1 in {fall_s:.1f} s after the load stopped; "
+        f"{tally.completed} requests completed, {tally.refused} refusals retried, "
         f"{len(tally.failures)} lost or cut; replicas served: {len(tally.replica_ids)}"
     )
     assert tally.failures == []
