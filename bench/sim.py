@@ -46,7 +46,7 @@ from bench.common import write_json
 from bench.sim_core import DEFAULT_NUM_BLOCKS, sim_config, simulate
 from bench.sim_model import cost_model_from_file
 from bench.sim_policies import ALL_POLICIES, ROUTER_ALIASES, policy_name
-from bench.sim_report import markdown, plot
+from bench.sim_report import markdown, plot, targets
 from bench.sim_workload import ARRIVALS, DATASETS, Workload, WorkloadConfig
 from bench.trace import FORMATS, ReplayConfig, read_trace, replay
 from replica.config_flags import add_config_flags
@@ -154,12 +154,22 @@ def main(argv: list[str] | None = None) -> None:
             print(markdown([result]).splitlines()[-1], flush=True)
     source = f"trace={args.trace}" if args.trace else f"dataset={args.dataset}"
     print(
-        f"\nreplicas={args.replicas} requests={args.requests} {source} "
+        f"\nreplicas={args.replicas} requests={len(workload)} {source} "
         f"arrival={args.arrival} slo ttft<={args.slo_ttft_ms}ms tpot<={args.slo_tpot_ms}ms"
     )
     print(markdown(results))
+    comparison = targets(results)
+    for row in comparison["per_load"]:
+        print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in row.items()))  # fmt: skip
+    if comparison["per_load"]:
+        print(
+            f"kvfleet best / best peer, lowest over loads: {comparison['min_x_best_peer']:.3f}; "
+            f"heaviest load with >= half within SLO: {comparison['heaviest_half_slo']}"
+        )
     write_json(args.out, {"args": vars(args), "cost_model": cost.as_dict(),
-                      "sim_config": asdict(config), "results": results})  # fmt: skip
+                      "sim_config": asdict(config), "results": results,
+                      "targets": comparison})  # fmt: skip
     if args.plot:
         plot(results, args.plot)
 

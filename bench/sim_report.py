@@ -79,6 +79,50 @@ def markdown(results: list[dict]) -> str:
     return markdown_table([table_row(r) for r in results], list(COLUMNS), digits=4)
 
 
+def label(result: dict) -> str:
+    """The name a run was asked for (--routers), else its policy."""
+    return result.get("router", result["policy"])
+
+
+KVFLEET_POLICIES = ("prefix", "kv", "pow2")
+
+
+def targets(results: list[dict]) -> dict:
+    """The issue's goodput comparisons over a load sweep: at each load, kvfleet's best
+    policy over the best peer's; at the heaviest load where some router still met the
+    SLO for at least half the requests, kvfleet's best over serve-pow2's and
+    serve-consistent-hash's (when they ran)."""
+    by_load: dict[float, dict[str, dict]] = {}
+    for r in results:
+        by_load.setdefault(r["offered_rate"], {})[r["policy"]] = r
+    per_load = []
+    for rate in sorted(by_load):
+        runs = by_load[rate]
+        ours = [r for p, r in runs.items() if p in KVFLEET_POLICIES]
+        peers = [r for p, r in runs.items() if p not in KVFLEET_POLICIES]
+        if not ours or not peers:
+            continue
+        best = max(ours, key=lambda r: r["goodput_req_s"])
+        best_peer = max(peers, key=lambda r: r["goodput_req_s"])
+        row = {
+            "offered_rate": rate,
+            "kvfleet_best": label(best),
+            "best_peer": label(best_peer),
+            "x_best_peer": best["goodput_req_s"] / max(best_peer["goodput_req_s"], 1e-9),
+            "max_slo_attainment": max(r["slo_attainment"] for r in runs.values()),
+        }
+        for peer in ("serve_pow2", "serve_consistent_hash"):
+            if peer in runs:
+                row[f"x_{peer}"] = best["goodput_req_s"] / max(runs[peer]["goodput_req_s"], 1e-9)
+        per_load.append(row)
+    met = [row for row in per_load if row["max_slo_attainment"] >= 0.5]
+    return {
+        "per_load": per_load,
+        "min_x_best_peer": min((row["x_best_peer"] for row in per_load), default=float("nan")),
+        "heaviest_half_slo": met[-1] if met else None,
+    }
+
+
 def plot(results: list[dict], path: str) -> None:
     import matplotlib
 
@@ -86,10 +130,8 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_good, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for policy in dict.fromkeys(r["policy"] for r in results):
-        rows = sorted(
-            (r for r in results if r["policy"] == policy), key=lambda r: r["offered_rate"]
-        )
+    for policy in dict.fromkeys(label(r) for r in results):
+        rows = sorted((r for r in results if label(r) == policy), key=lambda r: r["offered_rate"])
         rates = [r["offered_rate"] for r in rows]
         ax_good.plot(rates, [r["goodput_req_s"] for r in rows], marker="o", label=policy)
         ax_ttft.plot(rates, [r["ttft_ms"]["p99"] for r in rows], marker="o", label=policy)

@@ -22,30 +22,45 @@ def is_imbalanced(
     )
 
 
-class PrefixPolicy(RoutingPolicy):
-    """Routes to the replica caching the longest prefix of the prompt, while loads are balanced.
+def overloaded(
+    loads: np.ndarray, balance_abs_threshold: float, balance_rel_threshold: float
+) -> np.ndarray:
+    """bool per replica: SGLang's imbalance rule between it and the least loaded one,
+    both the absolute and the relative load gap over threshold."""
+    least = loads.min() if len(loads) else 0.0
+    return (loads - least > balance_abs_threshold) & (loads > balance_rel_threshold * least)
 
-    Algorithm (SGLang cache-aware router, over published block hashes instead of
-    a radix tree): take each candidate's load_fraction. If the candidates are
-    imbalanced (max - min > balance_abs_threshold and max > balance_rel_threshold
-    * min), rank by load alone, as the kv policy does. Otherwise rank by the
-    number of prompt blocks the replica has cached (router.Candidates.matched_blocks:
-    to the deepest block it publishes), most first, then by the prefix's affinity
-    key: a rendezvous hash of the prompt's first affinity_tokens tokens (whole
-    blocks) with each replica. So every router, whatever its view, sends requests
-    sharing those tokens to the same replica while loads are balanced: a new prefix
-    lands on one replica (its home), not on whichever looked lightest to each router
-    before any replica published it, and a prefix cached on several replicas
-    concentrates on one of them while the others' copies age out. Load does not
-    order replicas that tie on cached blocks, as it would copy a prefix onto
-    whichever of them looked lighter to each router. On its own this ordering did
-    not tighten placement on 4 H200s (each prefix still ran on 3.97 replicas of 4);
-    raising balance_abs_threshold from 0.1 to 0.5 did (cache hits 42% -> 63%, TTFT
-    p50 197 -> 40 ms; docs/design.md, "Imbalance threshold"). The imbalance rule,
-    and admission's room test, are what keep a hot prefix's home from taking more
-    than it can. Prompts shorter than one block (or affinity_tokens 0) have no
-    affinity key: replicas tied on cached blocks are ordered by load, with loads
-    within balance_band of the least counting as equal, then per request.
+
+class PrefixPolicy(RoutingPolicy):
+    """Routes to the replica caching the longest prefix of the prompt, among those not
+    overloaded; a hot prefix spills from its overloaded home to a second replica.
+
+    Algorithm (SGLang's cache-aware router, over published block hashes instead of
+    a radix tree, its balance rule applied per replica): take each candidate's
+    load_fraction (with this request's uncached blocks and this router's reservations
+    charged). A candidate is overloaded when its load is over the least loaded one's
+    by more than balance_abs_threshold and more than balance_rel_threshold times it.
+    The others come first, ranked by the number of prompt blocks the replica has
+    cached (router.Candidates.matched_blocks: to the deepest block it publishes),
+    most first, then by the prefix's affinity key: a rendezvous hash of the prompt's
+    first affinity_tokens tokens (whole blocks) with each replica. Overloaded
+    candidates follow, by load. So every router, whatever its view, sends requests
+    sharing those tokens to one replica (the prefix's home) while it is not
+    overloaded: a new prefix lands there, not on whichever replica looked lightest
+    to each router before any published it, and a prefix cached on several replicas
+    concentrates on the deepest match. When the home is overloaded, only the requests
+    that would go there move, to the replica caching most of their prompt among the
+    rest, else the next in the prefix's rendezvous order: a hot prefix spills to a
+    second home, consistently, and the other prefixes keep theirs.
+    Why per replica: the fleet-wide rule (all requests by load once any two replicas
+    are imbalanced) let one hot prefix (35% of a Mooncake-shaped trace on 4 replicas)
+    switch every prefix to load order, copying each onto every replica; and a looser
+    threshold, which kept affinity, left the hot home queueing at the watermark while
+    others idled (bench.sim --trace, docs/design.md). Load does not order replicas
+    that tie on cached blocks, as it would copy a prefix onto whichever of them
+    looked lighter to each router. Prompts shorter than one block (or affinity_tokens
+    0) have no affinity key: replicas tied on cached blocks are ordered by load, with
+    loads within balance_band of the least counting as equal, then per request.
     Cost: O(prompt blocks) in the fleet's PrefixIndex (updated per snapshot, not
     per request) plus numpy over the candidates; not O(replicas x hashes).
     Invariant: one replica per tier; with no match anywhere and no affinity key the
@@ -73,17 +88,19 @@ class PrefixPolicy(RoutingPolicy):
 
     def rank(self, candidates: Candidates, request: RouteRequest) -> list[list[str]]:
         loads = candidates.loads
-        if not request.knows_prompt or is_imbalanced(
-            loads, self.balance_abs_threshold, self.balance_rel_threshold
-        ):
+        if not request.knows_prompt:
             ties = candidates.tiebreak(self.seed, request.request_id)
             return candidates.tiers(np.lexsort((ties, banded(loads, self.balance_band))))
-        matched = candidates.matched_blocks(request)
+        spilled = overloaded(loads, self.balance_abs_threshold, self.balance_rel_threshold)
+        matched = np.where(spilled, 0, candidates.matched_blocks(request))
         key = self.affinity_key(candidates, request)
         if key is None:
             ties = candidates.tiebreak(self.seed, request.request_id)
-            return candidates.tiers(np.lexsort((ties, banded(loads, self.balance_band), -matched)))
-        return candidates.tiers(np.lexsort((candidates.tiebreak(self.seed, key), -matched)))
+            by_load = banded(loads, self.balance_band)
+        else:
+            ties = candidates.tiebreak(self.seed, key)
+            by_load = np.where(spilled, loads, 0.0)
+        return candidates.tiers(np.lexsort((ties, by_load, -matched, spilled)))
 
     def affinity_key(self, candidates: Candidates, request: RouteRequest) -> str | None:
         """The prefix's key: the hash of the prompt's last full block within its first

@@ -2,11 +2,12 @@
 
 reference_choose_replicas is the PrefixPolicy of commit 16f599a (one set() per
 replica per request, O(replicas x hashes)), kept here verbatim apart from its
-match, which counts to the deepest published block as the index now does, and its
-tiebreak, which it takes from router.tiebreak like the policy under test, so that
-the indexed policy can be checked against it on random fleets: shared and
-private chains, truncated and non-contiguous summaries, mixed block sizes,
-balanced and imbalanced loads, requests with and without prompts.
+match, which counts to the deepest published block as the index now does, its
+balance rule, applied per replica as the policy now does, and its tiebreak, which
+it takes from router.tiebreak like the policy under test, so that the indexed policy
+can be checked against it on random fleets: shared and private chains, truncated and
+non-contiguous summaries, mixed block sizes, balanced and imbalanced loads, requests
+with and without prompts.
 """
 
 from __future__ import annotations
@@ -35,15 +36,11 @@ def reference_num_matched_blocks(stats: ReplicaStats, request: RouteRequest) -> 
     return num_matched
 
 
-def reference_is_imbalanced(
-    loads: Sequence[float], balance_abs_threshold: float, balance_rel_threshold: float
+def reference_is_overloaded(
+    load: float, loads: Sequence[float], balance_abs_threshold: float, balance_rel_threshold: float
 ) -> bool:
-    if len(loads) < 2:
-        return False
-    max_load, min_load = max(loads), min(loads)
-    return (
-        max_load - min_load > balance_abs_threshold and max_load > balance_rel_threshold * min_load
-    )
+    least = min(loads)
+    return load - least > balance_abs_threshold and load > balance_rel_threshold * least
 
 
 def reference_rank_by_load(
@@ -62,15 +59,21 @@ def reference_choose_replicas(
     balance_rel_threshold: float,
     seed: int,
 ) -> list[list[str]]:
-    loads = {s.replica_id: load_fraction(s, request) for s in stats}
-    if not request.prompt_token_ids or reference_is_imbalanced(
-        list(loads.values()), balance_abs_threshold, balance_rel_threshold
-    ):
+    if not request.prompt_token_ids:
         return [[s.replica_id] for s in reference_rank_by_load(stats, request, seed)]
+    # Since the per-replica balance rule: an overloaded replica goes after the others,
+    # by load; the others by cached blocks, then load.
+    loads = {s.replica_id: load_fraction(s, request) for s in stats}
+    spilled = {
+        r: reference_is_overloaded(load, list(loads.values()), balance_abs_threshold,
+                                   balance_rel_threshold)
+        for r, load in loads.items()
+    }  # fmt: skip
     ranked = sorted(
         stats,
         key=lambda s: (
-            -reference_num_matched_blocks(s, request),
+            spilled[s.replica_id],
+            0 if spilled[s.replica_id] else -reference_num_matched_blocks(s, request),
             loads[s.replica_id],
             tiebreak(seed, request.request_id, s.replica_id),
         ),

@@ -1,0 +1,77 @@
+"""The prefix policy's balance rule per replica: a hot prefix spills from its overloaded home
+to one second replica, and the other prefixes keep their homes meanwhile."""
+
+from __future__ import annotations
+
+from replica.hashing import prefix_block_hashes
+from router import PrefixPolicy, RouteRequest
+from tests.router.router_fakes import make_stats
+
+NUM_REPLICAS = 6
+
+
+def policy() -> PrefixPolicy:
+    return PrefixPolicy(0.3, 1.5, seed=1, balance_band=0.1, affinity_tokens=64)
+
+
+def prefix(p: int) -> list[int]:
+    return [p, *range(1000, 1063)]  # 64 tokens: 4 blocks of 16
+
+
+def first(stats: list, tokens: list[int], request_id: str) -> str:
+    return policy().choose_replicas(stats, RouteRequest.from_tokens(request_id, tokens), 0.0)[0][0]
+
+
+def fleet(used: dict[str, int], cached: dict[str, list[int]] | None = None) -> list:
+    cached = cached or {}
+    return [
+        make_stats(
+            f"r{i}",
+            num_blocks_used=used.get(f"r{i}", 10),
+            cached_prefix_hashes=tuple(
+                h for p in cached.get(f"r{i}", []) for h in prefix_block_hashes(prefix(p), 16)
+            ),
+        )
+        for i in range(NUM_REPLICAS)
+    ]
+
+
+def homes(stats: list) -> dict[int, str]:
+    return {p: first(stats, prefix(p) + [7, p], f"home-{p}") for p in range(40)}
+
+
+def test_affinity_holds_while_no_replica_is_overloaded():
+    idle = homes(fleet({}))
+    assert len(set(idle.values())) >= 4
+    hot, home = 0, idle[0]
+    # The home is busier than the rest, under the threshold: its prefix stays.
+    busier = fleet({home: 30}, {home: [hot]})
+    for q in range(20):
+        assert first(busier, prefix(hot) + [q], f"q{q}") == home
+
+
+def test_a_hot_prefix_spills_to_one_second_replica_and_the_others_keep_their_homes():
+    idle = homes(fleet({}))
+    hot, home = 0, idle[0]
+    others = {p: r for p, r in idle.items() if r != home}
+    assert len(set(others.values())) >= 3
+    # The hot home at 0.8 against 0.1: overloaded (gap 0.7 > 0.3 and over 1.5x).
+    stats = fleet({home: 80}, {home: [hot], **{r: [p] for p, r in others.items()}})
+    spills = {first(stats, prefix(hot) + [q], f"s{q}") for q in range(30)}
+    assert len(spills) == 1 and home not in spills  # one second home, for every request
+    # Every other prefix stays at its own home (the fleet-wide rule sent them by load).
+    for p, r in others.items():
+        assert first(stats, prefix(p) + [9], f"o{p}") == r
+    # Once the spill replica has cached the prefix, its requests stay there.
+    second = spills.pop()
+    stats = fleet({home: 80, second: 20}, {home: [hot], second: [hot]})
+    assert {first(stats, prefix(hot) + [q], f"t{q}") for q in range(20)} == {second}
+
+
+def test_a_spilled_prefix_goes_home_once_the_home_is_not_overloaded():
+    idle = homes(fleet({}))
+    home = idle[0]
+    elsewhere = next(r for r in (f"r{i}" for i in range(NUM_REPLICAS)) if r != home)
+    stats = fleet({home: 35, elsewhere: 20}, {home: [0], elsewhere: [0]})
+    # Both cache the prefix; neither is overloaded (0.35 against 0.1): the rendezvous home.
+    assert first(stats, prefix(0) + [5], "back") == home
