@@ -18,7 +18,8 @@ Interface (both policies):
   which signal decided (for logs and tests).
 
 KVAutoscalePolicy.decide(loads, ...) takes one ReplicaLoad per running replica
-(KV usage, queued prompt tokens, tokens/s) and computes fleet-wide:
+(KV usage counting its queue, queued prompt tokens, the prompt tokens it admits
+per second) and computes fleet-wide:
 
     predicted_wait_s = sum(num_waiting_tokens) / sum(tokens_per_s)
     kv_usage         = mean(kv_usage)
@@ -33,8 +34,8 @@ kv_low_threshold and the wait under its threshold, to the fewest replicas that
 keep both there. Between the two the target stands (a scale-up in progress is
 not undone). A direction is applied only once it has been wanted continuously
 for upscale_delay_s / downscale_delay_s (Serve's delay rule, so a short lull
-never removes a replica). A queue with no measured rate (a replica that has not
-decoded yet) reads as an infinite wait, which adds one replica at a time.
+never removes a replica). A queue with no measured rate (a replica that admitted
+nothing lately) reads as an infinite wait, which adds one replica at a time.
 
 ServeDefaultPolicy mirrors ray.serve.autoscaling_policy (Ray 2.60):
 desired = total ongoing requests / target_ongoing_requests, damped by the up- and
@@ -64,7 +65,9 @@ class ReplicaLoad:
 
     kv_usage: float  # fraction of KV blocks held or promised to its queue (may exceed 1)
     num_waiting_tokens: int  # prompt tokens queued, not yet scheduled
-    tokens_per_s: float  # tokens it decodes and prefills per second, measured
+    # The rate its queue drains at: prompt tokens it admits per second, measured
+    # (cluster.autoscale.ReplicaMeter; a simulator gives its model's prefill rate).
+    tokens_per_s: float
 
 
 @dataclass(frozen=True)
