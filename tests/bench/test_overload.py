@@ -1,0 +1,105 @@
+"""bench.overload against a local aiohttp server that streams, refuses (503) or hangs, and
+whose /stats says busy for a while: every request is accounted for, the time to idle is
+measured, and the step's figures and the targets' verdicts follow from the records."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from bench.load_metrics import RequestRecord
+from bench.overload import Workload, open_loop_step, rss_mb, step_summary, verdicts
+from tests.bench.test_load_http import FakeIngress
+
+
+class FakeServer(FakeIngress):
+    """Request i: a 503 when i % 3 == 1, no answer at all when i == 2, else a stream;
+    /stats: busy for the first `busy_polls` polls."""
+
+    def __init__(self, busy_polls: int) -> None:
+        super().__init__()
+        self.num_requests = 0
+        self.busy_polls = busy_polls
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        i, self.num_requests = self.num_requests, self.num_requests + 1
+        self.script = "503" if i % 3 == 1 else "ok"
+        if i == 2:
+            await asyncio.sleep(60)
+        return await super().completions(request)
+
+    async def stats(self, request: web.Request) -> web.Response:
+        self.busy_polls -= 1
+        busy = int(self.busy_polls > 0)
+        return web.json_response({"replicas": [{"num_running": busy, "num_waiting": 0}]})
+
+
+def test_an_open_loop_step_accounts_for_every_request() -> None:
+    server = FakeServer(busy_polls=6)
+    workload = Workload(input_len=8, output_len=4, vocab_size=100, timeout_s=1.0)
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/v1/completions", server.completions)
+        app.router.add_get("/stats", server.stats)
+        test_server = TestServer(app, host="127.0.0.1")
+        await test_server.start_server()
+        try:
+            url = str(test_server.make_url("")).rstrip("/")
+            return await open_loop_step(url, workload, 40.0, 0.5, seed=1, headers={})
+        finally:
+            await test_server.close()
+
+    records, idle_after_load_s, idle_after_last_s, samples = asyncio.run(run())
+    assert samples and set(samples) <= {(0, 0), (1, 0)}
+    assert len(records) == server.num_requests > 6  # ~20 Poisson arrivals
+    summary = step_summary(records, 0.5, ttft_slo_ms=1000.0)
+    assert summary["lost"] == 1 and "client timeout" in records[2].error_message
+    assert summary["rejected"] == len(range(1, len(records), 3))
+    assert summary["completed"] == len(records) - summary["rejected"] - 1
+    assert summary["goodput_rps"] == summary["completed"] / 0.5
+    assert 0 < summary["reject_p50_ms"] <= summary["reject_p99_ms"] < 1000
+    assert server.busy_polls <= 0  # idle only once /stats said so
+    assert idle_after_load_s is not None and idle_after_load_s >= 0.05  # polled until idle
+    assert idle_after_last_s is not None and idle_after_last_s <= idle_after_load_s
+
+
+def _record(index: int, outcome: str, ttft_s: float = math.nan) -> RequestRecord:
+    record = RequestRecord(index, 8, 4, 0.0, sent_s=1.0, end_s=1.02, outcome=outcome)
+    if outcome == "ok":
+        record.chunk_times_s, record.chunk_num_tokens = [ttft_s, ttft_s + 0.1], [1, 3]
+    return record
+
+
+def test_goodput_counts_only_completions_within_the_ttft_slo() -> None:
+    records = [_record(0, "ok", 0.1), _record(1, "ok", 3.0), _record(2, "rejected")]
+    records += [_record(3, "error"), _record(4, "lost")]
+    summary = step_summary(records, 2.0, ttft_slo_ms=2000.0)
+    assert (summary["completed"], summary["rejected"], summary["errors"]) == (2, 1, 1)
+    assert summary["lost"] == 1 and summary["goodput_rps"] == 0.5
+    assert summary["reject_p99_ms"] == summary["reject_p50_ms"] == pytest.approx(20.0)
+
+
+def test_verdicts_hold_the_steps_to_the_issue_targets() -> None:
+    def step(scale: float, goodput: float, reject_ms: float, lost: int, idle_s: float) -> dict:
+        return {
+            "scale": scale, "goodput_rps": goodput, "reject_p99_ms": reject_ms, "lost": lost,
+            "idle_after_load_s": idle_s, "rss_mb": {"ingress": 110.0, "proxy": 100.0},
+        }  # fmt: skip
+
+    baseline = {"ingress": 100.0, "proxy": 100.0}
+    good = [step(1, 40, math.nan, 0, 1.0), step(3, 37, 20, 0, 1.5), step(5, 36.5, 40, 0, 2.0)]
+    assert all(verdicts(good, baseline).values())
+    bad = [step(1, 40, math.nan, 0, 1.0), step(3, 30, 80, 2, 3.0)]
+    bad[1]["rss_mb"]["ingress"] = 130.0
+    assert not any(verdicts(bad, baseline).values())
+
+
+def test_rss_reads_this_process_and_nothing_for_a_gone_one() -> None:
+    assert rss_mb(os.getpid()) > 10
+    assert rss_mb(2**22 + 7) == 0  # above Linux's default pid_max
