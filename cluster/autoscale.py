@@ -21,8 +21,11 @@ import dataclasses
 import time
 from typing import Any
 
+from ray import cloudpickle
 from ray.serve.config import AutoscalingConfig, AutoscalingContext, AutoscalingPolicy
 
+import replica.validate
+import router.autoscale
 from replica.stats import ReplicaStats
 from router.autoscale import AutoscaleConfig, KVAutoscalePolicy, ReplicaLoad, ScaleState
 from router.load import committed_fraction
@@ -114,8 +117,24 @@ def autoscaling_config(
         # Deprecated in 2.60 but still how often a replica records and pushes its
         # metrics; the env var that replaces it would be read once per Ray cluster.
         metrics_interval_s=look_back_s / POINTS_PER_LOOK_BACK,
-        policy=AutoscalingPolicy(
-            policy_function=f"{__name__}:KVServePolicy",
-            policy_kwargs=dataclasses.asdict(config),
-        ),
+        policy=kv_serve_policy(config),
     )
+
+
+def kv_serve_policy(config: AutoscaleConfig) -> AutoscalingPolicy:
+    """KVServePolicy as Serve's AutoscalingPolicy, pickled by value together with the
+    pure modules it runs (router.autoscale, replica.validate), so that Serve's controller
+    never imports kvfleet's packages: router/ and replica/ import torch through their
+    __init__ (6 s and some 300 MB on the CPU box), which would stall the controller's
+    loop and every deployment it manages, and needs kvfleet installed beside Serve."""
+    by_value = (router.autoscale, replica.validate)
+    for module in by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        # Serve pickles the policy here, with its own module (this one) by value.
+        return AutoscalingPolicy(
+            policy_function=f"{__name__}:KVServePolicy", policy_kwargs=dataclasses.asdict(config)
+        )
+    finally:
+        for module in by_value:
+            cloudpickle.unregister_pickle_by_value(module)

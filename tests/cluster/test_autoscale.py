@@ -13,6 +13,8 @@ import asyncio
 import dataclasses
 import functools
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,7 +27,14 @@ from ray.serve.config import AutoscalingContext
 
 from bench.cluster import paced_engine
 from cluster import Client, ClusterConfig, build_app
-from cluster.autoscale import KV_USAGE, TOKENS_PER_S, WAITING_TOKENS, KVServePolicy, ReplicaMeter
+from cluster.autoscale import (
+    KV_USAGE,
+    TOKENS_PER_S,
+    WAITING_TOKENS,
+    KVServePolicy,
+    ReplicaMeter,
+    kv_serve_policy,
+)
 from cluster.client import LLM_DEPLOYMENT
 from replica import SamplingParams
 from replica.stats import ReplicaStats
@@ -150,6 +159,55 @@ def test_build_app_puts_the_kv_policy_on_the_llm_deployment() -> None:
     fixed = build_app(ClusterConfig(num_replicas=2), num_gpus_in_cluster=0)._bound_deployment
     assert fixed._deployment_config.autoscaling_config is None
     assert fixed._deployment_config.num_replicas == 2
+
+
+# An AutoscalingContext as plain values (replica ids as strings: the policy only keys by them).
+CONTEXT_FIELDS = dict(
+    deployment_id=None,
+    deployment_name=LLM_DEPLOYMENT,
+    app_name="a",
+    current_num_replicas=1,
+    target_num_replicas=1,
+    running_replicas=["r0"],
+    total_num_requests=0.0,
+    total_queued_requests=0.0,
+    aggregated_metrics={
+        KV_USAGE: {"r0": 0.95},
+        WAITING_TOKENS: {"r0": 0.0},
+        TOKENS_PER_S: {"r0": 9.0},
+    },
+    raw_metrics={},
+    capacity_adjusted_min_replicas=1,
+    capacity_adjusted_max_replicas=3,
+    policy_state={},
+    last_scale_up_time=None,
+    last_scale_down_time=None,
+    current_time=5.0,
+    config=None,
+)
+
+
+def test_the_controller_runs_the_policy_without_importing_kvfleet(tmp_path: Path) -> None:
+    """Serve's controller unpickles the policy and calls it: nothing of router/ or
+    replica/ (whose __init__ imports torch) may be imported there."""
+    policy = kv_serve_policy(ClusterConfig(autoscale=True, max_replicas=3).autoscale_config())
+    (tmp_path / "policy.bin").write_bytes(policy.get_serialized_policy_def())
+    script = (
+        "import sys; from ray import cloudpickle\n"
+        "cls = cloudpickle.loads(open('policy.bin', 'rb').read())\n"
+        "policy = cls(min_replicas=1, max_replicas=3, upscale_delay_s=0.0)\n"
+        "from ray.serve.config import AutoscalingContext\n"
+        f"n, _ = policy(AutoscalingContext(**{CONTEXT_FIELDS!r}))\n"
+        "loaded = [m for m in ('torch', 'router', 'replica', 'cluster') if m in sys.modules]\n"
+        "print(n, loaded)\n"
+    )
+    # A fresh interpreter: any kvfleet module the policy reaches by reference shows in
+    # sys.modules (pickled by reference it was: ['torch', 'router', 'replica']).
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", script], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "2 []"  # KV usage 0.95 on the one replica: one more
 
 
 @pytest.mark.parametrize(
