@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import secrets
 from typing import Any
@@ -35,6 +36,14 @@ INGRESS_NUM_CPUS = 0.0
 # with it served 16,000 tokens/s against 12,600 through Serve's Python proxy.
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
+# HAProxy's `timeout client` (whole seconds; Serve's default 3600): how long a client may
+# stay silent while it owes bytes of its request (or acks of a response). Behind HAProxy
+# the ingress's 408 for a slow body reaches the client, but HAProxy keeps the client's
+# connection open while the declared body is still due, so without this a client that
+# declared 1,000 bytes and sent 10 held its connection for an hour. It does not run while
+# a client waits for a response: under a 2 s client timeout a 9 s non-streamed completion
+# and SSE events 3 s apart went through (CPU box, Ray 2.60).
+HAPROXY_CLIENT_TIMEOUT_ENV = "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"
 # How often a replica being removed checks whether its calls (submits, and the carrier
 # streams, which end once their caller's requests there have finished) are done; Serve's
 # default of 2 s would hold every drained replica up to 2 s past its last token.
@@ -159,10 +168,19 @@ def use_haproxy(config: ClusterConfig) -> bool:
 def set_ray_env(config: ClusterConfig) -> None:
     """Before this process starts a local Ray for config: Serve's HAProxy ingress (and
     its throughput-optimized settings, unless the environment already sets them) when
-    use_haproxy(config). The processes Ray starts inherit this environment."""
+    use_haproxy(config), and HAProxy's client timeout from http_body_timeout_s
+    (haproxy_client_timeout_s). The processes Ray starts inherit this environment."""
     if use_haproxy(config):
         os.environ[HAPROXY_ENV] = "1"
         os.environ.setdefault(THROUGHPUT_ENV, "1")
+        os.environ.setdefault(HAPROXY_CLIENT_TIMEOUT_ENV, str(haproxy_client_timeout_s(config)))
+
+
+def haproxy_client_timeout_s(config: ClusterConfig) -> int:
+    """HAProxy's client timeout for config: a second past http_body_timeout_s, so that a
+    slow body's client reads the ingress's 408 (which names the body) before HAProxy
+    closes its connection."""
+    return math.ceil(config.http_body_timeout_s) + 1
 
 
 def cluster_runs_haproxy() -> bool:

@@ -1,10 +1,11 @@
 """The HTTP front door against hostile input, closed by default (issue 48).
 
-One app with an api key: 401 without it or with a wrong one (the official openai client
-included), /health open; /stats shows no prefix hash; nested JSON, a slow body and huge
-headers get 400 / 408 / 431; top_p far below float32's range samples the top token; a
-client that disconnects mid-stream leaves no traceback in the ingress's log; a prompt
-under two cache_salts hits no cached block, under the same one it does.
+One app with an api key, behind Serve's HAProxy (the default http_proxy): 401 without
+it or with a wrong one (the official openai client included), /health open; /stats shows
+no prefix hash; nested JSON, a slow body and huge headers get 400 / 408 / 431 (HAProxy's
+own 400 for headers past its buffer); top_p far below float32's range samples the top
+token; a client that disconnects mid-stream leaves no traceback in the ingress's log; a
+prompt under two cache_salts hits no cached block, under the same one it does.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import openai
 import pytest
 
 from cluster import Client, ClusterConfig, build_app
+from cluster.app import cluster_runs_haproxy
 from cluster.ingress import MAX_HEADER_BYTES, MAX_JSON_DEPTH
+from tests.cluster.haproxy_env import haproxy_env
 from tests.cluster.local_ray import free_port, init_local_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -62,16 +65,18 @@ def app() -> Iterator[App]:
         http_body_timeout_s=BODY_TIMEOUT_S,
         app_name=APP_NAME,
     )
-    init_local_ray(num_cpus=2)
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-        session_dir = ray._private.worker._global_node.get_session_dir_path()
-        yield App(Client(APP_NAME), port, os.path.join(session_dir, "logs", "serve"))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with haproxy_env(config):  # the default http_proxy, as `python -m cluster serve` runs it
+        init_local_ray(num_cpus=2)
+        port = free_port()
+        try:
+            assert cluster_runs_haproxy()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+            session_dir = ray._private.worker._global_node.get_session_dir_path()
+            yield App(Client(APP_NAME), port, os.path.join(session_dir, "logs", "serve"))
+        finally:
+            serve.shutdown()
+            ray.shutdown()
 
 
 def _complete(http: httpx.Client, **fields: object) -> list[int]:
@@ -194,9 +199,29 @@ def test_slow_body_is_cut_with_408(app: App) -> None:
     assert BODY_TIMEOUT_S <= elapsed_s < BODY_TIMEOUT_S + 10, elapsed_s
 
 
-def test_huge_headers_are_431(app: App) -> None:
+def _ingress_replica_urls() -> list[str]:
+    """The ingress replicas' own HTTP addresses, behind HAProxy: its config's servers."""
+    import ray
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_CONFIG_FILE_LOC
+
+    folder, name = os.path.split(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC)
+    path = os.path.join(folder, ray.get_runtime_context().get_node_id(), name)
+    with open(path) as f:
+        servers = [line.split() for line in f if line.strip().startswith("server SERVE_REPLICA_")]
+    return [f"http://{words[2]}" for words in servers if "Ingress" in words[1]]
+
+
+def test_huge_headers_are_refused(app: App) -> None:
+    """HAProxy (the default http_proxy) answers headers over its 16 KB buffer 400 itself;
+    the ingress's own bound (431 over MAX_HEADER_BYTES) holds behind Serve's proxy, and
+    on an ingress replica's own port."""
+    headers = AUTH | {"x-padding": "a" * (MAX_HEADER_BYTES + 1)}
     with httpx.Client(base_url=app.base_url, timeout=60) as http:
-        headers = AUTH | {"x-padding": "a" * (MAX_HEADER_BYTES + 1)}
+        response = http.get("/v1/models", headers=headers)
+        assert response.status_code == 400, response.text
+        assert http.get("/v1/models", headers=AUTH | {"x-padding": "a" * 8000}).status_code == 200
+    (url, *_) = _ingress_replica_urls()
+    with httpx.Client(base_url=url, timeout=60) as http:
         response = http.get("/v1/models", headers=headers)
         assert response.status_code == 431, response.text
         assert "headers" in response.json()["error"]["message"]
