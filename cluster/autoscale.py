@@ -8,7 +8,8 @@ router.autoscale.KVAutoscalePolicy, the same code the simulator runs.
 
 Why a custom policy: Serve's default counts ongoing calls, and a kvfleet carrier stream
 is an ongoing call for as long as its caller has requests on the replica, so one caller
-with 200 requests in flight reads as 1 to 2 "requests" there. The KV policy carries its
+with 200 requests in flight there counts as one ongoing request (plus its submits not
+yet acked), and the count says nothing of the KV those requests hold. The KV policy carries its
 own delays (router.autoscale.apply_delay), so the AutoscalingConfig built here sets
 Serve's delays to 0 and its scaling factors to 1: Serve's wrapper then passes the
 decision through to its min/max bounds.
@@ -36,8 +37,8 @@ TOKENS_PER_S = "kvfleet_prompt_tokens_per_s"
 # The window ReplicaMeter measures the admission rate over: the engine's own
 # tokens_per_s window, long enough for a few steps' admissions.
 RATE_WINDOW_S = 2.0
-# Each replica records and pushes its metrics this many times per look-back period
-# (Serve averages over the period; fewer points made a 1-s spike vanish or dominate).
+# Each replica records and pushes its metrics this many times per look-back period, so
+# the average Serve takes over the period holds several points.
 POINTS_PER_LOOK_BACK = 5
 
 
