@@ -62,12 +62,15 @@ def reference_choose_replicas(
     if not request.prompt_token_ids:
         return [[s.replica_id] for s in reference_rank_by_load(stats, request, seed)]
     # Since the per-replica balance rule: an overloaded replica goes after the others,
-    # by load; the others by cached blocks, then load.
+    # by load, unless it caches at least half the prompt; the others by cached blocks,
+    # then load.
     loads = {s.replica_id: load_fraction(s, request) for s in stats}
     spilled = {
-        r: reference_is_overloaded(load, list(loads.values()), balance_abs_threshold,
-                                   balance_rel_threshold)
-        for r, load in loads.items()
+        s.replica_id: reference_is_overloaded(loads[s.replica_id], list(loads.values()),
+                                              balance_abs_threshold, balance_rel_threshold)
+        # ... unless it caches at least half the prompt's blocks there.
+        and 2 * reference_num_matched_blocks(s, request) < request.num_prompt_blocks(s.block_size)
+        for s in stats
     }  # fmt: skip
     ranked = sorted(
         stats,

@@ -36,6 +36,11 @@ def fleet(used: dict[str, int], cached: dict[str, list[int]] | None = None) -> l
     ]
 
 
+def own(q: int) -> list[int]:
+    """A request's own 80 tokens after its prefix: more than the prefix's 4 blocks."""
+    return [5000 + q, *range(2000, 2079)]
+
+
 def homes(stats: list) -> dict[int, str]:
     return {p: first(stats, prefix(p) + [7, p], f"home-{p}") for p in range(40)}
 
@@ -57,7 +62,7 @@ def test_a_hot_prefix_spills_to_one_second_replica_and_the_others_keep_their_hom
     assert len(set(others.values())) >= 3
     # The hot home at 0.8 against 0.1: overloaded (gap 0.7 > 0.3 and over 1.5x).
     stats = fleet({home: 80}, {home: [hot], **{r: [p] for p, r in others.items()}})
-    spills = {first(stats, prefix(hot) + [q], f"s{q}") for q in range(30)}
+    spills = {first(stats, prefix(hot) + own(q), f"s{q}") for q in range(30)}
     assert len(spills) == 1 and home not in spills  # one second home, for every request
     # Every other prefix stays at its own home (the fleet-wide rule sent them by load).
     for p, r in others.items():
@@ -65,7 +70,16 @@ def test_a_hot_prefix_spills_to_one_second_replica_and_the_others_keep_their_hom
     # Once the spill replica has cached the prefix, its requests stay there.
     second = spills.pop()
     stats = fleet({home: 80, second: 20}, {home: [hot], second: [hot]})
-    assert {first(stats, prefix(hot) + [q], f"t{q}") for q in range(20)} == {second}
+    assert {first(stats, prefix(hot) + own(q), f"t{q}") for q in range(20)} == {second}
+
+
+def test_an_overloaded_home_keeps_a_request_it_caches_most_of():
+    # A later turn of a conversation: the home caches 4 of its 5 blocks, so moving it
+    # would recompute more than it saves; a new conversation of the prefix moves.
+    home = homes(fleet({}))[0]
+    stats = fleet({home: 80}, {home: [0]})
+    assert first(stats, prefix(0) + [7], "turn") == home
+    assert first(stats, prefix(0) + own(1), "new") != home
 
 
 def test_a_spilled_prefix_goes_home_once_the_home_is_not_overloaded():
