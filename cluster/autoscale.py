@@ -30,6 +30,7 @@ import router.autoscale
 from replica.stats import ReplicaStats
 from router.autoscale import AutoscaleConfig, KVAutoscalePolicy, ReplicaLoad, ScaleState
 from router.load import committed_fraction
+from router.queue_wait import DrainRates
 
 KV_USAGE = "kvfleet_kv_usage"
 WAITING_TOKENS = "kvfleet_waiting_tokens"
@@ -45,17 +46,34 @@ POINTS_PER_LOOK_BACK = 5
 class ReplicaMeter:
     """A replica's autoscaling metrics from its ReplicaStats snapshots.
 
-    The token rate is the prompt tokens the engine admitted per second over the last
-    RATE_WINDOW_S (growth of prefix_query_tokens): the rate its queue drains at, so
-    queued tokens over it is the wait a new request would see. Before two snapshots
-    span any time it falls back to the engine's generated tokens/s.
+    The token rate is the rate its queue drains at, so that queued tokens over it is
+    the wait a new request would see: the drain rate admission measures
+    (router.queue_wait.DrainRates: prompt tokens admitted per second of backlogged
+    time), so the policy's predicted wait and admission's expected wait agree. While
+    that is unknown (too little backlog lately), the prompt tokens admitted per second
+    over the last RATE_WINDOW_S (an idle replica's arrivals: lower than its capacity, so
+    the wait reads longer); before two snapshots span any time, the engine's generated
+    tokens/s.
     """
 
     def __init__(self, clock: Any = time.monotonic) -> None:
         self._clock = clock
         self._samples: collections.deque[tuple[float, int]] = collections.deque()
+        self._drain_rates = DrainRates()
 
     def record(self, stats: ReplicaStats) -> dict[str, float]:
+        self._drain_rates.observe(stats)
+        window_rate = self._window_rate(stats)  # sampled every call, used as a fallback
+        rate = self._drain_rates.rate(stats.replica_id)
+        if rate is None:
+            rate = window_rate
+        return {
+            KV_USAGE: committed_fraction(stats),
+            WAITING_TOKENS: float(stats.num_waiting_tokens),
+            TOKENS_PER_S: float(rate),
+        }
+
+    def _window_rate(self, stats: ReplicaStats) -> float:
         now_s = self._clock()
         samples = self._samples
         samples.append((now_s, stats.prefix_query_tokens))
@@ -63,14 +81,8 @@ class ReplicaMeter:
             samples.popleft()
         (first_s, first_tokens), (last_s, last_tokens) = samples[0], samples[-1]
         if last_s > first_s:
-            rate = max(0, last_tokens - first_tokens) / (last_s - first_s)
-        else:
-            rate = stats.tokens_per_s
-        return {
-            KV_USAGE: committed_fraction(stats),
-            WAITING_TOKENS: float(stats.num_waiting_tokens),
-            TOKENS_PER_S: float(rate),
-        }
+            return max(0, last_tokens - first_tokens) / (last_s - first_s)
+        return stats.tokens_per_s
 
 
 class KVServePolicy:

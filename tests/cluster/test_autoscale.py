@@ -85,6 +85,19 @@ def test_replica_meter_measures_the_prompt_admission_rate() -> None:
     assert meter.record(stats(prefix_query_tokens=1500))[TOKENS_PER_S] == pytest.approx(200.0)
 
 
+def test_replica_meter_takes_the_drain_rate_admission_measures() -> None:
+    """With a queue the rate is prompt tokens per second of backlogged time (stamped by
+    the engine), as admission's; the plain window rate would halve it here."""
+    now = [0.0]
+    meter = ReplicaMeter(clock=lambda: now[0])
+    meter.record(stats(num_waiting=3, num_waiting_tokens=300, timestamp_s=10.0))
+    now[0] = 2.0
+    m = meter.record(
+        stats(num_waiting=3, num_waiting_tokens=300, prefix_query_tokens=1000, timestamp_s=11.0)
+    )
+    assert m[TOKENS_PER_S] == pytest.approx(1000.0)  # the window's 1000 / 2 s would be 500
+
+
 def context(metrics: dict, running: list, target: int, now_s: float, state: dict):
     dep = DeploymentID(name=LLM_DEPLOYMENT, app_name="a")
     ids = {r: ReplicaID(unique_id=r, deployment_id=dep) for r in running}
