@@ -89,7 +89,7 @@ def test_verdicts_hold_the_steps_to_the_issue_targets() -> None:
     def step(scale: float, goodput: float, reject_ms: float, lost: int, idle_s: float) -> dict:
         return {
             "scale": scale, "goodput_rps": goodput, "reject_p99_ms": reject_ms, "lost": lost,
-            "idle_after_load_s": idle_s, "rss_mb": {"ingress": 110.0, "proxy": 100.0},
+            "idle_after_last_response_s": idle_s, "rss_mb": {"ingress": 110.0, "proxy": 100.0},
         }  # fmt: skip
 
     baseline = {"ingress": 100.0, "proxy": 100.0}
