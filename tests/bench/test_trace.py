@@ -177,3 +177,18 @@ def test_kv_usage_spread_is_zero_for_one_replica_and_positive_for_several():
     assert one["max_kv_usage_spread"] == 0.0
     three = simulate("random", workload, SimConfig(num_replicas=3, replica=replica), cost)
     assert 0 < three["max_kv_usage_spread"] <= 1
+
+
+def test_prefix_keeps_affinity_and_balance_where_consistent_hashing_keeps_only_affinity():
+    # One family carries 40% of a Mooncake-shaped trace: consistent hashing keeps it on
+    # one replica, whose KV fills while another idles; prefix spills it to a second
+    # replica, caching nearly as much and far more than a router without affinity.
+    requests = synthesize(SynthConfig(num_requests=500, hot_fraction=0.4, seed=3))
+    workload = sim.trace_workload(replay(requests, ReplayConfig(0.001, 1 / 16)))
+    config = SimConfig(num_replicas=3, replica=ReplicaSimConfig(num_blocks=4096))
+    runs = {p: simulate(p, workload, config, default_cost_model()) for p in
+            ("prefix", "serve_consistent_hash", "serve_pow2")}  # fmt: skip
+    prefix, hashed, pow2 = runs["prefix"], runs["serve_consistent_hash"], runs["serve_pow2"]
+    assert prefix["max_kv_usage_spread"] < hashed["max_kv_usage_spread"] - 0.15
+    assert prefix["cache_hit_rate"] > pow2["cache_hit_rate"] + 0.05
+    assert prefix["cache_hit_rate"] > 0.85 * hashed["cache_hit_rate"]
