@@ -192,3 +192,18 @@ def test_prefix_keeps_affinity_and_balance_where_consistent_hashing_keeps_only_a
     assert prefix["max_kv_usage_spread"] < hashed["max_kv_usage_spread"] - 0.15
     assert prefix["cache_hit_rate"] > pow2["cache_hit_rate"] + 0.05
     assert prefix["cache_hit_rate"] > 0.85 * hashed["cache_hit_rate"]
+
+
+def test_bench_load_replays_a_trace_open_loop_in_the_models_vocabulary():
+    from bench import load
+
+    args = load._parser().parse_args(
+        ["--trace", SMALL, "--length-scale", "0.03125", "--time-scale", "0.5"]
+    )
+    specs, workload = load._replayed(args, vocab_size=512)
+    replayed = replay(read_mooncake(SMALL), ReplayConfig(0.5, 0.03125, vocab_size=511))
+    assert [s.arrival_s for s in specs] == [r.arrival_s for r in replayed]
+    assert max(max(s.prompt_token_ids) for s in specs) < 511  # the last id is often EOS
+    assert workload["num_requests"] == 48 and workload["trace"] == SMALL
+    with pytest.raises(SystemExit, match="open loop"):
+        load.main(["--trace", SMALL, "--concurrency", "4"])
