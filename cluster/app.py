@@ -44,6 +44,16 @@ THROUGHPUT_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 # a client waits for a response: under a 2 s client timeout a 9 s non-streamed completion
 # and SSE events 3 s apart went through (CPU box, Ray 2.60).
 HAPROXY_CLIENT_TIMEOUT_ENV = "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"
+# When HAProxy retries a request on another ingress replica: Serve's default retries only
+# a connection that failed (conn-failure); empty-response also retries one whose ingress
+# replica died before it answered a byte (a non-streamed completion, a stream whose
+# response had not begun), which otherwise reached its client as a 500 (tests/cluster/
+# test_ingress_failover; with conn-failure alone, 2 of 4 such completions were 500s).
+# HAProxy can replay only a request that fits its buffer (tune.bufsize, 16 KB); and the
+# dead replica's copy may still run on the LLM replica, so a retried request can cost
+# the engine twice.
+HAPROXY_RETRY_ON_ENV = "RAY_SERVE_HAPROXY_RETRY_ON"
+HAPROXY_RETRY_ON = "conn-failure empty-response"
 # How often a replica being removed checks whether its calls (submits, and the carrier
 # streams, which end once their caller's requests there have finished) are done; Serve's
 # default of 2 s would hold every drained replica up to 2 s past its last token.
@@ -168,12 +178,15 @@ def use_haproxy(config: ClusterConfig) -> bool:
 def set_ray_env(config: ClusterConfig) -> None:
     """Before this process starts a local Ray for config: Serve's HAProxy ingress (and
     its throughput-optimized settings, unless the environment already sets them) when
-    use_haproxy(config), and HAProxy's client timeout from http_body_timeout_s
-    (haproxy_client_timeout_s). The processes Ray starts inherit this environment."""
+    use_haproxy(config), HAProxy's client timeout from http_body_timeout_s
+    (haproxy_client_timeout_s) and its retries on another ingress replica
+    (HAPROXY_RETRY_ON), unless the environment sets them already. The processes Ray
+    starts inherit this environment."""
     if use_haproxy(config):
         os.environ[HAPROXY_ENV] = "1"
         os.environ.setdefault(THROUGHPUT_ENV, "1")
         os.environ.setdefault(HAPROXY_CLIENT_TIMEOUT_ENV, str(haproxy_client_timeout_s(config)))
+        os.environ.setdefault(HAPROXY_RETRY_ON_ENV, HAPROXY_RETRY_ON)
 
 
 def haproxy_client_timeout_s(config: ClusterConfig) -> int:

@@ -15,6 +15,14 @@ before [DONE]); anything else -> a typed 500. An SSE stream is one unit per requ
 anyway, so it carries one event per engine step per request. A client that disconnects
 aborts its requests (their streams are closed, which aborts them on their replicas).
 Text, stop strings and their hold-back come from the Client (replica.detokenizer).
+
+An ingress replica that dies (killed, its node lost) mid-stream: HAProxy aborts each
+client connection it was writing in the middle of the chunked body, with no `[DONE]` and
+no error event (nothing is left to write one), so the client sees a broken connection:
+httpx raises RemoteProtocolError ("incomplete chunked read"), the openai package
+APIConnectionError; never a stream that ends as if complete. A request the dead replica
+had not begun answering is retried by HAProxy on another ingress replica
+(cluster.app.HAPROXY_RETRY_ON). tests/cluster/test_ingress_failover shows both.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handler signatures

@@ -14,7 +14,13 @@ import os
 from collections.abc import Iterator
 
 from cluster import ClusterConfig
-from cluster.app import HAPROXY_CLIENT_TIMEOUT_ENV, HAPROXY_ENV, THROUGHPUT_ENV, set_ray_env
+from cluster.app import (
+    HAPROXY_CLIENT_TIMEOUT_ENV,
+    HAPROXY_ENV,
+    HAPROXY_RETRY_ON_ENV,
+    THROUGHPUT_ENV,
+    set_ray_env,
+)
 from tests.cluster.local_ray import free_port
 
 DRAINING_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
@@ -29,7 +35,8 @@ def haproxy_env(config: ClusterConfig) -> Iterator[None]:
         "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
     }
-    names = (HAPROXY_ENV, THROUGHPUT_ENV, HAPROXY_CLIENT_TIMEOUT_ENV, *test_env)
+    names = (HAPROXY_ENV, THROUGHPUT_ENV, HAPROXY_CLIENT_TIMEOUT_ENV, HAPROXY_RETRY_ON_ENV)
+    names += tuple(test_env)
     saved = {k: os.environ.get(k) for k in names}
     set_ray_env(config)
     os.environ.update(test_env)
