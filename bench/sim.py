@@ -43,6 +43,7 @@ import argparse
 from dataclasses import asdict
 
 from bench.common import write_json
+from bench.sim_autoscale import add_autoscale_flags
 from bench.sim_core import DEFAULT_NUM_BLOCKS, sim_config, simulate
 from bench.sim_model import cost_model_from_file
 from bench.sim_policies import ALL_POLICIES, ROUTER_ALIASES, policy_name
@@ -130,6 +131,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default=None, help="write JSON results here")
     p.add_argument("--plot", default=None, help="write a goodput-vs-load PNG here")
+    add_autoscale_flags(p)
     return p
 
 
@@ -144,6 +146,12 @@ def main(argv: list[str] | None = None) -> None:
         write_json(args.out, payload | {"cost_model": cost.as_dict()})
         return
     config = sim_config(args, args.replicas)
+    if args.autoscale:  # a fleet that scales: bench/sim_autoscale.py
+        from bench.sim_autoscale import run_cli
+
+        explicit = args.routers is not None or args.policies is not None
+        run_cli(args, cost, config, _routers(args) if explicit else None, _workloads)
+        return
     routers = _routers(args)
     results = []
     for load_scale, workload in _workloads(args):

@@ -10,17 +10,19 @@ import heapq
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from bench.sim_model import CostModel
-from bench.sim_policies import HELD, REJECTED, make_sim_router
+from bench.sim_policies import HELD, REJECTED, SimRouter, make_sim_router
 from bench.sim_replica import ReplicaSimConfig, SimReplica
 from bench.sim_report import summarize
 from bench.sim_workload import Workload
 from replica.config_flags import config_from_args
 from router import RouterConfig
 
-_STEP, _PUBLISH, _RETRY, _ADMIT, _SAMPLE = 0, 1, 2, 3, 4
+_STEP, _PUBLISH, _RETRY, _ADMIT, _SAMPLE, _CONTROL, _READY = 0, 1, 2, 3, 4, 5, 6
 DEFAULT_NUM_BLOCKS = 8192
 
 
@@ -58,6 +60,36 @@ class SimConfig:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
         if not self.serve_request_s >= 0:
             raise ValueError(f"serve_request_s must be >= 0, got {self.serve_request_s}")
+
+
+class ElasticFleet(Protocol):
+    """A replica set that changes during a run (bench.sim_autoscale.AutoscaleFleet).
+
+    Slots 0..num_slots-1 each hold a SimReplica; routers see only the routable ones.
+    control() runs every period_s and returns (ready_s, token) for replicas it started;
+    at ready_s the loop calls ready(token), which puts a fresh replica in its slot and
+    tells the routers (None: that start was cancelled meanwhile). on_idle() is called
+    when a replica's step ends with nothing left to run (a draining one then stops).
+    """
+
+    num_slots: int
+    period_s: float
+
+    def make_router(self, name: str, workload: Workload, num_slots: int, max_blocks: int,
+                    seed: int, router_config: RouterConfig | None) -> SimRouter: ...  # fmt: skip
+
+    def bind(self, replicas: list[SimReplica], routers: list[SimRouter],
+             new_replica: Callable[[int], SimReplica]) -> None: ...  # fmt: skip
+
+    def is_routable(self, index: int) -> bool: ...
+
+    def control(self, now_s: float, num_held: int) -> list[tuple[float, int]]: ...
+
+    def ready(self, token: int, now_s: float) -> int | None: ...
+
+    def on_idle(self, index: int, now_s: float) -> None: ...
+
+    def all_replicas(self) -> list[SimReplica]: ...
 
 
 class KVBalance:
@@ -122,10 +154,17 @@ class Arrivals:
 
 
 def simulate(
-    policy: str, workload: Workload, config: SimConfig, cost: CostModel, keep_times: bool = False
+    policy: str,
+    workload: Workload,
+    config: SimConfig,
+    cost: CostModel,
+    keep_times: bool = False,
+    fleet: ElasticFleet | None = None,
 ) -> dict:
     """Run one policy over the trace; return its metrics (see bench.sim_report.summarize),
     and with keep_times each request's arrival_s, first_token_s and finish_s (-1: none).
+    With a fleet, the replica set changes as it decides (ElasticFleet); else it is
+    config.num_replicas throughout.
 
     The cyclic garbage collector is off for the run: the loop makes no reference
     cycles, and its full passes over the millions of live objects of a large run
@@ -135,29 +174,37 @@ def simulate(
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(policy, workload, config, cost, keep_times)
+        return _simulate(policy, workload, config, cost, keep_times, fleet)
     finally:
         if was_enabled:
             gc.enable()
 
 
 def _simulate(
-    policy: str, workload: Workload, config: SimConfig, cost: CostModel, keep_times: bool
+    policy: str,
+    workload: Workload,
+    config: SimConfig,
+    cost: CostModel,
+    keep_times: bool,
+    fleet: ElasticFleet | None,
 ) -> dict:
     wall_start = time.perf_counter()
     workload.set_block_size(config.replica.block_size)
     n = len(workload)
     first_token_s = [-1.0] * n
     finish_s = [-1.0] * n
-    replicas = [
-        SimReplica(i, config.replica, cost, workload, first_token_s, finish_s)
-        for i in range(config.num_replicas)
-    ]
+    num_slots = config.num_replicas if fleet is None else fleet.num_slots
+
+    def new_replica(i: int) -> SimReplica:
+        return SimReplica(i, config.replica, cost, workload, first_token_s, finish_s)
+
+    replicas = [new_replica(i) for i in range(num_slots)]
+    make_router = make_sim_router if fleet is None else fleet.make_router
     routers = [
-        make_sim_router(
+        make_router(
             policy,
             workload,
-            config.num_replicas,
+            num_slots,
             config.replica.num_blocks,
             config.seed + k,
             config.router or RouterConfig(seed=config.seed),
@@ -165,11 +212,17 @@ def _simulate(
         for k in range(config.num_routers)
     ]
     num_routers, router = len(routers), routers[0]  # router: what they all are
+    if fleet is not None:
+        fleet.bind(replicas, routers, new_replica)
     heap: list[tuple] = []
     counter = 0
     visible: deque = deque()
+    publishing: set[int] = set()  # replicas whose _PUBLISH chain is on the heap
     if router.needs_stats:
         for i, r in enumerate(replicas):
+            if fleet is not None and not fleet.is_routable(i):
+                continue
+            publishing.add(i)
             snapshot = r.stats(0.0, router.needs_hashes)
             for each in routers:
                 each.observe(i, snapshot)
@@ -180,6 +233,9 @@ def _simulate(
     balance = KVBalance(replicas, (config.router or RouterConfig()).high_watermark)
     heapq.heappush(heap, (0.0, counter, _SAMPLE, None))
     counter += 1
+    if fleet is not None:
+        heapq.heappush(heap, (0.0, counter, _CONTROL, None))
+        counter += 1
     arrivals = Arrivals(workload, config.concurrency)
     serve_request_s = config.serve_request_s
     path_free_s = [0.0] * config.num_replicas  # when each replica's request path is free
@@ -196,6 +252,7 @@ def _simulate(
                 counter += 1
 
     num_done, num_rejected, num_held = 0, 0, 0
+    num_holding = 0  # requests held at a router now, waiting for a retry
     route_s, num_decisions = 0.0, 0
     stats_delay_s, stats_period_s = config.stats_delay_s, config.stats_period_s
     tracks = router.tracks_progress
@@ -218,6 +275,8 @@ def _simulate(
                 if end_s is not None:
                     heapq.heappush(heap, (end_s, counter, _STEP, arg))
                     counter += 1
+                elif fleet is not None:
+                    fleet.on_idle(arg, now)
                 continue
             if kind == _ADMIT:
                 admit(*arg, now)
@@ -229,7 +288,25 @@ def _simulate(
                     heapq.heappush(heap, (now + stats_period_s, counter, _SAMPLE, None))
                     counter += 1
                 continue
+            if kind == _CONTROL:
+                for ready_s, token in fleet.control(now, num_holding):
+                    heapq.heappush(heap, (ready_s, counter, _READY, token))
+                    counter += 1
+                if num_done < n:
+                    heapq.heappush(heap, (now + fleet.period_s, counter, _CONTROL, None))
+                    counter += 1
+                continue
+            if kind == _READY:
+                i = fleet.ready(arg, now)
+                if i is not None and router.needs_stats and i not in publishing:
+                    publishing.add(i)
+                    heapq.heappush(heap, (now + stats_period_s, counter, _PUBLISH, i))
+                    counter += 1
+                continue
             if kind == _PUBLISH:
+                if fleet is not None and not fleet.is_routable(arg):
+                    publishing.discard(arg)  # drained or stopped: it publishes no more
+                    continue
                 visible.append(
                     (now + stats_delay_s, arg, replicas[arg].stats(now, router.needs_hashes))
                 )
@@ -243,12 +320,18 @@ def _simulate(
             now, rid, attempt, held_since_s = t_arrival, arrivals.pop(), 0, t_arrival
         while visible and visible[0][0] <= now:
             _, i, snapshot = visible.popleft()
+            if fleet is not None and not fleet.is_routable(i):
+                continue  # published before its drain began: the routers have let it go
             for each in routers:
                 each.observe(i, snapshot)
         t0 = time.perf_counter()
         replica, retry_after_s = routers[rid % num_routers].route(rid, now, attempt, held_since_s)
         route_s += time.perf_counter() - t0
         num_decisions += 1
+        if replica == HELD:
+            num_holding += attempt == 0
+        elif attempt > 0:
+            num_holding -= 1
         if replica >= 0 and serve_request_s:
             admit_s = max(now, path_free_s[replica]) + serve_request_s
             path_free_s[replica] = admit_s
@@ -268,7 +351,8 @@ def _simulate(
             num_done += 1
             arrivals.on_done(now, 1)
     wall_s = time.perf_counter() - wall_start
-    result = summarize(workload, replicas, arrivals.times, first_token_s, finish_s,
+    ran = replicas if fleet is None else fleet.all_replicas()
+    result = summarize(workload, ran, arrivals.times, first_token_s, finish_s,
                        config.slo_ttft_s, config.slo_tpot_s)  # fmt: skip
     result |= balance.metrics() | {
         "policy": policy,
