@@ -194,7 +194,7 @@ class LLMEngine:
                 eos,
                 max_model_len=max_len,
                 root_hash=root,
-            )  # fmt: skip
+            )
             for i, sample_id in enumerate(ids)
         ]
         for seq in family:

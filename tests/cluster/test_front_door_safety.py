@@ -25,6 +25,7 @@ import pytest
 from cluster import Client, ClusterConfig, build_app
 from cluster.app import cluster_runs_haproxy
 from cluster.ingress import MAX_HEADER_BYTES, MAX_JSON_DEPTH
+from replica.hashing import prefix_block_hashes, root_hash
 from tests.cluster.haproxy_env import haproxy_env
 from tests.cluster.local_ray import free_port, init_local_ray
 
@@ -33,6 +34,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 APP_NAME = "kvfleet-front-door"
 API_KEY = "sk-front-door-test"
 BODY_TIMEOUT_S = 2.0
+PREFIX_SALT = "front-door-salt"  # the default is a random one per app
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = list(range(300, 340))  # 40 tokens: 2 full blocks of 16, so 2 cached prefix hashes
 
@@ -63,6 +65,7 @@ def app() -> Iterator[App]:
         http=True,
         api_key=API_KEY,
         http_body_timeout_s=BODY_TIMEOUT_S,
+        prefix_salt=PREFIX_SALT,
         app_name=APP_NAME,
     )
     with haproxy_env(config):  # the default http_proxy, as `python -m cluster serve` runs it
@@ -159,6 +162,13 @@ def test_cache_salts_keep_prompts_apart_and_the_same_salt_hits(app: App) -> None
         bad = http.post("/v1/completions", json=bad_body, headers=AUTH)
     assert [b - a for a, b in zip(hits, hits[1:])] == [0, 0, 0, 32]
     assert bad.status_code == 400 and "cache_salt" in bad.json()["error"]["message"]
+    # The replica publishes the chains the router computes (cluster.request_router) from
+    # the deployment's salt and the request's: never the unsalted ones a client could.
+    published = set(app.client.stats()[0].cached_prefix_hashes)
+    for cache_salt in ("tenant-a", "tenant-b", None):
+        chain = prefix_block_hashes(prompt, 16, root_hash(PREFIX_SALT, cache_salt))
+        assert set(chain) <= published, cache_salt
+    assert not set(prefix_block_hashes(prompt, 16)) & published
 
 
 def _post(app: App, content: bytes) -> httpx.Response:

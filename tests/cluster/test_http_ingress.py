@@ -14,7 +14,9 @@ import pytest
 
 from cluster import ClusterConfig, build_app
 from cluster.app import (
+    HAPROXY_CLIENT_TIMEOUT_ENV,
     HAPROXY_ENV,
+    HAPROXY_RETRY_ON_ENV,
     INGRESS_NUM_CPUS,
     THROUGHPUT_ENV,
     app_builder,
@@ -139,7 +141,9 @@ def base_url() -> Iterator[str]:
     # by default (8404, 9101), and a second Ray with HAProxy on this host would take them.
     test_env = {DRAINING_ENV: "1", "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
                 "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}  # fmt: skip
-    saved = {k: os.environ.get(k) for k in (HAPROXY_ENV, THROUGHPUT_ENV, *test_env)}
+    # set_ray_env also sets HAProxy's client timeout and retry policy: put them back too.
+    names = (HAPROXY_ENV, THROUGHPUT_ENV, HAPROXY_CLIENT_TIMEOUT_ENV, HAPROXY_RETRY_ON_ENV)
+    saved = {k: os.environ.get(k) for k in (*names, *test_env)}
     set_ray_env(config)
     os.environ.update(test_env)
     try:
