@@ -206,7 +206,10 @@ class ClusterConfig:
             "help": "with http, a request body not fully received this long after the "
             "handler starts reading it is answered 408 and its connection closed, so a "
             "client that declares 1,000 bytes and sends 10 holds nothing for long (a 1 MB "
-            "body, the largest taken, needs 100 KB/s at the default)"
+            "body, the largest taken, needs 100 KB/s at the default). Behind HAProxy, which "
+            "holds the client's connection while its body is due, `python -m cluster serve` "
+            "sets HAProxy's client timeout to this + 1 s (cluster.app.set_ray_env), so the "
+            "close follows the 408 that much later"
         },
     )
     access_log: bool = field(
