@@ -8,8 +8,10 @@ import os
 import platform
 import statistics
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: load generators need these helpers, not torch (~3 s)
+    import torch
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -32,6 +34,8 @@ def summary_ms(values_s: list[float]) -> dict[str, float]:
 
 def copy_bandwidth_gbps(device: torch.device, num_bytes: int = 2**30, repeats: int = 20) -> float:
     """Device-to-device copy bandwidth, bytes read + written over time (the HBM ceiling)."""
+    import torch
+
     src = torch.empty(num_bytes // 2, dtype=torch.float16, device=device).normal_()
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -63,6 +67,8 @@ def host_cpu(cpuinfo_path: str = "/proc/cpuinfo") -> str:
 
 
 def machine_description() -> str:
+    import torch
+
     if torch.cuda.is_available():
         gpu = torch.cuda.get_device_name(0)
         return f"{gpu} x{torch.cuda.device_count()} (host {host_cpu()}), torch {torch.__version__}"
