@@ -16,7 +16,16 @@ error nor a 503 within the client timeout), the time until every replica reports
 running or waiting (/stats, polled every 50 ms) from the last arrival (l) and from the last
 response (r: work left behind once every client is done; the target's), and the resident
 memory of the ingress replicas and of Serve's proxy (with its HAProxy children) before
-and after, from Ray's actor table (same host only). The issue-48 targets: goodput at 3x
+and after, from Ray's actor table (same host only).
+
+The client runs in --num-procs spawned generator processes (default: one per 150 req/s of
+the heaviest step, at most the host's cores less 2), started once for the whole run: the
+capacity loop's users and each step's Poisson arrivals (round-robin, so what the server
+sees, their merge, is exactly the step's Poisson trace) are split over them, each process
+with its own event loop and aiohttp session, all timed from one shared start. Per step the
+busiest one's CPU over its arrivals (generator_cpu_max) is printed and flagged past 0.7 of
+a core: a saturated generator delays its own arrivals and timings, so 503 latency and lost
+requests would then be partly the client's. The issue-48 targets: goodput at 3x
 and 5x >= 90% of 1x, rejections < 50 ms p99, 0 lost, idle within 2 s, memory within 20%.
 Exit status 1 if any request was lost.
 """
@@ -25,12 +34,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
+import multiprocessing as mp
 import os
 import sys
 import time
+import traceback
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 import numpy as np
@@ -38,15 +53,22 @@ import numpy as np
 from bench.common import percentile, write_json
 from bench.load_http import open_session, send_one_http
 from bench.load_metrics import RequestRecord
-from bench.load_workload import RequestSpec
-from cluster.config import ClusterConfig
-from replica.config_flags import add_config_flags, flag_values
+from bench.load_workload import RequestSpec, split_concurrency
+
+if TYPE_CHECKING:  # imported where used: a generator process has no need of cluster's engine
+    from cluster.config import ClusterConfig
 
 STATS_POLL_S = 0.05
 STATS_SAMPLE_S = 0.5  # while a step runs: often enough for its peaks, rare enough to cost nothing
 REJECTED_PAUSE_S = 0.05  # a closed-loop user refused with 503 waits this, then sends again
 CAPACITY_WARMUP = 1 / 3  # of the closed loop's time, left out of its rate
 TARGETS = {"goodput_ratio": 0.9, "reject_p99_ms": 50.0, "lost": 0, "idle_s": 2.0, "rss": 1.2}
+# One generator process per this many offered req/s: on the H200 run (1,024-token prompts,
+# 64-token streams) one process used 0.77 of a core at 220 req/s, so 150 keeps each near 0.5.
+RATE_PER_PROC_RPS = 150.0
+SATURATED_CPU = 0.7  # of a core: past it a generator's event loop delays what it measures
+START_DELAY_S = 0.5  # from handing out the shares to their time zero: every process on time
+READY_TIMEOUT_S = 120.0  # a spawned generator's imports (numpy, aiohttp, torch via bench.common)
 
 
 @dataclass(frozen=True)
@@ -73,28 +95,223 @@ async def send(
     return record
 
 
-async def closed_loop(
-    url: str, workload: Workload, num_users: int, duration_s: float, seed: int
-) -> float:
-    """Completed requests per second of num_users back-to-back streaming users, counted
-    over the last (1 - CAPACITY_WARMUP) of duration_s: the users start together, so the
-    first completions come late and would understate the rate."""
-    rng = np.random.default_rng(seed)
-    t0 = time.perf_counter()
-    done: list[RequestRecord] = []
-    start_s = CAPACITY_WARMUP * duration_s
+def _time_zero(start_wall_s: float) -> float:
+    """The shared start, a wall-clock time, on this process's perf_counter."""
+    return time.perf_counter() + (start_wall_s - time.time())
 
-    async def user(session: aiohttp.ClientSession) -> None:
-        while time.perf_counter() - t0 < duration_s:
-            record = await send(session, url, workload.spec(len(done), rng), t0, workload.timeout_s)
-            if record.outcome == "ok" and start_s <= record.end_s <= duration_s:
-                done.append(record)
-            elif record.outcome != "ok":
-                await asyncio.sleep(REJECTED_PAUSE_S)
 
-    async with open_session() as session:
-        await asyncio.gather(*(user(session) for _ in range(num_users)))
-    return len(done) / (duration_s - start_s)
+@dataclass(frozen=True)
+class ClosedLoopShare:
+    """One generator's part of the capacity loop: num_users back-to-back streaming users
+    from the shared start for duration_s."""
+
+    url: str
+    workload: Workload
+    num_users: int
+    duration_s: float
+    seed: int
+    proc: int
+    start_wall_s: float
+
+    async def run(self) -> tuple[int, float]:
+        """(completions within the counted window, CPU fraction of one core): the users
+        start together, so completions before CAPACITY_WARMUP of duration_s come late and
+        would understate the rate."""
+        rng = np.random.default_rng((self.seed, self.proc))
+        t0 = _time_zero(self.start_wall_s)
+        await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
+        cpu0 = time.process_time()
+        done: list[RequestRecord] = []
+        start_s = CAPACITY_WARMUP * self.duration_s
+        timeout_s = self.workload.timeout_s
+
+        async def user(session: aiohttp.ClientSession) -> None:
+            while time.perf_counter() - t0 < self.duration_s:
+                spec = self.workload.spec(len(done), rng)
+                record = await send(session, self.url, spec, t0, timeout_s)
+                if record.outcome == "ok" and start_s <= record.end_s <= self.duration_s:
+                    done.append(record)
+                elif record.outcome != "ok":
+                    await asyncio.sleep(REJECTED_PAUSE_S)
+
+        async with open_session() as session:
+            await asyncio.gather(*(user(session) for _ in range(self.num_users)))
+        wall_s = time.perf_counter() - t0
+        return len(done), (time.process_time() - cpu0) / wall_s if wall_s > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class OpenLoopResult:
+    records: list[RequestRecord]
+    cpu_fraction: float  # of one core, over this share's arrivals (what delays them)
+    cpu_s: float  # from the start to this share's last response
+    last_response_s: float  # from the shared start
+
+
+@dataclass(frozen=True)
+class OpenLoopShare:
+    """One generator's part of an open-loop step: the arrivals (offsets from the shared
+    start) of requests first_index, first_index + stride, ... of the step's Poisson trace."""
+
+    url: str
+    workload: Workload
+    arrivals_s: list[float]
+    first_index: int
+    stride: int
+    seed: int
+    start_wall_s: float
+
+    async def run(self) -> OpenLoopResult:
+        """Send each request at its arrival, streamed under the client timeout; the
+        records once every one has an outcome."""
+        rng = np.random.default_rng((self.seed, self.first_index))
+        t0 = _time_zero(self.start_wall_s)
+        await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
+        cpu0 = time.process_time()
+        timeout_s = self.workload.timeout_s
+        async with open_session() as session:
+            tasks = []
+            for j, arrival_s in enumerate(self.arrivals_s):
+                delay_s = arrival_s - (time.perf_counter() - t0)
+                if delay_s > 0:
+                    await asyncio.sleep(delay_s)
+                spec = self.workload.spec(self.first_index + j * self.stride, rng, arrival_s)
+                tasks.append(asyncio.ensure_future(send(session, self.url, spec, t0, timeout_s)))
+            arrivals_cpu_s = time.process_time() - cpu0
+            arrivals_wall_s = time.perf_counter() - t0
+            records = await asyncio.gather(*tasks)
+        return OpenLoopResult(
+            list(records),
+            arrivals_cpu_s / arrivals_wall_s if arrivals_wall_s > 0 else math.nan,
+            time.process_time() - cpu0,
+            time.perf_counter() - t0,
+        )
+
+
+Share = ClosedLoopShare | OpenLoopShare
+
+
+def _generator_main(conn: mp.connection.Connection) -> None:
+    """A generator process (spawned): run each share it is handed on a fresh uvloop (a Ray
+    Serve dependency; asyncio's own loop spends more per wake-up, one per streamed chunk)
+    and send back its result, or the traceback of its failure; None ends it."""
+    import uvloop
+
+    gc.freeze()  # imports are done: collections triggered per chunk skip their objects
+    conn.send("ready")
+    while (share := conn.recv()) is not None:
+        try:
+            conn.send(uvloop.run(share.run()))
+        except Exception:
+            conn.send(traceback.format_exc())
+
+
+class GeneratorPool:
+    """num_procs spawned generator processes (never forked: the parent may be a Ray
+    driver), each with its own event loop and aiohttp session per share, and a pipe; the
+    same processes serve every step. A failed or dead process fails the run: its requests
+    would have no outcome."""
+
+    def __init__(self, num_procs: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conns: list[mp.connection.Connection] = []
+        self.procs: list[mp.process.BaseProcess] = []
+        for _ in range(num_procs):
+            conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(target=_generator_main, args=(child_conn,), daemon=True)
+            proc.start()
+            child_conn.close()
+            self.conns.append(conn)
+            self.procs.append(proc)
+        for p in range(num_procs):
+            if not self.conns[p].poll(READY_TIMEOUT_S):
+                self.close()
+                raise RuntimeError(f"generator process {p} not ready in {READY_TIMEOUT_S:g} s")
+            self._check(p, self._recv(p))
+        self.executor = ThreadPoolExecutor(num_procs)  # one blocking recv per process
+
+    @property
+    def num_procs(self) -> int:
+        return len(self.procs)
+
+    async def run(self, shares: list[Share]) -> list:
+        """Each process runs its share (shares[p]); their results, by process."""
+        if len(shares) != self.num_procs:
+            raise ValueError(f"shares: {len(shares)} for {self.num_procs} generator processes")
+        for conn, share in zip(self.conns, shares):
+            conn.send(share)
+        loop = asyncio.get_running_loop()
+        replies = await asyncio.gather(
+            *(loop.run_in_executor(self.executor, self._recv, p) for p in range(self.num_procs))
+        )
+        for p, reply in enumerate(replies):
+            self._check(p, reply)
+        return list(replies)
+
+    def shrink(self, num_procs: int) -> None:
+        """Stop all but the first num_procs processes."""
+        for p in range(num_procs, self.num_procs):
+            self._stop(p)
+        del self.conns[num_procs:], self.procs[num_procs:]
+
+    def close(self) -> None:
+        for p in range(self.num_procs):
+            self._stop(p)
+        if hasattr(self, "executor"):
+            self.executor.shutdown()
+
+    def _recv(self, p: int) -> object:
+        try:
+            return self.conns[p].recv()
+        except EOFError:
+            self.procs[p].join(timeout=5)
+            return f"generator process exited with code {self.procs[p].exitcode}"
+
+    def _check(self, p: int, reply: object) -> None:
+        if isinstance(reply, str) and reply != "ready":
+            raise RuntimeError(f"generator process {p} failed:\n{reply}")
+
+    def _stop(self, p: int) -> None:
+        try:
+            self.conns[p].send(None)
+        except (BrokenPipeError, OSError):
+            pass  # already gone
+        self.procs[p].join(timeout=10)
+        if self.procs[p].exitcode is None:
+            self.procs[p].kill()
+        self.conns[p].close()
+
+
+def default_num_procs(rate_rps: float | None, num_cpus: int) -> int:
+    """One process per RATE_PER_PROC_RPS offered (rate None: unknown, as many as allowed),
+    at most the host's cores less two (the server's proxy and ingress share the host), at
+    least one."""
+    most = max(1, num_cpus - 2)
+    if rate_rps is None:
+        return most
+    return min(most, max(1, math.ceil(rate_rps / RATE_PER_PROC_RPS)))
+
+
+async def measure_capacity(
+    url: str, workload: Workload, num_users: int, duration_s: float, seed: int,
+    pool: GeneratorPool | None = None,
+) -> tuple[float, float]:  # fmt: skip
+    """(completed requests per second of a closed loop of num_users streaming users, the
+    busiest generator's CPU fraction), the users split over the pool's processes (None:
+    in this process)."""
+    num_procs = 1 if pool is None else pool.num_procs
+    start_wall_s = time.time() + (0.0 if pool is None else START_DELAY_S)
+    shares = [
+        ClosedLoopShare(url, workload, users, duration_s, seed, p, start_wall_s)
+        for p, users in enumerate(split_concurrency(num_users, num_procs))
+    ]
+    results = [await shares[0].run()] if pool is None else await pool.run(shares)
+    num_done = sum(n for n, _ in results)
+    return num_done / ((1 - CAPACITY_WARMUP) * duration_s), _max_cpu(c for _, c in results)
+
+
+def _max_cpu(fractions: Iterable[float]) -> float:
+    return max((f for f in fractions if not math.isnan(f)), default=math.nan)
 
 
 async def engine_load(
@@ -134,37 +351,59 @@ async def wait_idle(url: str, headers: dict, timeout_s: float) -> float | None:
     return None
 
 
+@dataclass(frozen=True)
+class StepResult:
+    records: list[RequestRecord]  # by index: the order of arrival
+    idle_after_load_s: float | None  # from the last arrival to idle (/stats)
+    idle_after_last_s: float | None  # from the last response to idle
+    samples: list[tuple[int, int]]  # the engines' (running, waiting) while arrivals ran
+    generator_cpu_max: float  # the busiest generator's CPU fraction over its arrivals
+    generator_cpu_s: float  # every generator's CPU seconds over the step
+
+
 async def open_loop_step(
-    url: str, workload: Workload, rate: float, duration_s: float, seed: int, headers: dict
-) -> tuple[list[RequestRecord], float | None, float | None, list[tuple[int, int]]]:
-    """Poisson arrivals at rate for duration_s; (records, seconds from the last arrival to
-    idle, seconds from the last response to idle, the engines' (running, waiting) samples
-    over the arrivals)."""
+    url: str, workload: Workload, rate: float, duration_s: float, seed: int, headers: dict,
+    pool: GeneratorPool | None = None,
+) -> StepResult:  # fmt: skip
+    """Poisson arrivals at rate for duration_s, split round-robin over the pool's processes
+    (None: sent from this process): one trace, so their merge, what the server sees, is
+    Poisson at rate. Meanwhile this process samples /stats, then times idle."""
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, int(rate * duration_s * 1.5) + 16)
     arrivals = np.cumsum(gaps)
     arrivals = arrivals[arrivals < duration_s]
-    t0 = time.perf_counter()
+    last_arrival_s = float(arrivals[-1]) if len(arrivals) else 0.0
+    num_procs = 1 if pool is None else pool.num_procs
+    start_wall_s = time.time() + (0.0 if pool is None else START_DELAY_S)
+    t0 = _time_zero(start_wall_s)
+    shares = [
+        OpenLoopShare(url, workload, share.tolist(), p, num_procs, seed, start_wall_s)
+        for p, share in enumerate(arrivals[p::num_procs] for p in range(num_procs))
+    ]
+    running = asyncio.ensure_future(shares[0].run() if pool is None else pool.run(shares))
     samples: list[tuple[int, int]] = []
     sampler = asyncio.ensure_future(sample_load(url, headers, samples))
-    async with open_session() as session:
-        tasks = []
-        for i, arrival_s in enumerate(arrivals.tolist()):
-            delay_s = arrival_s - (time.perf_counter() - t0)
-            if delay_s > 0:
-                await asyncio.sleep(delay_s)
-            spec = workload.spec(i, rng, arrival_s)
-            tasks.append(asyncio.ensure_future(send(session, url, spec, t0, workload.timeout_s)))
-        load_end = time.perf_counter()
-        sampler.cancel()
-        idle = asyncio.ensure_future(wait_idle(url, headers, workload.timeout_s + 30.0))
-        records = await asyncio.gather(*tasks)
-        last_response = time.perf_counter()
-        idle_after_load_s = await idle
+    await asyncio.wait([running], timeout=max(0.0, t0 + last_arrival_s - time.perf_counter()))
+    load_end_s = time.perf_counter() - t0
+    sampler.cancel()
+    idle = asyncio.ensure_future(wait_idle(url, headers, workload.timeout_s + 30.0))
+    try:
+        results = await running
+    except BaseException:
+        idle.cancel()
+        raise
+    idle_after_load_s = await idle
+    if pool is None:
+        results = [results]
+    last_response_s = max(r.last_response_s for r in results)
     idle_after_last_s = None
     if idle_after_load_s is not None:
-        idle_after_last_s = max(0.0, load_end + idle_after_load_s - last_response)
-    return list(records), idle_after_load_s, idle_after_last_s, samples
+        idle_after_last_s = max(0.0, load_end_s + idle_after_load_s - last_response_s)
+    records = sorted((rec for r in results for rec in r.records), key=lambda rec: rec.index)
+    return StepResult(
+        records, idle_after_load_s, idle_after_last_s, samples,
+        _max_cpu(r.cpu_fraction for r in results), sum(r.cpu_s for r in results),
+    )  # fmt: skip
 
 
 def step_summary(
@@ -273,21 +512,26 @@ def _row(s: dict) -> str:
         for k in ("idle_after_load_s", "idle_after_last_response_s")
     )
     rss = "/".join(f"{v:.0f}" for v in s.get("rss_mb", {}).values()) or "-"
+    saturated = s["generator_cpu_max"] > SATURATED_CPU
+    cpu = f"{s['generator_cpu_max']:.2f}" + ("!" if saturated else "")
     return (
         f"{s['scale']:>5g}x {s['rate_rps']:>7.1f} {s['offered']:>7} {s['completed']:>6} "
         f"{s['rejected']:>6} {s['errors']:>4} {s['lost']:>4} {s['goodput_rps']:>8.1f} "
         f"{s['ttft_p50_ms']:>8.0f} {s['ttft_p99_ms']:>8.0f} {s['reject_p99_ms']:>8.1f} "
-        f"{idle:>9} {rss:>11}"
+        f"{idle:>9} {rss:>11} {cpu:>7}"
     )
 
 
 HEADER = (
     "scale  req/s  offered     ok    503  err lost  goodput ttft p50 ttft p99 rej p99  "
-    "idle_s l/r rss MB i/p"
+    "idle_s l/r rss MB i/p gen cpu"
 )
 
 
 def _parser() -> argparse.ArgumentParser:
+    from cluster.config import ClusterConfig
+    from replica.config_flags import add_config_flags
+
     p = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__.split("\n")[0])
     t = p.add_argument_group("target (--model starts a local app with http; without it, attach)")
     add_config_flags(
@@ -310,6 +554,11 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--output-len", type=int, default=64)
     w.add_argument("--vocab-size", type=int, default=None, help="default: the model's (or 512)")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument(
+        "--num-procs", type=int, default=None,
+        help=f"generator processes; default: one per {RATE_PER_PROC_RPS:g} req/s of the heaviest"
+        " step, at most the host's cores less 2 (capacity measured with that many)",
+    )  # fmt: skip
     w.add_argument("--out", default=None, help="JSON report path")
     return p
 
@@ -319,6 +568,8 @@ def _start(args: argparse.Namespace) -> tuple[ClusterConfig | None, int]:
     import ray
 
     from bench.load_target import deploy, start_http, start_local_ray, wait_http_ready
+    from cluster.config import ClusterConfig
+    from replica.config_flags import flag_values
 
     if args.model is None:
         try:
@@ -337,43 +588,78 @@ def _start(args: argparse.Namespace) -> tuple[ClusterConfig | None, int]:
     return config, args.vocab_size or load_model_config(args.model).vocab_size
 
 
+def _num_procs(args: argparse.Namespace, capacity: float | None) -> int:
+    """--num-procs, or enough for the heaviest step's rate (capacity None: not known yet)."""
+    if args.num_procs is not None:
+        return args.num_procs
+    rate = None if capacity is None else max(args.scales) * capacity
+    return default_num_procs(rate, len(os.sched_getaffinity(0)))
+
+
 def run(args: argparse.Namespace) -> dict:
+    if args.num_procs is not None and args.num_procs < 1:
+        raise ValueError(f"num_procs must be at least 1, got {args.num_procs}")
     config, vocab_size = _start(args)
+    pool = GeneratorPool(_num_procs(args, args.capacity))
+    try:
+        return _run(args, config, vocab_size, pool)
+    finally:
+        pool.close()
+
+
+def _run(
+    args: argparse.Namespace, config: ClusterConfig | None, vocab_size: int, pool: GeneratorPool
+) -> dict:
     url = args.http_url.rstrip("/")
     key = (config.api_key if config else None) or os.environ.get("KVFLEET_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     workload = Workload(args.input_len, args.output_len, vocab_size, args.client_timeout_s)
-    capacity = args.capacity
+    capacity, capacity_cpu_max = args.capacity, None
     if capacity is None:
-        capacity = asyncio.run(
-            closed_loop(url, workload, args.capacity_users, args.capacity_s, args.seed)
+        capacity, capacity_cpu_max = asyncio.run(
+            measure_capacity(url, workload, args.capacity_users, args.capacity_s, args.seed, pool)
         )
-        print(f"capacity: {capacity:.1f} req/s ({args.capacity_users} users, {args.capacity_s} s)")
+        print(
+            f"capacity: {capacity:.1f} req/s ({args.capacity_users} users, {args.capacity_s} s,"
+            f" {pool.num_procs} generator processes, max {capacity_cpu_max:.2f} of a core)"
+        )
+        pool.shrink(_num_procs(args, capacity))
     asyncio.run(wait_idle(url, headers, args.client_timeout_s + 30.0))
     pids = front_pids()
     baseline_rss = front_rss_mb(pids)
     print(f"ingress / proxy RSS baseline: {baseline_rss} MB")
+    print(f"{pool.num_procs} generator processes")
     print(HEADER)
     steps = []
     for i, scale in enumerate(args.scales):
         rate = scale * capacity
-        cpu0 = time.process_time()
-        records, idle_load_s, idle_last_s, samples = asyncio.run(
-            open_loop_step(url, workload, rate, args.duration_s, args.seed + 1 + i, headers)
+        result = asyncio.run(
+            open_loop_step(url, workload, rate, args.duration_s, args.seed + 1 + i, headers, pool)
         )
+        records, samples = result.records, result.samples
         step = {"scale": scale, "rate_rps": rate}
         step |= step_summary(records, args.duration_s, args.ttft_slo_ms)
         step |= {
-            "idle_after_load_s": idle_load_s,
-            "idle_after_last_response_s": idle_last_s,
+            "idle_after_load_s": result.idle_after_load_s,
+            "idle_after_last_response_s": result.idle_after_last_s,
             "rss_mb": front_rss_mb(pids),
             "engine_max_running": max((r for r, _ in samples), default=None),
             "engine_max_waiting": max((w for _, w in samples), default=None),
-            "generator_cpu_fraction": (time.process_time() - cpu0) / args.duration_s,
+            # Cores used by all the generators over the step; the busiest one's over its
+            # arrivals, which a saturated one would delay.
+            "generator_cpu_fraction": result.generator_cpu_s / args.duration_s,
+            "generator_cpu_max": result.generator_cpu_max,
             "lost_examples": [r.error_message for r in records if r.outcome == "lost"][:3],
         }
         steps.append(step)
         print(_row(step))
+    saturated = [s["scale"] for s in steps if s["generator_cpu_max"] > SATURATED_CPU]
+    if saturated:
+        print(
+            f"SATURATED generator (> {SATURATED_CPU} of a core) at "
+            + ", ".join(f"{x:g}x" for x in saturated)
+            + ": its timings include its own delays; rerun with more --num-procs"
+        )
     base = steps[0]["goodput_rps"] or math.nan
     for step in steps:
         step["goodput_ratio"] = step["goodput_rps"] / base
@@ -381,6 +667,8 @@ def run(args: argparse.Namespace) -> dict:
         "target": {"http_url": url, "model": args.model, "replicas": args.num_replicas},
         "config": None if config is None else json.loads(json.dumps(vars(args), default=str)),
         "capacity_rps": capacity,
+        "capacity_generator_cpu_max": capacity_cpu_max,
+        "num_procs": pool.num_procs,
         "duration_s": args.duration_s,
         "ttft_slo_ms": args.ttft_slo_ms,
         "client_timeout_s": args.client_timeout_s,

@@ -7,13 +7,26 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from bench.common import percentile
 from bench.load_metrics import RequestRecord
-from bench.overload import Workload, open_loop_step, rss_mb, step_summary, verdicts
+from bench.overload import (
+    GeneratorPool,
+    Workload,
+    default_num_procs,
+    main,
+    measure_capacity,
+    open_loop_step,
+    rss_mb,
+    step_summary,
+    verdicts,
+)
 from tests.bench.test_load_http import FakeIngress
 
 
@@ -39,23 +52,27 @@ class FakeServer(FakeIngress):
         return web.json_response({"replicas": [{"num_running": busy, "num_waiting": 0}]})
 
 
+async def _serving(server: FakeServer, *steps: Callable[[str], Awaitable]) -> list:
+    """Run each step (given the server's URL) in turn against the server; their results."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", server.completions)
+    app.router.add_get("/stats", server.stats)
+    test_server = TestServer(app, host="127.0.0.1")
+    await test_server.start_server()
+    try:
+        url = str(test_server.make_url("")).rstrip("/")
+        return [await step(url) for step in steps]
+    finally:
+        await test_server.close()
+
+
 def test_an_open_loop_step_accounts_for_every_request() -> None:
     server = FakeServer(busy_polls=6)
     workload = Workload(input_len=8, output_len=4, vocab_size=100, timeout_s=1.0)
-
-    async def run():
-        app = web.Application()
-        app.router.add_post("/v1/completions", server.completions)
-        app.router.add_get("/stats", server.stats)
-        test_server = TestServer(app, host="127.0.0.1")
-        await test_server.start_server()
-        try:
-            url = str(test_server.make_url("")).rstrip("/")
-            return await open_loop_step(url, workload, 40.0, 0.5, seed=1, headers={})
-        finally:
-            await test_server.close()
-
-    records, idle_after_load_s, idle_after_last_s, samples = asyncio.run(run())
+    step = partial(open_loop_step, workload=workload, rate=40.0, duration_s=0.5, seed=1, headers={})
+    (result,) = asyncio.run(_serving(server, step))
+    records, samples = result.records, result.samples
+    idle_after_load_s, idle_after_last_s = result.idle_after_load_s, result.idle_after_last_s
     assert samples and set(samples) <= {(0, 0), (1, 0)}
     assert len(records) == server.num_requests > 6  # ~20 Poisson arrivals
     summary = step_summary(records, 0.5, ttft_slo_ms=1000.0)
@@ -67,6 +84,53 @@ def test_an_open_loop_step_accounts_for_every_request() -> None:
     assert server.busy_polls <= 0  # idle only once /stats said so
     assert idle_after_load_s is not None and idle_after_load_s >= 0.05  # polled until idle
     assert idle_after_last_s is not None and idle_after_last_s <= idle_after_load_s
+    assert 0 < result.generator_cpu_max < 2 and result.generator_cpu_s > 0
+
+
+def test_two_generator_processes_split_the_load_and_account_for_every_request() -> None:
+    """The capacity loop and then an open-loop step on one pool of two processes: the
+    merged records hold every arrival of the step once, each sent on time (the processes
+    share the start), at the step's Poisson rate, each with an outcome."""
+    server = FakeServer(busy_polls=3)
+    workload = Workload(input_len=8, output_len=4, vocab_size=100, timeout_s=1.0)
+    rate, duration_s = 120.0, 1.0
+
+    async def capacity(url: str) -> tuple[float, float]:
+        return await measure_capacity(url, workload, 4, 0.6, seed=2, pool=pool)
+
+    async def step(url: str):
+        server.num_requests = 0  # the step's third request to arrive hangs: lost
+        return await open_loop_step(url, workload, rate, duration_s, 5, {}, pool=pool)
+
+    pool = GeneratorPool(2)
+    try:
+        (capacity_rps, capacity_cpu_max), result = asyncio.run(_serving(server, capacity, step))
+        assert all(proc.is_alive() for proc in pool.procs)  # the same processes did both
+    finally:
+        pool.close()
+    assert capacity_rps > 5 and 0 < capacity_cpu_max < 2
+    records = result.records
+    assert [r.index for r in records] == list(range(len(records)))
+    assert len(records) == server.num_requests
+    summary = step_summary(records, duration_s, ttft_slo_ms=1000.0)
+    outcomes = ("completed", "rejected", "errors", "lost")
+    assert summary["offered"] == sum(summary[k] for k in outcomes)
+    assert summary["lost"] == 1 and summary["errors"] == 0 and summary["rejected"] > 10
+    # Poisson: 120 expected arrivals, a standard deviation of 11.
+    assert abs(len(records) - rate * duration_s) < 4 * math.sqrt(rate * duration_s)
+    lags_s = [r.sent_s - r.scheduled_s for r in records]
+    assert min(lags_s) > -1e-3 and percentile(lags_s, 50) < 0.05  # on time, by one clock
+    assert max(r.sent_s for r in records) < duration_s + 0.1
+    assert 0 < result.generator_cpu_max < 2 and result.generator_cpu_s > 0
+
+
+def test_generator_processes_follow_the_offered_rate_within_the_host() -> None:
+    assert default_num_procs(None, 16) == 14  # capacity not yet known: as many as allowed
+    assert default_num_procs(1100.0, 16) == 8  # one per 150 req/s
+    assert default_num_procs(1100.0, 4) == 2  # two cores left to the server
+    assert default_num_procs(20.0, 2) == default_num_procs(None, 1) == 1
+    with pytest.raises(ValueError, match="num_procs"):
+        main(["--num-procs", "0", "--capacity", "10"])
 
 
 def _record(index: int, outcome: str, ttft_s: float = math.nan) -> RequestRecord:
