@@ -258,7 +258,7 @@ class GeneratorPool:
         for p in range(self.num_procs):
             self._stop(p)
         if hasattr(self, "executor"):
-            self.executor.shutdown()
+            self.executor.shutdown(wait=False, cancel_futures=True)
 
     def _recv(self, p: int) -> object:
         try:

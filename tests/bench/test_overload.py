@@ -89,8 +89,8 @@ def test_an_open_loop_step_accounts_for_every_request() -> None:
 
 def test_two_generator_processes_split_the_load_and_account_for_every_request() -> None:
     """The capacity loop and then an open-loop step on one pool of two processes: the
-    merged records hold every arrival of the step once, each sent on time (the processes
-    share the start), at the step's Poisson rate, each with an outcome."""
+    merged records hold every arrival of the step once, each sent on time, at the step's
+    Poisson rate, each with an outcome; the processes outlive a share."""
     server = FakeServer(busy_polls=3)
     workload = Workload(input_len=8, output_len=4, vocab_size=100, timeout_s=1.0)
     rate, duration_s = 120.0, 1.0
@@ -119,7 +119,7 @@ def test_two_generator_processes_split_the_load_and_account_for_every_request() 
     # Poisson: 120 expected arrivals, a standard deviation of 11.
     assert abs(len(records) - rate * duration_s) < 4 * math.sqrt(rate * duration_s)
     lags_s = [r.sent_s - r.scheduled_s for r in records]
-    assert min(lags_s) > -1e-3 and percentile(lags_s, 50) < 0.05  # on time, by one clock
+    assert min(lags_s) > -1e-3 and percentile(lags_s, 50) < 0.05  # never early, mostly on time
     assert max(r.sent_s for r in records) < duration_s + 0.1
     assert 0 < result.generator_cpu_max < 2 and result.generator_cpu_s > 0
 
