@@ -20,6 +20,7 @@ from bench.overload import (
     GeneratorPool,
     Workload,
     default_num_procs,
+    generator_behind,
     main,
     measure_capacity,
     open_loop_step,
@@ -131,6 +132,15 @@ def test_generator_processes_follow_the_offered_rate_within_the_host() -> None:
     assert default_num_procs(20.0, 2) == default_num_procs(None, 1) == 1
     with pytest.raises(ValueError, match="num_procs"):
         main(["--num-procs", "0", "--capacity", "10"])
+
+
+def test_a_generator_is_flagged_when_it_saturates_its_core_or_sends_late() -> None:
+    def step(cpu: float, lag_ms: float) -> dict:
+        return {"generator_cpu_max": cpu, "send_lag_p99_ms": lag_ms}
+
+    assert not generator_behind(step(0.5, 5.0))
+    assert generator_behind(step(0.8, 5.0))  # a core's worth of work: its loop falls behind
+    assert generator_behind(step(0.2, 900.0))  # no core to be had: late at a low CPU fraction
 
 
 def _record(index: int, outcome: str, ttft_s: float = math.nan) -> RequestRecord:
