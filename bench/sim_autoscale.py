@@ -6,8 +6,9 @@
 
 AutoscaleFleet (an ElasticFleet for bench.sim_core.simulate) runs a control loop every
 --autoscale-period-s. Each tick it records, per running replica, what the real replica
-records for Serve (cluster.autoscale.ReplicaMeter): KV usage counting its queue, queued
-prompt tokens, and the prompt tokens it admitted per second over the last 2 s; and,
+records for Serve (cluster.autoscale.ReplicaMeter): KV usage counting its queue, the
+fraction of its sequence slots its running and queued requests fill, queued prompt
+tokens, and the prompt tokens it admitted per second over the last 2 s; and,
 for Serve's default, the ongoing requests (running and queued on the running replicas,
 plus those held at the routers, as Serve counts requests queued in its handles). The
 policy sees each series averaged over --look-back-s, as Serve averages what replicas
@@ -252,8 +253,9 @@ class AutoscaleFleet:
             (first_s, first), (last_s, last) = window[0], window[-1]
             rate = (last - first) / (last_s - first_s) if last_s > first_s else 0.0
             committed = (r.num_used_blocks + r.num_waiting_blocks) / r.config.num_blocks
+            seqs = (len(r.running) + len(r.waiting)) / r.config.max_num_seqs
             samples = self.samples[i]
-            samples.append((now_s, ReplicaLoad(committed, r.num_waiting_tokens, rate)))
+            samples.append((now_s, ReplicaLoad(committed, r.num_waiting_tokens, rate, seqs)))
             while samples[0][0] <= since_s:
                 samples.popleft()
         self.ongoing.append((now_s, ongoing))
@@ -266,6 +268,7 @@ class AutoscaleFleet:
             sum(x.kv_usage for x in loads) / len(loads),
             round(sum(x.num_waiting_tokens for x in loads) / len(loads)),
             sum(x.tokens_per_s for x in loads) / len(loads),
+            sum(x.seq_fraction for x in loads) / len(loads),
         )
 
     # ---- starting and removing replicas -------------------------------------------
@@ -418,7 +421,7 @@ def add_autoscale_flags(p: argparse.ArgumentParser) -> None:
     # ClusterConfig's defaults (cluster.config), not imported: cluster pulls in Ray.
     a.add_argument("--upscale-delay-s", type=float, default=10.0)
     a.add_argument("--downscale-delay-s", type=float, default=120.0)
-    a.add_argument("--upscale-wait-fraction", type=float, default=0.5)
+    a.add_argument("--upscale-wait-fraction", type=float, default=0.25)
     a.add_argument("--upscale-kv-usage", type=float, default=0.85)
     a.add_argument("--downscale-kv-usage", type=float, default=0.3)
     a.add_argument("--target-ongoing-requests", type=float, default=2.0,

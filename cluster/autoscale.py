@@ -1,8 +1,9 @@
 """KV-occupancy autoscaling on Ray Serve: what a replica records, and the custom policy.
 
 Each LLMServer replica answers Serve's `record_autoscaling_stats` with ReplicaMeter's
-three metrics (KV usage counting its queue, queued prompt tokens, and the rate it
-admits prompt tokens); Serve averages each over look_back_period_s per replica and
+four metrics (KV usage counting its queue, the fraction of its sequence slots its
+running and queued requests fill, queued prompt tokens, and the rate it admits prompt
+tokens); Serve averages each over look_back_period_s per replica and
 hands them to KVServePolicy in the controller, which decides with
 router.autoscale.KVAutoscalePolicy, the same code the simulator runs.
 
@@ -29,12 +30,13 @@ import replica.validate
 import router.autoscale
 from replica.stats import ReplicaStats
 from router.autoscale import AutoscaleConfig, KVAutoscalePolicy, ReplicaLoad, ScaleState
-from router.load import committed_fraction
+from router.load import committed_fraction, seq_fraction
 from router.queue_wait import DrainRates
 
 KV_USAGE = "kvfleet_kv_usage"
 WAITING_TOKENS = "kvfleet_waiting_tokens"
 TOKENS_PER_S = "kvfleet_prompt_tokens_per_s"
+SEQ_FRACTION = "kvfleet_seq_fraction"
 # The window ReplicaMeter measures the admission rate over: the engine's own
 # tokens_per_s window, long enough for a few steps' admissions.
 RATE_WINDOW_S = 2.0
@@ -71,6 +73,7 @@ class ReplicaMeter:
             KV_USAGE: committed_fraction(stats),
             WAITING_TOKENS: float(stats.num_waiting_tokens),
             TOKENS_PER_S: float(rate),
+            SEQ_FRACTION: seq_fraction(stats),
         }
 
     def _window_rate(self, stats: ReplicaStats) -> float:
@@ -89,7 +92,7 @@ class KVServePolicy:
     """Serve's custom autoscaling policy (deployment scope): KVAutoscalePolicy over the
     metrics each running replica recorded. A replica with no metrics yet (just started)
     is left out of the averages but counted as running; with none at all the target
-    stands."""
+    stands. A replica that records no slot fraction counts by its KV usage alone."""
 
     def __init__(self, **config: Any) -> None:
         self.policy = KVAutoscalePolicy(AutoscaleConfig(**config))
@@ -97,8 +100,9 @@ class KVServePolicy:
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
         metrics = ctx.aggregated_metrics or {}
         columns = [metrics.get(name, {}) for name in (KV_USAGE, WAITING_TOKENS, TOKENS_PER_S)]
+        seqs = metrics.get(SEQ_FRACTION, {})
         loads = [
-            ReplicaLoad(kv, int(waiting), rate)
+            ReplicaLoad(kv, int(waiting), rate, seqs.get(replica_id, 0.0))
             for replica_id in ctx.running_replicas
             if all(replica_id in column for column in columns)
             for kv, waiting, rate in [tuple(column[replica_id] for column in columns)]

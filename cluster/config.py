@@ -259,27 +259,31 @@ class ClusterConfig:
         },
     )
     upscale_wait_fraction: float = field(
-        default=0.5,
+        default=0.25,
         metadata={
             "help": "with autoscale, add replicas once the predicted queue wait (queued "
             "prompt tokens over the rate replicas admit them, fleet-wide) passes this "
             "fraction of max_queue_wait_s, the admission bound, so that capacity arrives "
-            "before admission starts refusing"
+            "before admission starts refusing (0.25: 0.5 s at the 2-s bound; the wait is "
+            "part of every queued request's TTFT)"
         },
     )
     upscale_kv_usage: float = field(
         default=0.85,
         metadata={
-            "help": "with autoscale, add replicas once the mean KV usage (blocks held and "
-            "promised to queued prompts) reaches this fraction"
+            "help": "with autoscale, add replicas once the mean occupancy reaches this "
+            "fraction: per replica KV usage (blocks held and promised to queued prompts) or "
+            "sequence slots filled (running + waiting over max_num_seqs), whichever is "
+            "fuller, as the kv router counts load"
         },
     )
     downscale_kv_usage: float = field(
         default=0.3,
         metadata={
-            "help": "with autoscale, remove replicas while the mean KV usage stays under "
-            "this fraction (and the queue wait under its threshold) for downscale_delay_s, "
-            "down to the fewest that keep it mid-band"
+            "help": "with autoscale, the low end of the occupancy band whose middle (with "
+            "upscale_kv_usage) scaling aims at: replicas are removed once fewer would keep "
+            "the occupancy under that middle (and the queue wait under its threshold) for "
+            "downscale_delay_s, down to the fewest that do"
         },
     )
     autoscale_look_back_s: float = field(

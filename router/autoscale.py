@@ -18,24 +18,35 @@ Interface (both policies):
   which signal decided (for logs and tests).
 
 KVAutoscalePolicy.decide(loads, ...) takes one ReplicaLoad per running replica
-(KV usage counting its queue, queued prompt tokens, the prompt tokens it admits
-per second) and computes fleet-wide:
+(KV usage counting its queue, the fraction of its sequence slots its running and
+queued requests fill, queued prompt tokens, the prompt tokens it admits per second)
+and computes fleet-wide:
 
     predicted_wait_s = sum(num_waiting_tokens) / sum(tokens_per_s)
-    kv_usage         = mean(kv_usage)
+    occupancy        = mean(max(kv_usage, seq_fraction))
 
-Scale up (to at least current + 1) when predicted_wait_s passes
-upscale_wait_fraction * max_queue_wait_s, i.e. before a queued request would
-wait as long as admission allows, or when kv_usage reaches kv_high_watermark.
-It jumps proportionally: enough replicas that, at the measured per-replica rate,
-the wait falls back to that threshold and the occupancy to the middle of the
-band [kv_low_threshold, kv_high_watermark]. Scale down when kv_usage is below
-kv_low_threshold and the wait under its threshold, to the fewest replicas that
-keep both there. Between the two the target stands (a scale-up in progress is
-not undone). A direction is applied only once it has been wanted continuously
-for upscale_delay_s / downscale_delay_s (Serve's delay rule, so a short lull
-never removes a replica). A queue with no measured rate (a replica that admitted
-nothing lately) reads as an infinite wait, which adds one replica at a time.
+Occupancy is KV blocks or sequence slots, whichever is fuller (router.load's
+load_fraction, what the kv router balances on): a replica whose max_num_seqs are
+all taken queues every new request however many blocks are free, and with long
+outputs and a large cache that is the resource that runs out (16 slots, 1,024
+blocks and 1.5K-token requests: the slots fill at ~40% of the blocks).
+
+Scale up (to at least current + 1) when predicted_wait_s passes upscale_wait_s
+(upscale_wait_fraction * max_queue_wait_s: a queued request's wait is part of its
+TTFT, so the trigger sits well under the admission bound), or when occupancy
+reaches kv_high_watermark. It jumps proportionally: enough replicas that, at the
+measured per-replica rate, the wait falls back to that threshold and the
+occupancy to the middle of the band [kv_low_threshold, kv_high_watermark].
+Scale down, as Serve's rule does, as soon as the fleet is over-provisioned: to
+the fewest replicas that keep the occupancy under the band's middle and the wait
+under its threshold, when that is fewer than now (with occupancy under the
+watermark and no wait to speak of). The band's middle sits well under the
+watermark, so a scale-down never lands where a scale-up starts. Between the two
+the target stands (a scale-up in progress is not undone). A direction is applied
+only once it has been wanted continuously for upscale_delay_s / downscale_delay_s
+(Serve's delay rule, so a short lull never removes a replica). A queue with no
+measured rate (a replica that admitted nothing lately) reads as an infinite wait,
+which adds one replica at a time.
 
 ServeDefaultPolicy mirrors ray.serve.autoscaling_policy (Ray 2.60):
 desired = total ongoing requests / target_ongoing_requests, damped by the up- and
@@ -68,6 +79,14 @@ class ReplicaLoad:
     # The rate its queue drains at: prompt tokens it admits per second, measured
     # (cluster.autoscale.ReplicaMeter; a simulator gives its model's prefill rate).
     tokens_per_s: float
+    # (running + waiting) / max_num_seqs: can exceed 1 (requests waiting for a slot);
+    # 0 where the replica does not say (max_num_seqs unknown).
+    seq_fraction: float = 0.0
+
+    @property
+    def occupancy(self) -> float:
+        """KV blocks or sequence slots, whichever is fuller (router.load.load_fraction)."""
+        return max(self.kv_usage, self.seq_fraction)
 
 
 @dataclass(frozen=True)
@@ -79,7 +98,9 @@ class AutoscaleConfig:
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
     max_queue_wait_s: float = 2.0  # the admission bound on a queued request's expected wait
-    upscale_wait_fraction: float = 0.5
+    # 0.5 s at the 2-s bound: a queued request's wait is TTFT, so scale up while it is
+    # still a fraction of the bound (and near a TTFT SLO such as 250 ms), not at its half.
+    upscale_wait_fraction: float = 0.25
     kv_high_watermark: float = 0.85
     kv_low_threshold: float = 0.3
     target_ongoing_requests: float = 2.0  # ServeDefaultPolicy only
@@ -164,6 +185,7 @@ class FleetLoad:
 
     kv_usage: float
     predicted_wait_s: float
+    occupancy: float  # mean over replicas of max(kv_usage, seq_fraction)
 
     @classmethod
     def of(cls, loads: Sequence[ReplicaLoad]) -> FleetLoad:
@@ -173,7 +195,12 @@ class FleetLoad:
             wait_s = 0.0
         else:
             wait_s = waiting / rate if rate > 0 else math.inf
-        return cls(sum(load.kv_usage for load in loads) / len(loads), wait_s)
+        n = len(loads)
+        return cls(
+            sum(load.kv_usage for load in loads) / n,
+            wait_s,
+            sum(load.occupancy for load in loads) / n,
+        )
 
 
 class KVAutoscalePolicy:
@@ -188,20 +215,19 @@ class KVAutoscalePolicy:
         """The count the signals ask for now, before the delays and bounds."""
         cfg = self.config
         n = current_replicas
-        by_kv = math.ceil(n * fleet.kv_usage / cfg.kv_target)
+        by_occupancy = math.ceil(n * fleet.occupancy / cfg.kv_target)
         if math.isinf(fleet.predicted_wait_s):
             by_wait = n + 1  # no rate to size a jump by: one more, then measure again
         else:
             by_wait = math.ceil(n * fleet.predicted_wait_s / cfg.upscale_wait_s)
         # Under pressure never below the current target: replicas still starting count.
         if fleet.predicted_wait_s > cfg.upscale_wait_s:
-            return max(n + 1, by_wait, by_kv, target_replicas), "wait"
-        if fleet.kv_usage >= cfg.kv_high_watermark:
-            return max(n + 1, by_wait, by_kv, target_replicas), "kv"
-        if fleet.kv_usage < cfg.kv_low_threshold:
-            fewer = max(by_kv, by_wait, 1)
-            if fewer < n:
-                return fewer, "low"
+            return max(n + 1, by_wait, by_occupancy, target_replicas), "wait"
+        if fleet.occupancy >= cfg.kv_high_watermark:
+            return max(n + 1, by_wait, by_occupancy, target_replicas), "kv"
+        fewer = max(by_occupancy, by_wait, 1)
+        if fewer < n:
+            return fewer, "low"
         return target_replicas, "hold"
 
     def decide(

@@ -29,6 +29,7 @@ from bench.cluster import paced_engine
 from cluster import Client, ClusterConfig, build_app
 from cluster.autoscale import (
     KV_USAGE,
+    SEQ_FRACTION,
     TOKENS_PER_S,
     WAITING_TOKENS,
     KVServePolicy,
@@ -80,7 +81,9 @@ def test_replica_meter_measures_the_prompt_admission_rate() -> None:
             tokens_per_s=50.0,
         )
     )
-    assert m == {KV_USAGE: 0.5, WAITING_TOKENS: 160.0, TOKENS_PER_S: 800.0}
+    assert m == {KV_USAGE: 0.5, WAITING_TOKENS: 160.0, TOKENS_PER_S: 800.0, SEQ_FRACTION: 0.0}
+    # 6 running and 4 queued fill 10 of 8 sequence slots.
+    assert meter.record(stats(num_running=6, num_waiting=4))[SEQ_FRACTION] == 1.25
     now[0] = 104.5  # the first sample has left the 2-s window: 101 -> 104.5
     assert meter.record(stats(prefix_query_tokens=1500))[TOKENS_PER_S] == pytest.approx(200.0)
 
@@ -147,6 +150,10 @@ def test_kv_serve_policy_decides_on_the_recorded_metrics() -> None:
     assert n == 3 and state["kvfleet_reason"] == "low"
     n, state = policy(context(idle, ["a", "b", "c"], 3, 18.0, state))
     assert n == 1
+    # Sequence slots full at low KV usage: the slots decide, as the kv router counts them.
+    slots = {**idle, TOKENS_PER_S: {"a": 100.0, "b": 100.0}, SEQ_FRACTION: {"a": 1.0, "b": 1.0}}
+    n, state = policy(context(slots, ["a", "b"], 2, 30.0, {}))
+    assert n == 2 and state["kvfleet_reason"] == "kv"
     # No metrics at all: the target stands.
     assert policy(context({}, ["a"], 2, 20.0, {}))[0] == 2
 

@@ -80,6 +80,32 @@ def test_scales_up_on_kv_near_the_watermark_with_no_queue():
     assert policy.desired(FleetLoad.of([load(0.7)]), 1, 1) == (1, "hold")
 
 
+def test_full_sequence_slots_scale_up_however_many_blocks_are_free():
+    policy = KVAutoscalePolicy(CFG)
+    # 16 of 16 slots taken and 4 more queued on each replica, 30% of the blocks: the slots
+    # bind, as the kv router counts them (the fuller of the two).
+    slots_full = ReplicaLoad(kv_usage=0.3, num_waiting_tokens=0, tokens_per_s=1000.0,
+                             seq_fraction=1.25)  # fmt: skip
+    fleet = FleetLoad.of([slots_full, slots_full])
+    assert fleet.kv_usage == pytest.approx(0.3) and fleet.occupancy == pytest.approx(1.25)
+    assert policy.desired(fleet, 2, 2) == (5, "kv")  # 2 * 1.25 / 0.5
+    # Without the slot fraction (a replica that does not report it) the blocks decide.
+    assert policy.desired(FleetLoad.of([load(0.3)] * 2), 2, 2) == (2, "hold")
+
+
+def test_scale_down_starts_as_soon_as_fewer_replicas_keep_occupancy_mid_band():
+    policy = KVAutoscalePolicy(CFG)
+    # 0.35 on 4 replicas is over kv_low_threshold (0.2), yet 3 replicas would hold 0.47,
+    # under the band's middle (0.5): over-provisioned, so down to 3 (Serve's rule too).
+    assert policy.desired(FleetLoad.of([load(0.35)] * 4), 4, 4) == (3, "low")
+    # 0.4 on 4: 3 replicas would hold 0.53, over the middle, so the count holds.
+    assert policy.desired(FleetLoad.of([load(0.4)] * 4), 4, 4) == (4, "hold")
+    # The slot fraction counts on the way down too.
+    busy = ReplicaLoad(kv_usage=0.05, num_waiting_tokens=0, tokens_per_s=1000.0,
+                       seq_fraction=0.45)  # fmt: skip
+    assert policy.desired(FleetLoad.of([busy] * 4), 4, 4) == (4, "hold")
+
+
 def test_pressure_never_undoes_a_scale_up_in_progress():
     policy = KVAutoscalePolicy(CFG)
     # One replica running, three asked for: a wait that one more replica would cure
