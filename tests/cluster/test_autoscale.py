@@ -82,10 +82,11 @@ def test_replica_meter_measures_the_prompt_admission_rate() -> None:
         )
     )
     assert m == {KV_USAGE: 0.5, WAITING_TOKENS: 160.0, TOKENS_PER_S: 800.0, SEQ_FRACTION: 0.0}
-    # 6 running and 4 queued fill 10 of 8 sequence slots.
-    assert meter.record(stats(num_running=6, num_waiting=4))[SEQ_FRACTION] == 1.25
     now[0] = 104.5  # the first sample has left the 2-s window: 101 -> 104.5
     assert meter.record(stats(prefix_query_tokens=1500))[TOKENS_PER_S] == pytest.approx(200.0)
+    # 6 running and 4 queued fill 10 of 8 sequence slots.
+    slots = ReplicaMeter(clock=lambda: 0.0).record(stats(num_running=6, num_waiting=4))
+    assert slots[SEQ_FRACTION] == 1.25
 
 
 def test_replica_meter_takes_the_drain_rate_admission_measures() -> None:
