@@ -42,7 +42,10 @@ def drain_config(**fields) -> ClusterConfig:
         model="gpt2-tiny",
         device="cpu",
         num_blocks=256,  # 4 streams of 316 tokens hold 0.31 of a replica: under 0.5
-        max_num_seqs=8,
+        # Occupancy is blocks or slots, whichever is fuller: all eight streams on one replica
+        # (0.62 of its blocks, 0.5 of its slots) stay under the band's middle (0.7), so the
+        # policy removes one replica while they run.
+        max_num_seqs=16,
         num_cpus_per_replica=0.5,
         router="kv",
         app_name=APP_NAME,
