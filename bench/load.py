@@ -66,7 +66,7 @@ from bench.load_workload import (
     build_trace,
     trace_specs,
 )
-from bench.trace import FORMATS, ReplayConfig, read_trace, replay
+from bench.trace import add_replay_flags, read_trace, replay, replay_config
 from cluster import routing_trace
 from cluster.config import ADMISSION_FIELDS, ROUTERS, ClusterConfig
 from replica.config_flags import add_config_flags, flag_values
@@ -214,13 +214,10 @@ def _workload(args: argparse.Namespace, vocab_size: int) -> WorkloadConfig:
 
 def _replayed(args: argparse.Namespace, vocab_size: int) -> tuple[list[RequestSpec], dict]:
     """--trace: its requests (open loop at its timestamps) and the workload's description."""
-    replay_config = ReplayConfig(
-        time_scale=args.time_scale, length_scale=args.length_scale, start_s=args.start_s,
-        duration_s=args.duration_s, vocab_size=vocab_size - 1,  # the last id is often EOS
-    )  # fmt: skip
-    trace = trace_specs(replay(read_trace(args.trace, args.trace_format), replay_config))
+    config = replay_config(args, vocab_size=vocab_size - 1)  # the last id is often EOS
+    trace = trace_specs(replay(read_trace(args.trace, args.trace_format), config))
     workload = {"trace": args.trace, "trace_format": args.trace_format,
-                "num_requests": len(trace)} | asdict(replay_config)  # fmt: skip
+                "num_requests": len(trace)} | asdict(config)  # fmt: skip
     return trace, workload
 
 
@@ -459,18 +456,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--max-input-len", type=int, default=1024, help="longtail: prompt cap")
     w.add_argument("--max-output-len", type=int, default=256, help="longtail: output cap")
     w.add_argument("--vocab-size", type=int, default=None, help="default: the model's")
-    w.add_argument(
-        "--trace", default=None,
-        help="replay this trace file open loop at its timestamps instead of --dataset",
-    )  # fmt: skip
-    w.add_argument("--trace-format", default="mooncake", choices=FORMATS)
-    w.add_argument("--time-scale", type=float, default=1.0, help="--trace: timestamps times this")
-    w.add_argument(
-        "--length-scale", type=float, default=1.0,
-        help="--trace: its 512-token blocks and output lengths times this (e.g. 0.03125)",
-    )  # fmt: skip
-    w.add_argument("--start-s", type=float, default=0.0, help="--trace: window start (s)")
-    w.add_argument("--duration-s", type=float, default=math.inf, help="--trace: window (s)")
+    add_replay_flags(w)
     w.add_argument(
         "--seed", type=int, default=0, help="seeds the trace, the engines and the routers"
     )

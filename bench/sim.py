@@ -49,7 +49,7 @@ from bench.sim_model import cost_model_from_file
 from bench.sim_policies import ALL_POLICIES, ROUTER_ALIASES, policy_name
 from bench.sim_report import markdown, plot, targets
 from bench.sim_workload import ARRIVALS, DATASETS, Workload, WorkloadConfig
-from bench.trace import FORMATS, ReplayConfig, read_trace, replay
+from bench.trace import add_replay_flags, read_trace, replay, replay_config
 from replica.config_flags import add_config_flags
 from router import RouterConfig
 
@@ -67,15 +67,7 @@ def parser() -> argparse.ArgumentParser:
         "--policies", nargs="+", default=None, choices=ALL_POLICIES, help="--routers' older form"
     )
     t = p.add_argument_group("trace replay (bench/trace.py)")
-    t.add_argument("--trace", default=None, help="a trace file, replayed instead of --dataset")
-    t.add_argument("--trace-format", default="mooncake", choices=FORMATS)
-    t.add_argument("--time-scale", type=float, default=1.0, help="multiplies the timestamps")
-    t.add_argument(
-        "--length-scale", type=float, default=1.0,
-        help="block size (512 tokens) and output lengths times this, e.g. 0.03125",
-    )  # fmt: skip
-    t.add_argument("--start-s", type=float, default=0.0, help="window start, trace seconds")
-    t.add_argument("--duration-s", type=float, default=float("inf"), help="window length")
+    add_replay_flags(t)
     t.add_argument(
         "--load-scales", type=float, nargs="+", default=[1.0],
         help="with --trace: a run at each multiple of the trace's arrival rate",
@@ -213,11 +205,8 @@ def _workloads(args: argparse.Namespace) -> list[tuple[float, Workload]]:
     requests = read_trace(args.trace, args.trace_format)
     out = []
     for load_scale in args.load_scales:
-        replay_config = ReplayConfig(
-            time_scale=args.time_scale / load_scale, length_scale=args.length_scale,
-            start_s=args.start_s, duration_s=args.duration_s,
-        )  # fmt: skip
-        out.append((load_scale, trace_workload(replay(requests, replay_config))))
+        config = replay_config(args, time_scale=args.time_scale / load_scale)
+        out.append((load_scale, trace_workload(replay(requests, config))))
     return out
 
 

@@ -144,6 +144,35 @@ class ReplayConfig:
         return int(MOONCAKE_BLOCK_TOKENS * self.length_scale)
 
 
+def add_replay_flags(group: argparse._ActionsContainer) -> None:
+    """--trace and the flags that shape its replay (ReplayConfig's fields), as bench.load and
+    bench.sim both take them; replay_config(args) reads them back."""
+    group.add_argument(
+        "--trace", default=None, help="replay this trace file open loop at its timestamps, "
+        "instead of --dataset",
+    )  # fmt: skip
+    group.add_argument("--trace-format", default="mooncake", choices=FORMATS)
+    group.add_argument(
+        "--time-scale", type=float, default=1.0, help="--trace: timestamps times this"
+    )  # fmt: skip
+    group.add_argument(
+        "--length-scale", type=float, default=1.0,
+        help="--trace: its 512-token blocks and output lengths times this (e.g. 0.03125)",
+    )  # fmt: skip
+    group.add_argument("--start-s", type=float, default=0.0, help="--trace: window start (s)")
+    group.add_argument("--duration-s", type=float, default=math.inf, help="--trace: window (s)")
+
+
+def replay_config(args: argparse.Namespace, **overrides: float) -> ReplayConfig:
+    """ReplayConfig from add_replay_flags' flags; overrides replace fields (a load scale's
+    time_scale, the model's vocabulary)."""
+    fields = dict(
+        time_scale=args.time_scale, length_scale=args.length_scale, start_s=args.start_s,
+        duration_s=args.duration_s,
+    )  # fmt: skip
+    return ReplayConfig(**(fields | overrides))
+
+
 @dataclass(frozen=True)
 class ReplayedRequest:
     arrival_s: float  # from the window's first request, scaled
