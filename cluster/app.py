@@ -48,7 +48,10 @@ HAPROXY_CLIENT_TIMEOUT_ENV = "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"
 # a connection that failed (conn-failure); empty-response also retries one whose ingress
 # replica died before it answered a byte (a non-streamed completion, a stream whose
 # response had not begun), which otherwise reached its client as a 500 (tests/cluster/
-# test_ingress_failover; with conn-failure alone, 2 of 4 such completions were 500s).
+# test_ingress_failover; with conn-failure alone, 2 of 4 such completions were 500s). Not
+# every such request: HAProxy 2.8 keeps a request for a replay only under conditions of
+# its own, and about half the test's runs had one answered with a 500 at once, which an
+# openai client (max_retries 2) retries.
 # HAProxy can replay only a request that fits its buffer (tune.bufsize, 16 KB); and the
 # dead replica's copy may still run on the LLM replica, so a retried request can cost
 # the engine twice.

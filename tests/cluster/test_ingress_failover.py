@@ -5,9 +5,10 @@ What a client sees: a stream that the dead replica was writing ends in an error 
 aborts the client's connection in the middle of the chunked body; httpx raises
 RemoteProtocolError "incomplete chunked read", and so does the openai package's stream,
 which reads through httpx); a stream on the other replica completes with [DONE]. A
-request the dead replica had not answered a byte of is retried by HAProxy on the other
-replica (cluster.app.HAPROXY_RETRY_ON) and completes. None ends silently: a 200 stream
-that stops without [DONE] and without an error fails the test.
+request the dead replica had not answered a byte of is retried on the other replica, by
+HAProxy (cluster.app.HAPROXY_RETRY_ON) or, where HAProxy answers it with a 500 instead,
+by the openai package, and completes. None ends silently: a 200 stream that stops
+without [DONE] and without an error fails the test.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class Outcome:
         self.num_tokens = 0
         self.completed = False
         self.error: BaseException | None = None
+        self.num_errors = 0  # 5xx answers a retrying client saw before the last
         self.started = threading.Event()  # the first token arrived
 
     @property
@@ -120,18 +122,31 @@ def stream_openai(base_url: str, out: Outcome) -> None:
 
 
 def whole(base_url: str, out: Outcome) -> None:
+    """A non-streamed completion through the openai package as users run it (max_retries
+    2). HAProxy replays a request the dead replica never answered a byte of, but not every
+    one: HAProxy 2.8 keeps a request for an L7 retry only when conditions of its own hold
+    (the whole request buffered before any was forwarded, among others), and on the CPU
+    box about half the runs had one such completion answered at once with Serve's 500. The
+    openai package retries a 5xx, so the completion still completes; out.num_errors counts
+    the 5xx answers it saw on the way."""
+
+    def count(response: httpx.Response) -> None:
+        out.num_errors += response.status_code >= 500
+
+    http = httpx.Client(timeout=60.0, event_hooks={"response": [count]})
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", http_client=http)
     try:
-        response = httpx.post(f"{base_url}/v1/completions", json=BODY, timeout=60.0)
-        if response.status_code != 200:  # HAProxy's error page is not JSON
-            out.error = AssertionError(f"{response.status_code}: {response.text[:200]}")
-            return
-        (choice,) = response.json()["choices"]
-        out.num_tokens = len(choice["token_ids"])
-        out.completed = response.status_code == 200 and out.num_tokens == MAX_TOKENS
+        fields = {k: v for k, v in BODY.items() if k != "ignore_eos"}
+        completion = client.completions.create(**fields, extra_body={"ignore_eos": True})
+        (choice,) = completion.choices
+        out.num_tokens = len(choice.model_extra["token_ids"])
+        out.completed = out.num_tokens == MAX_TOKENS
         if not out.completed:
-            out.error = AssertionError(f"{response.status_code}: {response.text[:200]}")
+            out.error = AssertionError(f"{out.num_tokens} tokens: {completion}")
     except Exception as error:  # noqa: BLE001
         out.error = error
+    finally:
+        client.close()
 
 
 def ingress_server_stats() -> dict[str, tuple[int, str]]:
@@ -218,7 +233,9 @@ def test_a_dying_ingress_replica_cuts_no_stream_silently(base_url: str) -> None:
     # The dead replica's non-streamed completions had not answered a byte: retried on the
     # other replica, they completed (as did the other replica's own).
     assert len(cut) <= sessions[killed] <= len(cut) + NUM_WHOLE, sessions
-    print(f"non-streamed on the killed replica: {sessions[killed] - len(cut)} of {NUM_WHOLE}")
+    retried_by_client = sum(o.num_errors for o in wholes)
+    print(f"non-streamed on the killed replica: {sessions[killed] - len(cut)} of {NUM_WHOLE}, "
+          f"{retried_by_client} answered 500 and retried by the client")  # fmt: skip
     assert all(o.completed for o in wholes), report
     # New requests go to the live replica while Serve replaces the dead one.
     for _ in range(4):
