@@ -252,7 +252,11 @@ class Admission:
         if config.on_overload == "reject":
             raise OverloadedError(config.backoff_max_s, f"overloaded: {reason}")
         held_since_s = now_s if held_since_s is None else held_since_s
-        remaining_s = config.max_hold_s - (now_s - held_since_s)
+        # From the absolute deadline, not max_hold_s - elapsed: that can leave a positive
+        # remainder under now_s's float resolution (3.6e-15 at 46 s), so a retry after it
+        # lands at the same now_s forever (the simulator's clock livelocked so). Here a
+        # retry at now_s + remaining_s is the deadline exactly, where nothing remains.
+        remaining_s = (held_since_s + config.max_hold_s) - now_s
         if remaining_s <= 0:
             raise OverloadedError(
                 config.backoff_max_s, f"held {config.max_hold_s}s, still overloaded: {reason}"

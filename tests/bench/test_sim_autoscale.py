@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from bench.sim_core import SimConfig
 from bench.sim_model import default_cost_model
 from bench.sim_replica import ReplicaSimConfig
 from bench.sim_workload import Workload, WorkloadConfig
+from router import RouterConfig
 from router.autoscale import AutoscaleConfig, ScaleDecision
 
 COST = default_cost_model()
@@ -204,3 +206,24 @@ def test_cli_writes_each_policy(tmp_path):
             assert key in r
         assert r["router"] == "kv" and r["replica_seconds"] > 0
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(60)
+def test_a_hold_that_runs_out_ends_and_the_run_finishes():
+    # queue_fraction 0 holds requests at the router while the one replica is full. A hold
+    # once ended at max_hold_s - elapsed, which for this arrival time is a positive
+    # remainder under the clock's float resolution (the retry backoffs add up to 3 s
+    # but for one ulp): the retry landed at the same instant, forever, and the run hung.
+    arrival_1_s = 1.004
+    slow = replace(COST, a_ms=200.0)  # 30 decode steps keep the replica full for ~6 s
+    workload = Workload.from_trace(
+        [0.0, arrival_1_s], [list(range(992)), [7] * 16], [30, 1], offered_rate=2.0
+    )
+    sim_config = SimConfig(
+        replica=ReplicaSimConfig(num_blocks=64, max_num_seqs=16),  # the first takes 62
+        router=RouterConfig(queue_fraction=0.0, max_hold_s=3.0),
+    )
+    config = AutoscaleConfig(min_replicas=1, max_replicas=1)
+    result = run_autoscaled("kv", "kv", workload, sim_config, slow, config, FleetConfig())
+    assert result["num_completed"] == 1 and result["num_rejected"] == 1
+    assert result["num_held"] == 1
