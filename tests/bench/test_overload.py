@@ -17,9 +17,6 @@ from aiohttp.test_utils import TestServer
 from bench.common import percentile
 from bench.load_metrics import RequestRecord
 from bench.overload import (
-    GeneratorPool,
-    Workload,
-    default_num_procs,
     generator_behind,
     main,
     measure_capacity,
@@ -28,6 +25,7 @@ from bench.overload import (
     step_summary,
     verdicts,
 )
+from bench.overload_generators import GeneratorPool, Workload, default_num_procs
 from tests.bench.test_load_http import FakeIngress
 
 
