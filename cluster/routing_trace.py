@@ -6,7 +6,8 @@ came first, how many prompt blocks it and the best replica had cached by the pub
 summaries, the loads the policy compared, and how old the summaries were. That answers
 "did the prefix policy see a match, and if so why did it not follow it" without a
 debugger on a GPU host: a summary that reached the router late or not at all, a load gap
-that outweighed the match (the imbalance rule), or no admissible replica holding it.
+that outweighed the match (the prefix policy's spill rule), or no admissible replica
+holding it.
 
 Process-wide, as cluster.live_stats is: the routers live inside Serve's handles, where
 the caller cannot reach them. Bounded: past MAX_ROWS the newest rows are dropped and
@@ -25,7 +26,7 @@ from replica.stats import ReplicaStats
 from router import RouteRequest
 from router.admission import Decision
 from router.config import RouterConfig
-from router.prefix import is_imbalanced
+from router.load import watermark_imbalanced
 
 MAX_ROWS = 1 << 20
 AFFINITY_TOKENS = 64  # the prompt's prefix that names its group (RouterConfig's default)
@@ -46,7 +47,9 @@ class RoutingRow:
     num_admissible: int
     chosen_load: float  # load_fraction with the request (nan: a last-resort tier)
     min_load: float  # least load among the admissible (nan: none)
-    imbalanced: bool  # the admissible loads trip RouterConfig's imbalance rule
+    # a replica at the high watermark while another is under half full, by the router's
+    # snapshots (router.load.watermark_imbalanced; bench.sim's watermark_imbalance_frac)
+    imbalanced: bool
     summary_age_s: float  # now - stamp of the chosen replica's prefix summary (nan: none)
     load_age_s: float  # now - stamp of the load snapshot the decision used (nan: none)
     summary_size: int  # hashes in the chosen replica's summary
@@ -126,9 +129,7 @@ def record(
             num_admissible=len(admissible),
             chosen_load=float(view.loads[slot]) if (admissible == slot).any() else math.nan,
             min_load=float(loads.min()) if len(loads) else math.nan,
-            imbalanced=is_imbalanced(
-                loads, config.balance_abs_threshold, config.balance_rel_threshold
-            ),
+            imbalanced=watermark_imbalanced(list(summaries.values()), config.high_watermark),
             summary_age_s=now_s - summary.timestamp_s if summary is not None else math.nan,
             load_age_s=now_s - float(view.timestamps_s[slot]) if slot >= 0 else math.nan,
             summary_size=len(summary.cached_prefix_hashes) if summary is not None else 0,

@@ -7,6 +7,8 @@ what tests hold the column forms to.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from replica.stats import ReplicaStats
@@ -46,6 +48,22 @@ def committed_fraction(stats: ReplicaStats) -> float:
     free blocks: the high watermark compares against this.
     """
     return (stats.num_blocks_used + num_waiting_blocks(stats)) / stats.num_blocks_total
+
+
+def watermark_imbalanced(stats: Sequence[ReplicaStats], high_watermark: float) -> bool:
+    """One replica committed (committed_fraction: used + queued prompts) at or over
+    high_watermark while another uses under half its blocks: the imbalance the prefix
+    policy's balance rule exists to prevent, per replica (bench.sim's
+    watermark_imbalance_frac is the share of samples where this holds).
+
+    Not SGLang's fleet-wide gap rule (max - min load over a threshold): that fires
+    when one replica is at 0.6 and another at 0.1, where nothing waits."""
+    valid = [s for s in stats if s.num_blocks_total > 0]
+    if len(valid) < 2:
+        return False
+    fullest = max(committed_fraction(s) for s in valid)
+    emptiest = min(s.num_blocks_used / s.num_blocks_total for s in valid)
+    return fullest >= high_watermark and emptiest < 0.5
 
 
 def seq_fraction(stats: ReplicaStats, request: RouteRequest | None = None) -> float:

@@ -53,6 +53,19 @@ def test_a_row_names_the_match_the_loads_and_the_summary_age() -> None:
     assert routing_trace.drain() == ([], 0)  # drained, still on
 
 
+def test_imbalanced_is_a_replica_at_the_watermark_while_another_is_under_half_full() -> None:
+    # The per-replica rule bench.sim counts (watermark_imbalance_frac), by the router's
+    # snapshots: a 0.7 / 0.1 gap tripped the old fleet-wide gap rule (0.5 and 1.5x), but
+    # nothing waits there; 0.9 used + 6 queued blocks at the 0.95 watermark does count.
+    config = RouterConfig(policy="prefix")
+    gap = [make_stats("a", num_blocks_used=70), make_stats("b", num_blocks_used=10)]
+    full = [make_stats("a", num_blocks_used=90, num_waiting_blocks=6), gap[1]]
+    for stats, expected in ((gap, False), (full, True)):
+        request, decision = _decide(config, stats)
+        routing_trace.record(request, decision, NOW_S, {s.replica_id: s for s in stats}, config)
+        assert routing_trace.drain()[0][0].imbalanced is expected
+
+
 def test_nothing_is_recorded_while_off_or_for_a_held_decision() -> None:
     config = RouterConfig(policy="kv")
     request, decision = _decide(config, [make_stats("a", num_blocks_used=99)])
