@@ -1,25 +1,35 @@
 """The prefix policy's balance rule per replica: a hot prefix spills from its overloaded home
-to one second replica, and the other prefixes keep their homes meanwhile."""
+to one second replica, and the other prefixes keep their homes meanwhile; a home spills only
+once it nears the watermark (balance_min_load), not on a load gap alone."""
 
 from __future__ import annotations
 
+import pytest
+
 from replica.hashing import prefix_block_hashes
-from router import PrefixPolicy, RouteRequest
+from router import PrefixPolicy, RouterConfig, RouteRequest
+from router.factory import make_policy
+from router.load import watermark_imbalanced
 from tests.router.router_fakes import make_stats
 
 NUM_REPLICAS = 6
 
 
-def policy() -> PrefixPolicy:
-    return PrefixPolicy(0.3, 1.5, seed=1, balance_band=0.1, affinity_tokens=64)
+def policy(balance_min_load: float = 0.8) -> PrefixPolicy:
+    return PrefixPolicy(
+        0.3, 1.5, seed=1, balance_band=0.1, affinity_tokens=64, balance_min_load=balance_min_load
+    )
 
 
 def prefix(p: int) -> list[int]:
     return [p, *range(1000, 1063)]  # 64 tokens: 4 blocks of 16
 
 
-def first(stats: list, tokens: list[int], request_id: str) -> str:
-    return policy().choose_replicas(stats, RouteRequest.from_tokens(request_id, tokens), 0.0)[0][0]
+def first(
+    stats: list, tokens: list[int], request_id: str, chooser: PrefixPolicy | None = None
+) -> str:
+    request = RouteRequest.from_tokens(request_id, tokens)
+    return (chooser or policy()).choose_replicas(stats, request, 0.0)[0][0]
 
 
 def fleet(used: dict[str, int], cached: dict[str, list[int]] | None = None) -> list:
@@ -89,3 +99,49 @@ def test_a_spilled_prefix_goes_home_once_the_home_is_not_overloaded():
     stats = fleet({home: 35, elsewhere: 20}, {home: [0], elsewhere: [0]})
     # Both cache the prefix; neither is overloaded (0.35 against 0.1): the rendezvous home.
     assert first(stats, prefix(0) + [5], "back") == home
+
+
+@pytest.mark.parametrize("used", [50, 60, 70])
+def test_a_home_under_balance_min_load_keeps_new_requests_whatever_the_gap(used: int):
+    # The home at 0.55-0.75 with its new request (5 blocks uncached), the others at 0.19
+    # (with its 9): over the gap rule (0.3 and 1.5x), so the gap alone moved these
+    # requests, each recomputing the prefix elsewhere; nothing waits at that load: they stay.
+    home = homes(fleet({}))[0]
+    stats = fleet({home: used}, {home: [0]})
+    gap_only = policy(balance_min_load=0.0)
+    assert all(first(stats, prefix(0) + own(q), f"g{q}", gap_only) != home for q in range(10))
+    assert all(first(stats, prefix(0) + own(q), f"n{q}") == home for q in range(10))
+
+
+def test_a_home_at_balance_min_load_spills_only_while_the_gap_holds():
+    home = homes(fleet({}))[0]
+    # 0.8 used + 5 uncached blocks: at the floor, and 0.75 over the others' 0.1.
+    stats = fleet({home: 80}, {home: [0]})
+    assert first(stats, prefix(0) + own(1), "over") != home
+    # As loaded, but so are the others (0.6): no gap over 0.3, so no replica sits at the
+    # watermark while another is under half full, and the prefix stays home.
+    busy = fleet({home: 80, **{f"r{i}": 60 for i in range(NUM_REPLICAS) if f"r{i}" != home}},
+                 {home: [0]})  # fmt: skip
+    assert first(busy, prefix(0) + own(1), "even") == home
+
+
+def test_router_config_sets_balance_min_load():
+    config = RouterConfig(policy="prefix", balance_abs_threshold=0.3)
+    assert make_policy(config).balance_min_load == config.balance_min_load == 0.8
+    home = homes(fleet({}))[0]
+    stats = fleet({home: 60}, {home: [0]})
+    request = RouteRequest.from_tokens("cfg", prefix(0) + own(1))
+    assert make_policy(config).choose_replicas(stats, request, 0.0)[0] == [home]
+    with pytest.raises(ValueError, match="balance_min_load"):
+        RouterConfig(balance_min_load=-0.1)
+
+
+def test_watermark_imbalanced_is_per_replica_not_a_load_gap():
+    # What bench.sim's watermark_imbalance_frac samples and cluster.routing_trace reports.
+    def replica(name: str, used: int, waiting: int = 0):
+        return make_stats(name, num_blocks_used=used, num_waiting_blocks=waiting)
+
+    assert not watermark_imbalanced([replica("a", 70), replica("b", 10)], 0.95)  # a gap only
+    assert watermark_imbalanced([replica("a", 90, waiting=5), replica("b", 49)], 0.95)
+    assert not watermark_imbalanced([replica("a", 90, waiting=5), replica("b", 50)], 0.95)
+    assert not watermark_imbalanced([replica("a", 99)], 0.95)  # one replica: nothing to balance
