@@ -11,12 +11,16 @@
         --num-procs 8
     # attach to a running HTTP server (python -m cluster serve --port 8000 ...)
     python -m bench.load --http --http-url http://127.0.0.1:8000 --concurrency 64
+    # the HTTP path alone: a model-free engine stepping every 2 ms behind one ingress
+    python -m bench.load --model gpt2-tiny --device cpu --replicas 1 --http \
+        --ingress-replicas 1 --fake-engine-step-ms 2 --concurrency 128 --output-len 128
 
 Open loop (--rate, --burstiness: gamma gaps, 1 = Poisson) or closed loop (--concurrency).
 The requests are spread round-robin over --num-procs generator processes (bench.load_worker),
 each with its own Ray driver, event loop and Client, or with --http one aiohttp session
 streaming POST /v1/completions (bench.load_http); each reports its CPU use, and the report
-flags a saturated generator. With --routers the app is redeployed per router (fresh
+flags a saturated generator. Over --http on a local Ray the report also gives the CPU per
+streamed token of the ingress replicas and of Serve's proxy with its HAProxy (bench.front). With --routers the app is redeployed per router (fresh
 replicas, fresh caches) and the same trace replays; ratios are against serve-pow2 (Ray
 Serve's default router) when it ran. --offline-peer first replays the trace through a bare
 LLMEngine of the replicas' EngineConfig in a process of its own (bench.load_offline), and
@@ -28,12 +32,15 @@ generator process failed.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, fields
 
 from bench.common import write_json
+from bench.front import front_cpu_s, front_pids
 from bench.load_metrics import SLO, compute_metrics, prefix_placement
 from bench.load_offline import OFFLINE_REPLICA_ID, run_offline_peer
 from bench.load_pool import GeneratorPool, Round
@@ -77,6 +84,15 @@ SERVE_ROUTERS = ("serve-pow2", "serve-round-robin", "serve-consistent-hash")
 STATS_PERIOD_S = 0.2
 
 
+def _engine_factory(args: argparse.Namespace) -> Callable | None:
+    """--fake-engine-step-ms's engine factory for build_app; None: the model's engine."""
+    if args.fake_engine_step_ms is None:
+        return None
+    from bench.cluster import fake_engine
+
+    return functools.partial(fake_engine, step_s=args.fake_engine_step_ms / 1e3)
+
+
 def run_trace(
     args: argparse.Namespace,
     router: str,
@@ -93,6 +109,8 @@ def run_trace(
 
     stats_at_start = client.stats()  # the prefix-cache counters before any request
     counters_at_start = client.serving_counters()  # the replicas' CPU and submits
+    pids = front_pids() if pool.http_url is not None else {}  # on this host's Ray only
+    front_at_start = front_cpu_s(pids)
 
     def show_progress(state: Round, end: str = "") -> None:  # one rewritten stderr line
         done = f"{sum(state.done_by_proc.values())}/{len(trace)}"
@@ -126,6 +144,7 @@ def run_trace(
         "leak_check": leaks,
         "prefix_cache": prefix_cache_hits(stats_at_start, stats_at_end),
         "replica_cpu": replica_cpu(counters_at_start, client.serving_counters()),
+        "front_cpu": front_cpu(pids, front_at_start, front_cpu_s(pids), records),
         "generator": [
             _generator_row(p, state.results.get(p), state.failures.get(p))
             for p in range(pool.num_procs)
@@ -153,6 +172,23 @@ def replica_cpu(before: list[dict], after: list[dict]) -> list[dict]:
             "cpu_ms_per_request": _ms_per(end["cpu_s"] - start["cpu_s"], requests),
             "engine_cpu_ms_per_request": None if engine_s is None else _ms_per(engine_s, requests),
         })  # fmt: skip
+    return rows
+
+
+def front_cpu(
+    pids: dict[str, list[int]], before: dict[str, float], after: dict[str, float], records: list
+) -> dict[str, dict]:
+    """Per role of the HTTP front (the ingress replicas; Serve's proxy with its HAProxy)
+    over a round: its processes' CPU per output token streamed and per request."""
+    num_tokens = sum(r.num_output_tokens for r in records)
+    rows = {}
+    for role, cpu_s in after.items():
+        used_s = cpu_s - before.get(role, 0.0)
+        rows[role] = {
+            "processes": len(pids[role]), "cpu_s": round(used_s, 3),
+            "us_per_token": round(1e6 * used_s / num_tokens, 2) if num_tokens else None,
+            "ms_per_request": _ms_per(used_s, len(records)),
+        }  # fmt: skip
     return rows
 
 
@@ -278,7 +314,7 @@ def run_all(args: argparse.Namespace) -> tuple[dict, dict[str, dict], dict | Non
             app_name = args.app_name if config is None else config.app_name
             if config is not None:
                 t_deploy = time.monotonic()
-                deploy(config)
+                deploy(config, _engine_factory(args))
                 print(
                     f"deployed {args.num_replicas} x {args.model} with router {router!r} "
                     f"in {time.monotonic() - t_deploy:.1f} s"
@@ -350,6 +386,16 @@ def report(
                 f" process's CPU a request ({row['requests']} requests in {row['calls']} Serve"
                 f" calls; engine child {row['engine_cpu_ms_per_request']} ms a request)"
             )
+        for role, row in run.get("front_cpu", {}).items():
+            print(
+                f"{router}: HTTP {role} ({row['processes']} processes and their children):"
+                f" {row['us_per_token']} us of CPU a streamed token, {row['ms_per_request']} ms a"
+                " request"
+            )
+        gen_cpu_s = sum(g.get("cpu_s", 0.0) for g in run["generator"] if not g["failed"])
+        gen_tokens = sum(g.get("num_output_tokens", 0) for g in run["generator"])
+        if run["path"] == "http" and gen_tokens:
+            print(f"{router}: generators: {1e6 * gen_cpu_s / gen_tokens:.2f} us of CPU a token")
         admit = m["admit_ms"]
         if not math.isnan(admit["p50"]):
             print(
@@ -429,6 +475,12 @@ def _parser() -> argparse.ArgumentParser:
         " HTTP proxy binds this host and port)",
     )  # fmt: skip
     t.add_argument(
+        "--fake-engine-step-ms", type=float, default=None,
+        help="the replicas run a model-free engine (bench.cluster.FakeEngine: a token for"
+        " every request each step of this many ms) in place of --model's: the ceiling of"
+        " the serving path itself, and its CPU per token",
+    )  # fmt: skip
+    t.add_argument(
         "--offline-peer", action="store_true",
         help="first replay the trace through a bare engine of the replicas' EngineConfig"
         " (needs --model); each router's row gets its tokens/s over the engine's",
@@ -493,6 +545,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--routers needs --model: an attached app cannot be redeployed")
     if args.model is None and args.offline_peer:
         raise SystemExit("--offline-peer needs --model: the engine to build is the replicas'")
+    if args.fake_engine_step_ms is not None and (args.model is None or args.offline_peer):
+        raise SystemExit("--fake-engine-step-ms deploys the replicas (needs --model, for its"
+                         " vocabulary) and has no offline peer (drop --offline-peer)")  # fmt: skip
+    if args.fake_engine_step_ms is not None and args.fake_engine_step_ms < 0:
+        raise SystemExit("--fake-engine-step-ms must be >= 0")
     if args.http and args.routing_trace:
         raise SystemExit("--routing-trace records a Client's decisions; over --http the"
                          " ingress makes them")  # fmt: skip

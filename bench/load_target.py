@@ -52,15 +52,17 @@ def start_http(url: str) -> None:
     serve.start(http_options={"host": parts.hostname, "port": parts.port or 80})
 
 
-def deploy(config: Any) -> None:
+def deploy(config: Any, engine_factory: Any = None) -> None:
     """Run build_app(config) as app config.app_name: at route "/" with config.http (its
-    HTTP ingress), else with no HTTP route (Python client only)."""
+    HTTP ingress), else with no HTTP route (Python client only); engine_factory as
+    build_app takes it (None: the model's LLMEngine)."""
     from ray import serve
 
     from cluster.app import build_app
 
     route_prefix = "/" if config.http else None
-    serve.run(build_app(config), name=config.app_name, route_prefix=route_prefix)
+    app = build_app(config, engine_factory=engine_factory)
+    serve.run(app, name=config.app_name, route_prefix=route_prefix)
 
 
 def wait_http_ready(url: str, timeout_s: float = HTTP_READY_TIMEOUT_S) -> None:

@@ -49,6 +49,7 @@ import aiohttp
 import numpy as np
 
 from bench.common import percentile, write_json
+from bench.front import front_pids, front_rss_mb
 from bench.load_metrics import RequestRecord
 from bench.load_workload import split_concurrency
 from bench.overload_generators import (
@@ -211,53 +212,6 @@ def step_summary(
         "reject_p50_ms": percentile(reject_ms, 50),
         "reject_p99_ms": percentile(reject_ms, 99),
     }
-
-
-def front_pids() -> dict[str, list[int]]:
-    """The PIDs of the HTTP ingress replicas and of Serve's proxy actors (Ray's actor table
-    of the connected cluster); empty when not connected."""
-    import ray
-
-    if not ray.is_initialized():
-        return {}
-    from ray._private.state import actors  # the GCS table: no dashboard needed
-
-    pids: dict[str, list[int]] = {"ingress": [], "proxy": []}
-    for actor in actors(actor_state_name="ALIVE").values():
-        name = actor["ActorClassName"]
-        if name.startswith("ServeReplica:") and name.endswith(":Ingress"):
-            pids["ingress"].append(actor["Pid"])
-        elif name == "ProxyActor":
-            pids["proxy"].append(actor["Pid"])
-    return pids
-
-
-def rss_mb(pid: int) -> float:
-    """Resident memory of pid and its descendants (Serve's HAProxy runs as the proxy
-    actor's child), in MB; 0 for a process that is gone."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    total_kb, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total_kb += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):
-            continue
-    return total_kb / 1024
-
-
-def front_rss_mb(pids: dict[str, list[int]]) -> dict[str, float]:
-    return {role: round(sum(rss_mb(p) for p in ps), 1) for role, ps in pids.items()}
 
 
 def verdicts(steps: list[dict], baseline_rss: dict[str, float]) -> dict[str, bool | None]:

@@ -455,3 +455,55 @@ def test_replica_cpu_is_each_replicas_cpu_per_request_over_the_round() -> None:
         {"replica_id": "b", "requests": 0, "calls": 0, "cpu_ms_per_request": None,
          "engine_cpu_ms_per_request": None},
     ]  # fmt: skip
+
+
+def test_front_cpu_is_each_roles_cpu_per_streamed_token_and_request() -> None:
+    from bench.load import front_cpu
+
+    records = [RequestRecord(i, 8, 100, 0.0) for i in range(4)]
+    for r in records:
+        r.chunk_times_s, r.chunk_num_tokens = [0.1, 0.2], [40, 60]  # 100 tokens each
+    pids = {"ingress": [11, 12], "proxy": [13]}
+    rows = front_cpu(pids, {"ingress": 5.0, "proxy": 1.0}, {"ingress": 5.2, "proxy": 1.02}, records)
+    assert rows["ingress"] == {"processes": 2, "cpu_s": 0.2, "us_per_token": 500.0,
+                               "ms_per_request": 50.0}  # fmt: skip
+    assert rows["proxy"]["us_per_token"] == 50.0 and rows["proxy"]["ms_per_request"] == 5.0
+    assert front_cpu({}, {}, {}, records) == {}  # not on this host's Ray: nothing measured
+
+
+def test_a_process_trees_cpu_counts_its_children_and_a_gone_process_nothing() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from bench.front import cpu_s, process_tree
+
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", busy + "time.sleep(30)"])
+    try:
+        deadline_s = time.monotonic() + 30
+        while cpu_s(child.pid) < 0.25:  # the child's own CPU, not yet reaped
+            assert time.monotonic() < deadline_s
+            time.sleep(0.05)
+        assert child.pid in process_tree(os.getpid())
+        assert cpu_s(os.getpid()) >= cpu_s(child.pid) + time.process_time() - 0.1
+    finally:
+        child.kill()
+        child.wait()
+    assert cpu_s(2**22 + 7) == 0.0  # above Linux's default pid_max
+
+
+def test_the_fake_engine_flag_deploys_a_model_free_engine_and_refuses_an_offline_peer() -> None:
+    from bench.cluster import FakeEngine
+    from bench.load import _engine_factory, _parser, main
+    from cluster.config import ClusterConfig
+
+    args = _parser().parse_args(["--model", "gpt2-tiny", "--fake-engine-step-ms", "2"])
+    engine = _engine_factory(args)(ClusterConfig(model="gpt2-tiny", device="cpu"), "r0", 0.0)
+    assert isinstance(engine, FakeEngine) and engine.step_s == 0.002
+    assert _engine_factory(_parser().parse_args(["--model", "gpt2-tiny"])) is None
+    for argv in (["--model", "gpt2-tiny", "--fake-engine-step-ms", "1", "--offline-peer"],
+                 ["--fake-engine-step-ms", "1"],
+                 ["--model", "gpt2-tiny", "--fake-engine-step-ms", "-1"]):  # fmt: skip
+        with pytest.raises(SystemExit, match="fake-engine-step-ms"):
+            main(argv)

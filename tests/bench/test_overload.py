@@ -15,13 +15,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from bench.common import percentile
+from bench.front import rss_mb
 from bench.load_metrics import RequestRecord
 from bench.overload import (
     generator_behind,
     main,
     measure_capacity,
     open_loop_step,
-    rss_mb,
     step_summary,
     verdicts,
 )
