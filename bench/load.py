@@ -20,9 +20,10 @@ The requests are spread round-robin over --num-procs generator processes (bench.
 each with its own Ray driver, event loop and Client, or with --http one aiohttp session
 streaming POST /v1/completions (bench.load_http); each reports its CPU use, and the report
 flags a saturated generator. Over --http on a local Ray the report also gives the CPU per
-streamed token of the ingress replicas and of Serve's proxy with its HAProxy (bench.front). With --routers the app is redeployed per router (fresh
-replicas, fresh caches) and the same trace replays; ratios are against serve-pow2 (Ray
-Serve's default router) when it ran. --offline-peer first replays the trace through a bare
+streamed token of the ingress replicas and of Serve's proxy with its HAProxy
+(bench.front). With --routers the app is redeployed per router (fresh replicas, fresh
+caches) and the same trace replays; ratios are against serve-pow2 (Ray Serve's default
+router) when it ran. --offline-peer first replays the trace through a bare
 LLMEngine of the replicas' EngineConfig in a process of its own (bench.load_offline), and
 each router's row gets "x offline", its output tokens/s over the engine's. Exit status 1 if
 any request was lost (neither a completion nor a typed error), a replica leaked, or a
