@@ -28,7 +28,9 @@ Policies (--autoscale, comma-separated): `kv` (KVAutoscalePolicy), `serve-defaul
 (ServeDefaultPolicy at --target-ongoing-requests, Ray 2.60's default 2) and
 `serve-default:T` (target T). All take the same bounds and delays (--upscale-delay-s,
 --downscale-delay-s), so a comparison isolates the signal; pass Serve's own delays
-(30 s, 600 s, look-back 30 s) to run Serve as shipped. Routers: kv, prefix, pow2 (the
+(30 s, 600 s, look-back 30 s) to run Serve as shipped. The KV policy's forecast assumes
+--policy-replica-start-s (ClusterConfig.replica_start_s, 30 s), not the simulated
+--replica-start-s, as a deployment would. Routers: kv, prefix, pow2 (the
 real router/ code, told of each replica that comes and goes) and serve-pow2, random.
 
 Without --trace, --rate-profile T:RATE,... makes a Poisson trace whose rate rises and
@@ -424,6 +426,13 @@ def add_autoscale_flags(p: argparse.ArgumentParser) -> None:
     a.add_argument("--upscale-wait-fraction", type=float, default=0.25)
     a.add_argument("--upscale-kv-usage", type=float, default=0.85)
     a.add_argument("--downscale-kv-usage", type=float, default=0.3)
+    a.add_argument(
+        "--policy-replica-start-s", type=float, default=30.0,
+        help="kv: the start-up time the policy assumes (ClusterConfig.replica_start_s), its "
+        "forecast horizon with --upscale-delay-s; --replica-start-s is the simulated one",
+    )  # fmt: skip
+    a.add_argument("--upscale-trend-window-s", type=float, default=10.0,
+                   help="kv: the demand's slope is taken over this much history")  # fmt: skip
     a.add_argument("--target-ongoing-requests", type=float, default=2.0,
                    help=f"{SERVE_DEFAULT} without :TARGET (Ray 2.60's default: 2)")  # fmt: skip
     a.add_argument(
@@ -444,6 +453,8 @@ def autoscale_config(args: argparse.Namespace, router: RouterConfig | None) -> A
         upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s,
         max_queue_wait_s=max_wait_s, upscale_wait_fraction=args.upscale_wait_fraction,
         kv_high_watermark=args.upscale_kv_usage, kv_low_threshold=args.downscale_kv_usage,
+        replica_start_s=args.policy_replica_start_s,
+        trend_window_s=args.upscale_trend_window_s,
         target_ongoing_requests=args.target_ongoing_requests,
     )  # fmt: skip
 

@@ -11,7 +11,9 @@ Why a custom policy: Serve's default counts ongoing calls, and a kvfleet carrier
 is an ongoing call for as long as its caller has requests on the replica, so one caller
 with 200 requests in flight there counts as one ongoing request (plus its submits not
 yet acked), and the count says nothing of the KV those requests hold. The KV policy carries its
-own delays (router.autoscale.apply_delay), so the AutoscalingConfig built here sets
+own delays (router.autoscale.apply_delay) and its own demand history (the trend it
+forecasts a rise by, kept in the policy_state Serve hands back each call, a point a
+second), so the AutoscalingConfig built here sets
 Serve's delays to 0 and its scaling factors to 1: Serve's wrapper then passes the
 decision through to its min/max bounds.
 """

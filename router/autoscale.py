@@ -12,8 +12,9 @@ Interface (both policies):
   target_replicas: the count the autoscaler last asked for (>= current while a
   scale-up is starting replicas).
 - state: the ScaleState the previous call returned (ScaleState() at first). It
-  holds the pending direction and since when, for the delays; it round-trips
-  through a plain dict (to_dict / from_dict) for Serve's policy_state.
+  holds the pending direction and since when, for the delays, and the KV policy's
+  recent demand, for its trend; it round-trips through a plain dict (to_dict /
+  from_dict) for Serve's policy_state.
 - The decision's num_replicas is within [min_replicas, max_replicas]; reason says
   which signal decided (for logs and tests).
 
@@ -37,16 +38,30 @@ TTFT, so the trigger sits well under the admission bound), or when occupancy
 reaches kv_high_watermark. It jumps proportionally: enough replicas that, at the
 measured per-replica rate, the wait falls back to that threshold and the
 occupancy to the middle of the band [kv_low_threshold, kv_high_watermark].
-Scale down, as Serve's rule does, as soon as the fleet is over-provisioned: to
-the fewest replicas that keep the occupancy under the band's middle and the wait
-under its threshold, when that is fewer than now (with occupancy under the
-watermark and no wait to speak of). The band's middle sits well under the
-watermark, so a scale-down never lands where a scale-up starts. Between the two
-the target stands (a scale-up in progress is not undone). A direction is applied
-only once it has been wanted continuously for upscale_delay_s / downscale_delay_s
-(Serve's delay rule, so a short lull never removes a replica). A queue with no
-measured rate (a replica that admitted nothing lately) reads as an infinite wait,
-which adds one replica at a time.
+
+Scale up too when the demand is forecast to pass the watermark by the time a
+replica asked for now would take requests. The demand is the occupancy summed over
+the replicas (replicas' worth of load); its slope is the median of the pairwise
+slopes over the last trend_window_s (demand_trend; the points ride in the state),
+and the forecast extrapolates a rise, never a fall, over trend_horizon_s
+(upscale_delay_s + replica_start_s). Such a scale-up is sized for the forecast at
+the band's middle. Why: a replica takes tens of seconds to start (36 s on the
+H200), so scaling on the level alone brings capacity only after the load has
+passed it; in the simulator (5 -> 120 req/s over 60 s) the forecast started the
+scale-up at 12 s into the ramp instead of 22 s. A burst is no trend (the median
+ignores it), and a noisy flat load must read as rising for upscale_delay_s without
+a break before anything starts.
+
+Scale down, as Serve's rule does, as soon as the fleet is over-provisioned: to the
+fewest replicas that keep the occupancy (forecast, while the demand rises) under
+the band's middle and the wait under its threshold, when that is fewer than now
+(with occupancy under the watermark and no wait to speak of). The band's middle
+sits well under the watermark, so a scale-down never lands where a scale-up
+starts. Between the two the target stands (a scale-up in progress is not undone).
+A direction is applied only once it has been wanted continuously for
+upscale_delay_s / downscale_delay_s (Serve's delay rule, so a short lull never
+removes a replica). A queue with no measured rate (a replica that admitted nothing
+lately) reads as an infinite wait, which adds one replica at a time.
 
 ServeDefaultPolicy mirrors ray.serve.autoscaling_policy (Ray 2.60):
 desired = total ongoing requests / target_ongoing_requests, damped by the up- and
@@ -59,7 +74,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from replica.validate import number_in, positive_float, positive_int
@@ -103,6 +118,12 @@ class AutoscaleConfig:
     upscale_wait_fraction: float = 0.25
     kv_high_watermark: float = 0.85
     kv_low_threshold: float = 0.3
+    # How long a replica takes from the scale-up to taking requests: a scale-up wanted now
+    # brings capacity upscale_delay_s + this later, so the demand's rise is extrapolated
+    # that far. 30 s: the order of a GPU replica's start (36 s for one gpt2 replica on
+    # the H200, Serve's deploy included). 0 with upscale_delay_s 0: no forecast.
+    replica_start_s: float = 30.0
+    trend_window_s: float = 10.0  # the demand's slope is taken over this much history
     target_ongoing_requests: float = 2.0  # ServeDefaultPolicy only
     upscaling_factor: float = 1.0  # ServeDefaultPolicy only
     downscaling_factor: float = 1.0  # ServeDefaultPolicy only
@@ -120,6 +141,8 @@ class AutoscaleConfig:
         number_in("upscale_wait_fraction", self.upscale_wait_fraction, 0.0, 1.0, low_open=True)
         number_in("kv_high_watermark", self.kv_high_watermark, 0.0, 1.0, low_open=True)
         number_in("kv_low_threshold", self.kv_low_threshold, 0.0, 1.0)
+        number_in("replica_start_s", self.replica_start_s, 0.0, math.inf)
+        positive_float("trend_window_s", self.trend_window_s)
         if not self.kv_low_threshold < self.kv_high_watermark:
             raise ValueError(
                 f"kv_low_threshold ({self.kv_low_threshold}) must be < "
@@ -134,6 +157,12 @@ class AutoscaleConfig:
         return self.upscale_wait_fraction * self.max_queue_wait_s
 
     @property
+    def trend_horizon_s(self) -> float:
+        """How far ahead the demand's rise is extrapolated: until a replica asked for now
+        would take requests."""
+        return self.upscale_delay_s + self.replica_start_s
+
+    @property
     def kv_target(self) -> float:
         """The occupancy a proportional jump aims at: the middle of the band."""
         return (self.kv_low_threshold + self.kv_high_watermark) / 2
@@ -144,17 +173,24 @@ class AutoscaleConfig:
 
 @dataclass(frozen=True)
 class ScaleState:
-    """The direction wanted (UP, DOWN, 0) and since when (None: nothing pending)."""
+    """The direction wanted (UP, DOWN, 0) and since when (None: nothing pending), and the
+    KV policy's recent demand as (time_s, demand) points, oldest first (its trend)."""
 
     direction: int = 0
     since_s: float | None = None
+    history: tuple[tuple[float, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kvfleet_direction": self.direction, "kvfleet_since_s": self.since_s}
+        return {
+            "kvfleet_direction": self.direction,
+            "kvfleet_since_s": self.since_s,
+            "kvfleet_demand": [list(point) for point in self.history],
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ScaleState:
-        return cls(d.get("kvfleet_direction", 0), d.get("kvfleet_since_s"))
+        history = tuple((float(t), float(v)) for t, v in d.get("kvfleet_demand", ()))
+        return cls(d.get("kvfleet_direction", 0), d.get("kvfleet_since_s"), history)
 
 
 @dataclass(frozen=True)
@@ -186,6 +222,13 @@ class FleetLoad:
     kv_usage: float
     predicted_wait_s: float
     occupancy: float  # mean over replicas of max(kv_usage, seq_fraction)
+    num_replicas: int = 1
+
+    @property
+    def demand(self) -> float:
+        """Occupancy summed over the replicas: the load in replicas' worth (per replica
+        this is arrivals x time in the replica / capacity, Little's law)."""
+        return self.occupancy * self.num_replicas
 
     @classmethod
     def of(cls, loads: Sequence[ReplicaLoad]) -> FleetLoad:
@@ -200,22 +243,59 @@ class FleetLoad:
             sum(load.kv_usage for load in loads) / n,
             wait_s,
             sum(load.occupancy for load in loads) / n,
+            n,
         )
 
 
+def demand_trend(
+    history: tuple[tuple[float, float], ...], now_s: float, demand: float, window_s: float
+) -> tuple[float, tuple[tuple[float, float], ...]]:
+    """The demand's slope (per second) over the last window_s, with (now_s, demand) as the
+    newest point, and the history to keep.
+
+    The slope is Theil-Sen's, the median of the slopes between every two points: one
+    burst moves a least-squares fit as much as a rise does (a 1-s spike early in the
+    window reads as a rise for half a window after it), not the median. It is 0 until
+    the points span a fifth of the window (3 points at the simulator's 1-s period).
+    Points are kept at least a tenth of the window apart, so a caller that decides
+    every 0.1 s (Serve's controller) keeps ~10, and the state it round-trips stays small.
+    """
+    since_s = now_s - window_s
+    kept = tuple(p for p in history if since_s < p[0] < now_s)
+    points = (*kept, (now_s, demand))
+    if not kept or now_s - kept[-1][0] >= window_s / 10:
+        kept = points
+    if now_s - points[0][0] < window_s / 5:
+        return 0.0, kept
+    slopes = sorted(
+        (d2 - d1) / (t2 - t1)
+        for i, (t1, d1) in enumerate(points)
+        for t2, d2 in points[i + 1 :]
+        if t2 > t1
+    )
+    mid = len(slopes) // 2
+    slope = slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
+    return slope, kept
+
+
 class KVAutoscalePolicy:
-    """Scales on KV occupancy and the predicted queue wait (see the module docstring)."""
+    """Scales on KV occupancy, its trend and the predicted queue wait (see the module
+    docstring)."""
 
     def __init__(self, config: AutoscaleConfig) -> None:
         self.config = config
 
     def desired(
-        self, fleet: FleetLoad, current_replicas: int, target_replicas: int
+        self, fleet: FleetLoad, current_replicas: int, target_replicas: int, slope: float = 0.0
     ) -> tuple[int, str]:
-        """The count the signals ask for now, before the delays and bounds."""
+        """The count the signals ask for now, before the delays and bounds; slope: the
+        demand's trend in replicas' worth per second (demand_trend)."""
         cfg = self.config
         n = current_replicas
-        by_occupancy = math.ceil(n * fleet.occupancy / cfg.kv_target)
+        # The demand when replicas asked for now would arrive, if it keeps rising so;
+        # a falling trend is not extrapolated (scale-down waits for the load itself).
+        ahead = fleet.demand + max(0.0, slope) * cfg.trend_horizon_s
+        by_occupancy = math.ceil(ahead / cfg.kv_target - 1e-9)
         if math.isinf(fleet.predicted_wait_s):
             by_wait = n + 1  # no rate to size a jump by: one more, then measure again
         else:
@@ -225,6 +305,8 @@ class KVAutoscalePolicy:
             return max(n + 1, by_wait, by_occupancy, target_replicas), "wait"
         if fleet.occupancy >= cfg.kv_high_watermark:
             return max(n + 1, by_wait, by_occupancy, target_replicas), "kv"
+        if ahead >= cfg.kv_high_watermark * max(n, target_replicas):
+            return max(by_occupancy, target_replicas), "trend"
         fewer = max(by_occupancy, by_wait, 1)
         if fewer < n:
             return fewer, "low"
@@ -242,11 +324,13 @@ class KVAutoscalePolicy:
         if not loads or current_replicas == 0:
             # No running replica reported: nothing to measure, keep what was asked for.
             return ScaleDecision(cfg.bound(target_replicas), ScaleState(), "no-metrics")
-        desired, reason = self.desired(FleetLoad.of(loads), current_replicas, target_replicas)
+        fleet = FleetLoad.of(loads)
+        slope, history = demand_trend(state.history, now_s, fleet.demand, cfg.trend_window_s)
+        desired, reason = self.desired(fleet, current_replicas, target_replicas, slope)
         num_replicas, state = apply_delay(
             cfg.bound(desired), cfg.bound(target_replicas), cfg, now_s, state
         )
-        return ScaleDecision(num_replicas, state, reason)
+        return ScaleDecision(num_replicas, replace(state, history=history), reason)
 
 
 class ServeDefaultPolicy:

@@ -159,6 +159,24 @@ def test_kv_serve_policy_decides_on_the_recorded_metrics() -> None:
     assert policy(context({}, ["a"], 2, 20.0, {}))[0] == 2
 
 
+def test_kv_serve_policy_keeps_the_demand_trend_in_policy_state() -> None:
+    # Serve calls the policy every 0.1 s and hands back the state it returned: the demand
+    # history rides in it, so a rise is seen before the occupancy reaches the watermark.
+    config = ClusterConfig(autoscale=True, max_replicas=4, upscale_delay_s=1.0)
+    policy = KVServePolicy(**dataclasses.asdict(config.autoscale_config()))
+    state: dict = {}
+    for step in range(31):  # 3 s, one replica filling 5% a second from 0.2
+        now_s = 100.0 + step * 0.1
+        kv = 0.2 + 0.05 * (now_s - 100.0)
+        metrics = {KV_USAGE: {"a": kv}, WAITING_TOKENS: {"a": 0.0}, TOKENS_PER_S: {"a": 100.0}}
+        n, state = policy(context(metrics, ["a"], 1, now_s, state))
+    # 2 s in (a fifth of the trend window) the slope puts 41 s ahead (the 1-s delay + the
+    # 30-s start) far past the watermark; 1 s later, at 0.35 occupancy, the scale-up lands.
+    assert state["kvfleet_reason"] == "trend" and n == 4
+    # Of 31 calls, the points kept a tenth of the 10-s window apart: the state stays small.
+    assert [t for t, _ in state["kvfleet_demand"]] == pytest.approx([100.0, 101.0, 102.0, 103.0])
+
+
 def test_build_app_puts_the_kv_policy_on_the_llm_deployment() -> None:
     config = ClusterConfig(
         autoscale=True,
@@ -242,6 +260,8 @@ def test_the_controller_runs_the_policy_without_importing_kvfleet(tmp_path: Path
         ({"autoscale": True, "num_replicas": 5, "max_replicas": 4}, "num_replicas"),
         ({"graceful_shutdown_timeout_s": 0}, "graceful_shutdown_timeout_s"),
         ({"autoscale": 1}, "autoscale"),
+        ({"replica_start_s": -1.0}, "replica_start_s"),
+        ({"autoscale_trend_window_s": 0.0}, "autoscale_trend_window_s"),
     ],
 )
 def test_autoscale_fields_are_validated_by_name(fields: dict, name: str) -> None:
@@ -265,6 +285,11 @@ def test_cli_flag_and_yaml_turn_autoscale_on() -> None:
     config = ClusterConfig.from_dict(app["args"])
     assert config.autoscale and (config.min_replicas, config.max_replicas) == (1, 4)
     assert config.autoscale_config().max_queue_wait_s == config.routing.max_queue_wait_s
+    # The YAML spells out the policy's defaults: kept in step with ClusterConfig's.
+    for name in ("upscale_delay_s", "downscale_delay_s", "upscale_wait_fraction",
+                 "upscale_kv_usage", "downscale_kv_usage", "replica_start_s",
+                 "autoscale_trend_window_s", "autoscale_look_back_s"):  # fmt: skip
+        assert app["args"][name] == getattr(ClusterConfig(), name), name
     llm = build_app(dataclasses.replace(config, http=False), num_gpus_in_cluster=0)
     assert llm._bound_deployment._deployment_config.autoscaling_config.max_replicas == 4
 

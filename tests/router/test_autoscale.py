@@ -14,6 +14,7 @@ from router.autoscale import (
     ScaleState,
     ServeDefaultPolicy,
     apply_delay,
+    demand_trend,
 )
 
 CFG = AutoscaleConfig(
@@ -62,55 +63,56 @@ def test_scales_up_before_the_wait_reaches_the_admission_bound():
     assert second.num_replicas == 2
 
 
-def test_scale_up_is_proportional_to_the_wait_and_capped_by_max_replicas():
+def test_a_proportional_scale_up_is_capped_by_max_replicas():
     policy = KVAutoscalePolicy(CFG)
-    loads = [load(0.4, 3000, 1000.0)]  # 3 s of queue: 3 replicas bring it to 1 s
-    assert policy.desired(FleetLoad.of(loads), 1, 1) == (3, "wait")
-    loads = [load(0.4, 100_000, 1000.0)]
+    loads = [load(0.4, 100_000, 1000.0)]  # 100 s of queue
     d = policy.decide(loads, 1, 1, 0.0, ScaleState())
     assert policy.decide(loads, 1, 1, 5.0, d.state).num_replicas == 4
-    # A queue on a replica that has not decoded yet is an infinite wait: one more.
-    assert policy.desired(FleetLoad.of([load(0.0, 10, 0.0)]), 1, 1) == (2, "wait")
 
 
-def test_scales_up_on_kv_near_the_watermark_with_no_queue():
-    policy = KVAutoscalePolicy(CFG)
-    desired, reason = policy.desired(FleetLoad.of([load(0.9), load(0.85)]), 2, 2)
-    assert reason == "kv" and desired == 4  # 2 * 0.875 / 0.5 (middle of the band)
-    assert policy.desired(FleetLoad.of([load(0.7)]), 1, 1) == (1, "hold")
+def slots(seq_fraction: float, kv: float) -> ReplicaLoad:
+    """A replica whose sequence slots are seq_fraction full, kv of its blocks."""
+    return ReplicaLoad(kv_usage=kv, num_waiting_tokens=0, tokens_per_s=1000.0,
+                       seq_fraction=seq_fraction)  # fmt: skip
 
 
-def test_full_sequence_slots_scale_up_however_many_blocks_are_free():
-    policy = KVAutoscalePolicy(CFG)
-    # 16 of 16 slots taken and 4 more queued on each replica, 30% of the blocks: the slots
-    # bind, as the kv router counts them (the fuller of the two).
-    slots_full = ReplicaLoad(kv_usage=0.3, num_waiting_tokens=0, tokens_per_s=1000.0,
-                             seq_fraction=1.25)  # fmt: skip
-    fleet = FleetLoad.of([slots_full, slots_full])
+# (replica loads, running, target, expected (count, reason)); CFG's band is [0.2, 0.8],
+# its middle 0.5, its wait threshold 1 s.
+DESIRED = {
+    "kv near the watermark, no queue: up to 2 * 0.875 / 0.5": (
+        [load(0.9), load(0.85)], 2, 2, (4, "kv")),
+    "under the watermark: hold": ([load(0.7)], 1, 1, (1, "hold")),
+    # 16 of 16 slots taken and 4 more queued, 30% of the blocks: the slots bind, as the
+    # kv router counts them (the fuller of the two).
+    "full sequence slots scale up however many blocks are free": (
+        [slots(1.25, 0.3)] * 2, 2, 2, (5, "kv")),
+    "without a slot fraction the blocks decide": ([load(0.3)] * 2, 2, 2, (2, "hold")),
+    # 0.35 on 4 is over kv_low_threshold, yet 3 would hold 0.47, under the middle:
+    # over-provisioned, so down to 3 (Serve's rule too).
+    "down once fewer keep occupancy under the middle": ([load(0.35)] * 4, 4, 4, (3, "low")),
+    "3 would hold 0.53, over the middle: hold": ([load(0.4)] * 4, 4, 4, (4, "hold")),
+    "the slot fraction counts on the way down too": ([slots(0.45, 0.05)] * 4, 4, 4, (4, "hold")),
+    "down to the fewest that keep the middle: 4 * 0.15 / 0.5": (
+        [load(0.15)] * 4, 4, 4, (2, "low")),
+    "low occupancy but 0.9 s of wait: 4 keep it under 1 s": (
+        [load(0.1, 900, 1000.0)] * 4, 4, 4, (4, "hold")),
+    # One running, three asked for: a wait one more would cure still asks for the three.
+    "pressure never undoes a scale-up in progress": ([load(0.4, 1500)], 1, 3, (3, "wait")),
+    "3 s of queue: 3 replicas bring it to 1 s": ([load(0.4, 3000, 1000.0)], 1, 1, (3, "wait")),
+    "a queue with no measured rate: one more": ([load(0.0, 10, 0.0)], 1, 1, (2, "wait")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DESIRED)
+def test_desired_count_and_reason(case):
+    loads, running, target, expected = DESIRED[case]
+    assert KVAutoscalePolicy(CFG).desired(FleetLoad.of(loads), running, target) == expected
+
+
+def test_slot_fraction_is_the_occupancy_when_fuller():
+    fleet = FleetLoad.of([slots(1.25, 0.3)] * 2)
     assert fleet.kv_usage == pytest.approx(0.3) and fleet.occupancy == pytest.approx(1.25)
-    assert policy.desired(fleet, 2, 2) == (5, "kv")  # 2 * 1.25 / 0.5
-    # Without the slot fraction (a replica that does not report it) the blocks decide.
-    assert policy.desired(FleetLoad.of([load(0.3)] * 2), 2, 2) == (2, "hold")
-
-
-def test_scale_down_starts_as_soon_as_fewer_replicas_keep_occupancy_mid_band():
-    policy = KVAutoscalePolicy(CFG)
-    # 0.35 on 4 replicas is over kv_low_threshold (0.2), yet 3 replicas would hold 0.47,
-    # under the band's middle (0.5): over-provisioned, so down to 3 (Serve's rule too).
-    assert policy.desired(FleetLoad.of([load(0.35)] * 4), 4, 4) == (3, "low")
-    # 0.4 on 4: 3 replicas would hold 0.53, over the middle, so the count holds.
-    assert policy.desired(FleetLoad.of([load(0.4)] * 4), 4, 4) == (4, "hold")
-    # The slot fraction counts on the way down too.
-    busy = ReplicaLoad(kv_usage=0.05, num_waiting_tokens=0, tokens_per_s=1000.0,
-                       seq_fraction=0.45)  # fmt: skip
-    assert policy.desired(FleetLoad.of([busy] * 4), 4, 4) == (4, "hold")
-
-
-def test_pressure_never_undoes_a_scale_up_in_progress():
-    policy = KVAutoscalePolicy(CFG)
-    # One replica running, three asked for: a wait that one more replica would cure
-    # still asks for the three.
-    assert policy.desired(FleetLoad.of([load(0.4, 1500)]), 1, 3) == (3, "wait")
+    assert fleet.demand == pytest.approx(2.5)
 
 
 def test_scales_down_only_after_occupancy_stays_low_for_the_delay():
@@ -127,14 +129,6 @@ def test_scales_down_only_after_occupancy_stays_low_for_the_delay():
     # A spike at 28 s restarts the downscale wait, so a fleet held at 3 stays at 3 until 49 s.
     targets = run(policy2, lambda t: loads_at(t + 10.0), 3, [float(t) for t in range(0, 60)])
     assert targets[17] == 3 and targets[18] == 3 and targets[38] == 3 and targets[39] == 1
-
-
-def test_scale_down_keeps_the_wait_and_occupancy_in_band():
-    policy = KVAutoscalePolicy(CFG)
-    # 0.15 each on 4 replicas: 2 replicas would hold 0.3 (< 0.5, the band's middle).
-    assert policy.desired(FleetLoad.of([load(0.15)] * 4), 4, 4) == (2, "low")
-    # Low occupancy but a queue: 0.9 s of wait on 4 replicas needs 4 to stay under 1 s.
-    assert policy.desired(FleetLoad.of([load(0.1, 900, 1000.0)] * 4), 4, 4)[0] == 4
 
 
 def test_bounds_and_no_metrics():
@@ -226,8 +220,9 @@ def test_serve_default_matches_rays_policy(monkeypatch):
     assert max(seen) >= 4 and seen[-1] == 1 and len(set(seen)) >= 3
 
 
-def test_config_validation_names_the_field():
-    for kwargs, name in [
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
         ({"min_replicas": 0}, "min_replicas"),
         ({"min_replicas": 3, "max_replicas": 2}, "max_replicas"),
         ({"upscale_delay_s": -1.0}, "upscale_delay_s"),
@@ -235,6 +230,48 @@ def test_config_validation_names_the_field():
         ({"kv_high_watermark": 1.5}, "kv_high_watermark"),
         ({"kv_low_threshold": 0.9, "kv_high_watermark": 0.8}, "kv_low_threshold"),
         ({"target_ongoing_requests": 0}, "target_ongoing_requests"),
-    ]:
-        with pytest.raises(ValueError, match=name):
-            AutoscaleConfig(**kwargs)
+        ({"replica_start_s": -1.0}, "replica_start_s"),
+        ({"trend_window_s": 0.0}, "trend_window_s"),
+    ],
+)
+def test_config_validation_names_the_field(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        AutoscaleConfig(**kwargs)
+
+
+def test_demand_trend_is_the_median_slope_over_the_window():
+    history: tuple = ()
+    slopes = []
+    for step in range(40):  # decided every 0.25 s, demand rising 0.1/s
+        t = step * 0.25
+        slope, history = demand_trend(history, t, 0.5 + 0.1 * t, window_s=4.0)
+        slopes.append(slope)
+    assert slopes[2] == 0.0  # 0.5 s of points: under a fifth of the window, no trend yet
+    assert slopes[-1] == pytest.approx(0.1)
+    # Points at least a tenth of the window apart, none older than the window.
+    times = [t for t, _ in history]
+    assert min(b - a for a, b in zip(times, times[1:])) >= 0.4 - 1e-9
+    assert times[0] > 9.75 - 4.0
+    # One burst in a flat window is no trend (least squares would read a rise after it).
+    flat = tuple((float(t), 2.0 if t == 5 else 0.5) for t in range(10))
+    assert demand_trend(flat, 10.0, 0.5, window_s=10.0)[0] == 0.0
+
+
+def test_a_rising_demand_scales_up_before_occupancy_reaches_the_watermark():
+    # CFG's horizon: upscale_delay_s 5 + replica_start_s 30 = 35 s.
+    assert CFG.trend_horizon_s == 35.0
+    times = [float(t) for t in range(0, 12)]
+    # One replica filling 3% a second: from 2 s (a fifth of the 10-s window) the trend
+    # puts it past the watermark (0.8) within 35 s; after the 5-s delay, at 7 s, the
+    # occupancy is 0.41 and the count is sized for 0.41 + 35 * 0.03 = 1.46 at the band's
+    # middle (0.5): 3. On occupancy alone it would wait for 0.8, at 20 s, then 5 s more.
+    targets = run(KVAutoscalePolicy(CFG), lambda t: [load(0.2 + 0.03 * t)], 1, times)
+    assert targets[6] == 1 and targets[7] == 3, targets
+    # 0.5% a second stays under the watermark over the horizon: no scale-up.
+    targets = run(KVAutoscalePolicy(CFG), lambda t: [load(0.2 + 0.005 * t)], 1, times)
+    assert targets == [1] * len(times)
+    # A falling trend is not extrapolated: down waits for the load itself.
+    assert KVAutoscalePolicy(CFG).desired(FleetLoad.of([load(0.7)]), 1, 1, -0.05) == (
+        1,
+        "hold",
+    )
