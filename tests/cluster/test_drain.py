@@ -58,6 +58,10 @@ def drain_config(**fields) -> ClusterConfig:
         upscale_kv_usage=0.9,
         downscale_kv_usage=0.5,
         autoscale_look_back_s=1.0,
+        # A gpt2-tiny replica on CPU starts in seconds, not a GPU's 30: with the default the
+        # eight streams' arrival (0 -> 0.62 of a replica in a second) reads as a rise that
+        # 31 s would carry past the watermark, and the fleet rightly keeps both replicas.
+        replica_start_s=2.0,
         graceful_shutdown_timeout_s=60.0,
     )
     return ClusterConfig(**{**base, **fields})
