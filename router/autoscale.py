@@ -39,21 +39,22 @@ reaches kv_high_watermark. It jumps proportionally: enough replicas that, at the
 measured per-replica rate, the wait falls back to that threshold and the
 occupancy to the middle of the band [kv_low_threshold, kv_high_watermark].
 
-Scale up too when the demand is forecast to pass the watermark by the time a
-replica asked for now would take requests. The demand is the occupancy summed over
-the replicas (replicas' worth of load); its slope is the median of the pairwise
-slopes over the last trend_window_s (demand_trend; the points ride in the state),
-and the forecast extrapolates a rise, never a fall, over trend_horizon_s
-(upscale_delay_s + replica_start_s). Such a scale-up is sized for the forecast at
-the band's middle. Why: a replica takes tens of seconds to start (36 s on the
-H200), so scaling on the level alone brings capacity only after the load has
+Scale up too when the demand is forecast to pass the watermark by the time a replica
+asked for now would take requests. The demand is the occupancy summed over the
+replicas (replicas' worth of load); its slope is the median of the pairwise slopes
+over the last trend_window_s (demand_trend; the points ride in the state), and the
+forecast extrapolates a rise, never a fall, over trend_horizon_s (upscale_delay_s +
+replica_start_s). Such a scale-up is sized, at the band's middle, for the demand one
+upscale_delay_s further: the replicas asked for now carry the load until the next
+scale-up could take requests. Why: a replica takes tens of seconds to start (36 s on
+the H200), so scaling on the level alone brings capacity only after the load has
 passed it; in the simulator (5 -> 120 req/s over 60 s) the forecast started the
 scale-up at 12 s into the ramp instead of 22 s. A burst is no trend (the median
-ignores it), and a noisy flat load must read as rising for upscale_delay_s without
-a break before anything starts.
+ignores it), and a noisy flat load must read as rising for upscale_delay_s without a
+break before anything starts.
 
 Scale down, as Serve's rule does, as soon as the fleet is over-provisioned: to the
-fewest replicas that keep the occupancy (forecast, while the demand rises) under
+fewest replicas that keep the occupancy (as measured, not forecast) under
 the band's middle and the wait under its threshold, when that is fewer than now
 (with occupancy under the watermark and no wait to speak of). The band's middle
 sits well under the watermark, so a scale-down never lands where a scale-up
@@ -294,8 +295,13 @@ class KVAutoscalePolicy:
         n = current_replicas
         # The demand when replicas asked for now would arrive, if it keeps rising so;
         # a falling trend is not extrapolated (scale-down waits for the load itself).
-        ahead = fleet.demand + max(0.0, slope) * cfg.trend_horizon_s
-        by_occupancy = math.ceil(ahead / cfg.kv_target - 1e-9)
+        rise = max(0.0, slope)
+        ahead = fleet.demand + rise * cfg.trend_horizon_s
+        # Replicas asked for now carry the load until the next scale-up could take
+        # requests: asked upscale_delay_s after this one at the soonest, so sized for
+        # the demand one delay past the horizon.
+        sized_for = ahead + rise * cfg.upscale_delay_s
+        by_occupancy = math.ceil(sized_for / cfg.kv_target - 1e-9)
         if math.isinf(fleet.predicted_wait_s):
             by_wait = n + 1  # no rate to size a jump by: one more, then measure again
         else:
@@ -307,7 +313,10 @@ class KVAutoscalePolicy:
             return max(n + 1, by_wait, by_occupancy, target_replicas), "kv"
         if ahead >= cfg.kv_high_watermark * max(n, target_replicas):
             return max(by_occupancy, target_replicas), "trend"
-        fewer = max(by_occupancy, by_wait, 1)
+        # Down on the demand as it is: a trend is noisy, and a step (a burst of requests
+        # that then stays) reads as a rise for half a window; the downscale delay, not
+        # the forecast, guards against removing what a continuing rise would need.
+        fewer = max(math.ceil(fleet.demand / cfg.kv_target - 1e-9), by_wait, 1)
         if fewer < n:
             return fewer, "low"
         return target_replicas, "hold"

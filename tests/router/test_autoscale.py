@@ -263,10 +263,11 @@ def test_a_rising_demand_scales_up_before_occupancy_reaches_the_watermark():
     times = [float(t) for t in range(0, 12)]
     # One replica filling 3% a second: from 2 s (a fifth of the 10-s window) the trend
     # puts it past the watermark (0.8) within 35 s; after the 5-s delay, at 7 s, the
-    # occupancy is 0.41 and the count is sized for 0.41 + 35 * 0.03 = 1.46 at the band's
-    # middle (0.5): 3. On occupancy alone it would wait for 0.8, at 20 s, then 5 s more.
+    # occupancy is 0.41 and the count is sized for the demand one delay past the horizon,
+    # 0.41 + 40 * 0.03 = 1.61, at the band's middle (0.5): 4. On occupancy alone it would
+    # wait for 0.8, at 20 s, then 5 s more.
     targets = run(KVAutoscalePolicy(CFG), lambda t: [load(0.2 + 0.03 * t)], 1, times)
-    assert targets[6] == 1 and targets[7] == 3, targets
+    assert targets[6] == 1 and targets[7] == 4, targets
     # 0.5% a second stays under the watermark over the horizon: no scale-up.
     targets = run(KVAutoscalePolicy(CFG), lambda t: [load(0.2 + 0.005 * t)], 1, times)
     assert targets == [1] * len(times)
