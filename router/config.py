@@ -96,22 +96,12 @@ class RouterConfig:
             "fractions of KV blocks and one 4K-token prompt is 0.085 of a 3072-block "
             "replica: at 0.1 the rule fired in 61% of a 4-H200 fleet's first 0.25 s of "
             "decisions, spreading every shared prefix over every replica before any was "
-            "cached"
+            "cached. This is the gap for a request the loaded replica caches none of; it "
+            "grows with the share cached there, to 1.0 at half the prompt (router.prefix)"
         },
     )
     balance_rel_threshold: float = field(
         default=1.5, metadata={"help": "see balance_abs_threshold (>= 1)"}
-    )
-    balance_min_load: float = field(
-        default=0.8,
-        metadata={
-            "help": "prefix moves a request off the replica caching its prefix only when that "
-            "replica's load is at least this too (besides the gap of balance_abs_threshold): "
-            "below it the request starts there at once, and moving it recomputes the prefix "
-            "elsewhere. At 0 (the gap alone) a simulated Mooncake-shaped trace with one "
-            "family at 35% on 4 replicas moved 15% of the requests off homes at 0.6 load, "
-            "and cached 94.9% of consistent hashing's hits; at 0.8, 98%"
-        },
     )
     balance_band: float = field(
         default=0.1,
@@ -191,7 +181,6 @@ class RouterConfig:
         number_in("balance_band", self.balance_band, 0.0, 1.0)
         number_in("balance_abs_threshold", self.balance_abs_threshold, 0.0, float("inf"))
         number_in("balance_rel_threshold", self.balance_rel_threshold, 1.0, float("inf"))
-        number_in("balance_min_load", self.balance_min_load, 0.0, float("inf"))
         non_negative_int("prefix_affinity_tokens", self.prefix_affinity_tokens)
         is_int("seed", self.seed)
         if not isinstance(self.prefix_salt, str):

@@ -19,7 +19,6 @@ def make_policy(config: RouterConfig) -> RoutingPolicy:
             seed=config.seed,
             balance_band=config.balance_band,
             affinity_tokens=config.prefix_affinity_tokens,
-            balance_min_load=config.balance_min_load,
         )
     if config.policy == "pow2":
         return Pow2Policy(seed=config.seed)

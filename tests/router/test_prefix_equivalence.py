@@ -41,12 +41,15 @@ def reference_is_overloaded(
     loads: Sequence[float],
     balance_abs_threshold: float,
     balance_rel_threshold: float,
-    balance_min_load: float,
+    num_matched: int,
+    num_blocks: int,
 ) -> bool:
     least = min(loads)
-    gap = load - least > balance_abs_threshold and load > balance_rel_threshold * least
-    # Since balance_min_load: only a replica at least that loaded moves requests off.
-    return gap and load >= balance_min_load
+    # Since the cached share: the gap grows from balance_abs_threshold with nothing cached
+    # there to a whole replica (1.0) at half the prompt cached.
+    share = min(1.0, 2 * num_matched / max(num_blocks, 1))
+    threshold = balance_abs_threshold + share * max(0.0, 1.0 - balance_abs_threshold)
+    return load - least > threshold and load > balance_rel_threshold * least
 
 
 def reference_rank_by_load(
@@ -64,7 +67,6 @@ def reference_choose_replicas(
     balance_abs_threshold: float,
     balance_rel_threshold: float,
     seed: int,
-    balance_min_load: float = 0.0,
 ) -> list[list[str]]:
     if not request.prompt_token_ids:
         return [[s.replica_id] for s in reference_rank_by_load(stats, request, seed)]
@@ -75,7 +77,8 @@ def reference_choose_replicas(
     spilled = {
         s.replica_id: reference_is_overloaded(loads[s.replica_id], list(loads.values()),
                                               balance_abs_threshold, balance_rel_threshold,
-                                              balance_min_load)
+                                              reference_num_matched_blocks(s, request),
+                                              request.num_prompt_blocks(s.block_size))
         # ... unless it caches at least half the prompt's blocks there.
         and 2 * reference_num_matched_blocks(s, request) < request.num_prompt_blocks(s.block_size)
         for s in stats
@@ -133,14 +136,11 @@ def test_indexed_prefix_policy_ranks_like_the_set_intersection(seed: int) -> Non
     stats = random_fleet(rng, prompts)
     abs_threshold = rng.choice([0.0, 0.1, 0.5, 10.0])
     rel_threshold = rng.choice([1.0, 1.5, 100.0])
-    min_load = rng.choice([0.0, 0.5, 0.8])
-    policy = PrefixPolicy(abs_threshold, rel_threshold, seed=seed % 3, balance_min_load=min_load)
+    policy = PrefixPolicy(abs_threshold, rel_threshold, seed=seed % 3)
     for n in range(5):
         tokens = rng.choice(prompts)[: rng.randrange(0, 260)] + [rng.randrange(500)] * rng.choice(
             [0, 20]
         )
         request = RouteRequest.from_tokens(f"q{seed}-{n}", tokens, max_tokens=8)
-        expected = reference_choose_replicas(
-            stats, request, abs_threshold, rel_threshold, seed % 3, min_load
-        )
+        expected = reference_choose_replicas(stats, request, abs_threshold, rel_threshold, seed % 3)
         assert policy.choose_replicas(stats, request, 0.0) == expected

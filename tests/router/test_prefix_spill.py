@@ -1,24 +1,22 @@
 """The prefix policy's balance rule per replica: a hot prefix spills from its overloaded home
-to one second replica, and the other prefixes keep their homes meanwhile; a home spills only
-once it nears the watermark (balance_min_load), not on a load gap alone."""
+to one second replica, and the other prefixes keep their homes meanwhile; the gap a request
+must see to leave its home grows with the share of its prompt the home caches."""
 
 from __future__ import annotations
 
-import pytest
+import numpy as np
 
 from replica.hashing import prefix_block_hashes
-from router import PrefixPolicy, RouterConfig, RouteRequest
-from router.factory import make_policy
+from router import PrefixPolicy, RouteRequest
 from router.load import watermark_imbalanced
+from router.prefix import overloaded
 from tests.router.router_fakes import make_stats
 
 NUM_REPLICAS = 6
 
 
-def policy(balance_min_load: float = 0.8) -> PrefixPolicy:
-    return PrefixPolicy(
-        0.3, 1.5, seed=1, balance_band=0.1, affinity_tokens=64, balance_min_load=balance_min_load
-    )
+def policy() -> PrefixPolicy:
+    return PrefixPolicy(0.3, 1.5, seed=1, balance_band=0.1, affinity_tokens=64)
 
 
 def prefix(p: int) -> list[int]:
@@ -47,8 +45,9 @@ def fleet(used: dict[str, int], cached: dict[str, list[int]] | None = None) -> l
 
 
 def own(q: int) -> list[int]:
-    """A request's own 80 tokens after its prefix: more than the prefix's 4 blocks."""
-    return [5000 + q, *range(2000, 2079)]
+    """A request's own 300 tokens after its prefix: its home caches 4 of its 23 blocks, a
+    0.35 share of half the prompt, so it moves at a gap over 0.3 + 0.35 * 0.7 = 0.54."""
+    return [5000 + q, *range(2000, 2299)]
 
 
 def homes(stats: list) -> dict[int, str]:
@@ -101,39 +100,30 @@ def test_a_spilled_prefix_goes_home_once_the_home_is_not_overloaded():
     assert first(stats, prefix(0) + [5], "back") == home
 
 
-@pytest.mark.parametrize("used", [50, 60, 70])
-def test_a_home_under_balance_min_load_keeps_new_requests_whatever_the_gap(used: int):
-    # The home at 0.55-0.75 with its new request (5 blocks uncached), the others at 0.19
-    # (with its 9): over the gap rule (0.3 and 1.5x), so the gap alone moved these
-    # requests, each recomputing the prefix elsewhere; nothing waits at that load: they stay.
+def test_the_gap_to_leave_home_grows_with_the_share_the_home_caches():
+    # 0.9 against 0.1: a gap of 0.8. balance_abs_threshold 0.5 with nothing cached, up to
+    # 1.0 (a whole replica) at half the prompt cached; the relative rule is unchanged.
+    loads = np.array([0.9, 0.1])
+    for share, expected in ((0.0, True), (0.5, True), (0.7, False), (1.0, False)):
+        assert bool(overloaded(loads, 0.5, 1.5, np.array([share, 0.0]))[0]) is expected, share
+    assert not overloaded(loads, 0.5, 10.0)[0]  # 0.9 is under 10 x 0.1
+    # A threshold already over a whole replica does not shrink as the share grows.
+    assert not overloaded(np.array([2.4, 0.1]), 2.5, 1.5, np.array([1.0, 0.0]))[0]
+
+
+def test_a_busy_home_keeps_a_request_it_caches_part_of_until_the_gap_outweighs_it():
     home = homes(fleet({}))[0]
-    stats = fleet({home: used}, {home: [0]})
-    gap_only = policy(balance_min_load=0.0)
-    assert all(first(stats, prefix(0) + own(q), f"g{q}", gap_only) != home for q in range(10))
-    assert all(first(stats, prefix(0) + own(q), f"n{q}") == home for q in range(10))
-
-
-def test_a_home_at_balance_min_load_spills_only_while_the_gap_holds():
-    home = homes(fleet({}))[0]
-    # 0.8 used + 5 uncached blocks: at the floor, and 0.75 over the others' 0.1.
-    stats = fleet({home: 80}, {home: [0]})
-    assert first(stats, prefix(0) + own(1), "over") != home
-    # As loaded, but so are the others (0.6): no gap over 0.3, so no replica sits at the
-    # watermark while another is under half full, and the prefix stays home.
-    busy = fleet({home: 80, **{f"r{i}": 60 for i in range(NUM_REPLICAS) if f"r{i}" != home}},
-                 {home: [0]})  # fmt: skip
-    assert first(busy, prefix(0) + own(1), "even") == home
-
-
-def test_router_config_sets_balance_min_load():
-    config = RouterConfig(policy="prefix", balance_abs_threshold=0.3)
-    assert make_policy(config).balance_min_load == config.balance_min_load == 0.8
-    home = homes(fleet({}))[0]
+    # The home at 0.6 used (0.79 with the request's 19 uncached blocks), the others at 0.33
+    # with its 23: a gap of 0.46, over balance_abs_threshold's 0.3, which moved these
+    # requests and recomputed their prefix elsewhere; under the 0.54 their 4 cached blocks
+    # ask, so they stay.
     stats = fleet({home: 60}, {home: [0]})
-    request = RouteRequest.from_tokens("cfg", prefix(0) + own(1))
-    assert make_policy(config).choose_replicas(stats, request, 0.0)[0] == [home]
-    with pytest.raises(ValueError, match="balance_min_load"):
-        RouterConfig(balance_min_load=-0.1)
+    assert all(first(stats, prefix(0) + own(q), f"k{q}") == home for q in range(10))
+    # The same load with nothing cached there: the plain threshold, and the requests move.
+    assert all(first(fleet({home: 60}), prefix(0) + own(q), f"m{q}") != home for q in range(10))
+    # A wider gap (0.99 against 0.33) outweighs the cached share: they move.
+    stats = fleet({home: 80}, {home: [0]})
+    assert all(first(stats, prefix(0) + own(q), f"w{q}") != home for q in range(10))
 
 
 def test_watermark_imbalanced_is_per_replica_not_a_load_gap():
