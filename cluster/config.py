@@ -294,15 +294,15 @@ class ClusterConfig:
             "capacity asked for now arrives upscale_delay_s + this later, so the policy "
             "extrapolates the demand's rise (its median slope over autoscale_trend_window_s) "
             "that far and scales up once the forecast passes upscale_kv_usage, sized for "
-            "the forecast. In the simulator it started the scale-up of a 5 -> 120 req/s "
-            "ramp at 12 s instead of 22 s"
+            "the demand one such horizon later. In the simulator it started the scale-up "
+            "of a 5 -> 120 req/s ramp at 11 s instead of 22 s"
         },
     )
     autoscale_trend_window_s: float = field(
         default=10.0,
         metadata={
             "help": "with autoscale, the history the demand's slope is taken over (no "
-            "trend until a fifth of it has passed)"
+            "trend until a tenth of it has passed)"
         },
     )
     autoscale_look_back_s: float = field(

@@ -45,11 +45,12 @@ replicas (replicas' worth of load); its slope is the median of the pairwise slop
 over the last trend_window_s (demand_trend; the points ride in the state), and the
 forecast extrapolates a rise, never a fall, over trend_horizon_s (upscale_delay_s +
 replica_start_s). Such a scale-up is sized, at the band's middle, for the demand one
-upscale_delay_s further: the replicas asked for now carry the load until the next
-scale-up could take requests. Why: a replica takes tens of seconds to start (36 s on
-the H200), so scaling on the level alone brings capacity only after the load has
-passed it; in the simulator (5 -> 120 req/s over 60 s) the forecast started the
-scale-up at 12 s into the ramp instead of 22 s. A burst is no trend (the median
+horizon further: while these replicas start, the running ones fill and their demand
+stops rising, so the next rise shows only once these take requests, and what is
+asked then lands a horizon later. Why: a replica takes tens of seconds to start (36
+s on the H200), so scaling on the level alone brings capacity only after the load
+has passed it; in the simulator (5 -> 120 req/s over 60 s) the forecast started the
+scale-up at 11 s into the ramp instead of 22 s. A burst is no trend (the median
 ignores it), and a noisy flat load must read as rising for upscale_delay_s without a
 break before anything starts.
 
@@ -257,7 +258,9 @@ def demand_trend(
     The slope is Theil-Sen's, the median of the slopes between every two points: one
     burst moves a least-squares fit as much as a rise does (a 1-s spike early in the
     window reads as a rise for half a window after it), not the median. It is 0 until
-    the points span a fifth of the window (3 points at the simulator's 1-s period).
+    the points span a tenth of the window (two points a second apart): the first
+    slopes are noisy, but a scale-up needs the forecast for upscale_delay_s without a
+    break, over a window that fills meanwhile.
     Points are kept at least a tenth of the window apart, so a caller that decides
     every 0.1 s (Serve's controller) keeps ~10, and the state it round-trips stays small.
     """
@@ -266,7 +269,7 @@ def demand_trend(
     points = (*kept, (now_s, demand))
     if not kept or now_s - kept[-1][0] >= window_s / 10:
         kept = points
-    if now_s - points[0][0] < window_s / 5:
+    if now_s - points[0][0] < window_s / 10 - 1e-9:  # float drift of time differences
         return 0.0, kept
     slopes = sorted(
         (d2 - d1) / (t2 - t1)
@@ -298,9 +301,11 @@ class KVAutoscalePolicy:
         rise = max(0.0, slope)
         ahead = fleet.demand + rise * cfg.trend_horizon_s
         # Replicas asked for now carry the load until the next scale-up could take
-        # requests: asked upscale_delay_s after this one at the soonest, so sized for
-        # the demand one delay past the horizon.
-        sized_for = ahead + rise * cfg.upscale_delay_s
+        # requests. While they start, the running replicas fill and their demand stops
+        # rising (a full replica shows no trend: on a 5 -> 80 req/s ramp the slope read
+        # 0.006/s for a true ~0.02), so the next trend shows once these take requests,
+        # and a scale-up asked then lands a horizon later: size for that.
+        sized_for = ahead + rise * cfg.trend_horizon_s
         by_occupancy = math.ceil(sized_for / cfg.kv_target - 1e-9)
         if math.isinf(fleet.predicted_wait_s):
             by_wait = n + 1  # no rate to size a jump by: one more, then measure again

@@ -165,16 +165,17 @@ def test_kv_serve_policy_keeps_the_demand_trend_in_policy_state() -> None:
     config = ClusterConfig(autoscale=True, max_replicas=4, upscale_delay_s=1.0)
     policy = KVServePolicy(**dataclasses.asdict(config.autoscale_config()))
     state: dict = {}
-    for step in range(31):  # 3 s, one replica filling 5% a second from 0.2
+    for step in range(21):  # 2 s, one replica filling 5% a second from 0.2
         now_s = 100.0 + step * 0.1
         kv = 0.2 + 0.05 * (now_s - 100.0)
         metrics = {KV_USAGE: {"a": kv}, WAITING_TOKENS: {"a": 0.0}, TOKENS_PER_S: {"a": 100.0}}
         n, state = policy(context(metrics, ["a"], 1, now_s, state))
-    # 2 s in (a fifth of the trend window) the slope puts 41 s ahead (the 1-s delay + the
-    # 30-s start) far past the watermark; 1 s later, at 0.35 occupancy, the scale-up lands.
+    # 1 s in (a tenth of the trend window) the slope puts 31 s ahead (the 1-s delay + the
+    # 30-s start) far past the watermark; 1 s later, at 0.3 occupancy, the scale-up lands
+    # (to max_replicas: sized for 0.3 + 62 * 0.05 at the band's middle, 6).
     assert state["kvfleet_reason"] == "trend" and n == 4
-    # Of 31 calls, the points kept a tenth of the 10-s window apart: the state stays small.
-    assert [t for t, _ in state["kvfleet_demand"]] == pytest.approx([100.0, 101.0, 102.0, 103.0])
+    # Of 21 calls, the points kept a tenth of the 10-s window apart: the state stays small.
+    assert [t for t, _ in state["kvfleet_demand"]] == pytest.approx([100.0, 101.0, 102.0])
 
 
 def test_build_app_puts_the_kv_policy_on_the_llm_deployment() -> None:

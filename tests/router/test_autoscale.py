@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -246,7 +247,8 @@ def test_demand_trend_is_the_median_slope_over_the_window():
         t = step * 0.25
         slope, history = demand_trend(history, t, 0.5 + 0.1 * t, window_s=4.0)
         slopes.append(slope)
-    assert slopes[2] == 0.0  # 0.5 s of points: under a fifth of the window, no trend yet
+    assert slopes[1] == 0.0  # 0.25 s of points: under a tenth of the window, no trend yet
+    assert slopes[2] == pytest.approx(0.1)
     assert slopes[-1] == pytest.approx(0.1)
     # Points at least a tenth of the window apart, none older than the window.
     times = [t for t, _ in history]
@@ -258,21 +260,20 @@ def test_demand_trend_is_the_median_slope_over_the_window():
 
 
 def test_a_rising_demand_scales_up_before_occupancy_reaches_the_watermark():
+    config = replace(CFG, max_replicas=8)
     # CFG's horizon: upscale_delay_s 5 + replica_start_s 30 = 35 s.
-    assert CFG.trend_horizon_s == 35.0
+    assert config.trend_horizon_s == 35.0
     times = [float(t) for t in range(0, 12)]
-    # One replica filling 3% a second: from 2 s (a fifth of the 10-s window) the trend
-    # puts it past the watermark (0.8) within 35 s; after the 5-s delay, at 7 s, the
-    # occupancy is 0.41 and the count is sized for the demand one delay past the horizon,
-    # 0.41 + 40 * 0.03 = 1.61, at the band's middle (0.5): 4. On occupancy alone it would
+    # One replica filling 3% a second: from 1 s (a tenth of the 10-s window) the trend
+    # puts it past the watermark (0.8) within 35 s; after the 5-s delay, at 6 s, the
+    # occupancy is 0.38 and the count is sized for the demand one horizon later,
+    # 0.38 + 70 * 0.03 = 2.48, at the band's middle (0.5): 5. On occupancy alone it would
     # wait for 0.8, at 20 s, then 5 s more.
-    targets = run(KVAutoscalePolicy(CFG), lambda t: [load(0.2 + 0.03 * t)], 1, times)
-    assert targets[6] == 1 and targets[7] == 4, targets
+    targets = run(KVAutoscalePolicy(config), lambda t: [load(0.2 + 0.03 * t)], 1, times)
+    assert targets[5] == 1 and targets[6] == 5, targets
     # 0.5% a second stays under the watermark over the horizon: no scale-up.
-    targets = run(KVAutoscalePolicy(CFG), lambda t: [load(0.2 + 0.005 * t)], 1, times)
+    targets = run(KVAutoscalePolicy(config), lambda t: [load(0.2 + 0.005 * t)], 1, times)
     assert targets == [1] * len(times)
     # A falling trend is not extrapolated: down waits for the load itself.
-    assert KVAutoscalePolicy(CFG).desired(FleetLoad.of([load(0.7)]), 1, 1, -0.05) == (
-        1,
-        "hold",
-    )
+    policy = KVAutoscalePolicy(config)
+    assert policy.desired(FleetLoad.of([load(0.7)]), 1, 1, -0.05) == (1, "hold")
