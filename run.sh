@@ -26,7 +26,7 @@ case "${1:-}" in
     pytest=(.venv/bin/python -m pytest -q -m "not gpu" --timeout=600)
     [[ $# -gt 0 ]] && exec "${pytest[@]}" "$@"
     # The kernel and replica tests are CPU work with no clock in them (Triton's interpreter,
-    # ~15 of the suite's ~26 min on 2 cores): two workers run them in ~8. The rest start
+    # ~11 of the suite's ~26 min on 2 cores): two workers run them in 8.5. The rest start
     # Ray clusters, servers and timed load, so they run one at a time, after.
     status=0
     "${pytest[@]}" -n 2 tests/kernels tests/replica || status=$?
