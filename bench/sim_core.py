@@ -21,6 +21,7 @@ from bench.sim_report import summarize
 from bench.sim_workload import Workload
 from replica.config_flags import config_from_args
 from router import RouterConfig
+from router.load import imbalanced_at_watermark
 
 _STEP, _PUBLISH, _RETRY, _ADMIT, _SAMPLE, _CONTROL, _READY = 0, 1, 2, 3, 4, 5, 6
 DEFAULT_NUM_BLOCKS = 8192
@@ -111,7 +112,7 @@ class KVBalance:
         )
         self.num_samples += 1
         self.max_spread = max(self.max_spread, max(used) - min(used))
-        self.num_imbalanced += committed >= self.high_watermark and min(used) < 0.5
+        self.num_imbalanced += imbalanced_at_watermark(committed, min(used), self.high_watermark)
 
     def metrics(self) -> dict:
         return {

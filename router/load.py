@@ -63,7 +63,14 @@ def watermark_imbalanced(stats: Sequence[ReplicaStats], high_watermark: float) -
         return False
     fullest = max(committed_fraction(s) for s in valid)
     emptiest = min(s.num_blocks_used / s.num_blocks_total for s in valid)
-    return fullest >= high_watermark and emptiest < 0.5
+    return imbalanced_at_watermark(fullest, emptiest, high_watermark)
+
+
+def imbalanced_at_watermark(max_committed: float, min_used: float, high_watermark: float) -> bool:
+    """The rule of watermark_imbalanced over fractions already taken (the fullest replica's
+    committed, the emptiest's used), for callers that track replicas as something other
+    than snapshots (bench.sim's fleet)."""
+    return max_committed >= high_watermark and min_used < 0.5
 
 
 def seq_fraction(stats: ReplicaStats, request: RouteRequest | None = None) -> float:
