@@ -37,23 +37,33 @@ LOAD_ROUTER_POLICIES: dict[str, str | None] = {
     "pow2": "pow2",
     "serve-pow2": "serve_pow2",
     "serve-round-robin": "round_robin",
-    "serve-consistent-hash": None,
+    "serve-consistent-hash": "serve_consistent_hash",
 }
 # (name, key in bench.load's metrics, percentile or None, key path in the simulator's result)
 COMPARED = (
     ("output_tokens_per_s", "output_token_throughput", None, ("output_tokens_per_s",)),
     ("requests_per_s", "request_throughput", None, ("throughput_req_s",)),
+    ("goodput_req_s", "goodput", None, ("goodput_req_s",)),  # SLOs: --slo-ttft/tpot-ms
     ("ttft_p50_ms", "ttft_ms", "p50", ("ttft_ms", "p50")),
     ("ttft_p99_ms", "ttft_ms", "p99", ("ttft_ms", "p99")),
 )
 
 
 def trace_workload(workload: dict) -> Workload:
-    """The run's own trace, rebuilt from its recorded WorkloadConfig."""
-    from bench.load_workload import WorkloadConfig, build_trace
+    """The run's own requests: its trace file replayed as bench.load replayed it (the
+    file must be where the run's command named it), else its recorded WorkloadConfig's."""
+    from bench.load_workload import WorkloadConfig, build_trace, trace_specs
 
-    names = {f.name for f in dataclasses.fields(WorkloadConfig)}
-    trace = build_trace(WorkloadConfig(**{k: v for k, v in workload.items() if k in names}))
+    if workload.get("trace"):
+        from bench.trace import ReplayConfig, read_trace, replay
+
+        names = {f.name for f in dataclasses.fields(ReplayConfig)}
+        config = ReplayConfig(**{k: v for k, v in workload.items() if k in names})
+        requests = read_trace(workload["trace"], workload.get("trace_format") or "mooncake")
+        trace = trace_specs(replay(requests, config))
+    else:
+        names = {f.name for f in dataclasses.fields(WorkloadConfig)}
+        trace = build_trace(WorkloadConfig(**{k: v for k, v in workload.items() if k in names}))
     return Workload.from_trace(
         [spec.arrival_s for spec in trace],
         [spec.prompt_token_ids for spec in trace],
@@ -123,7 +133,8 @@ def validate(path: str, args: argparse.Namespace, cost: CostModel) -> dict:
     with open(path) as f:
         result = json.load(f)
     overrides = replica_overrides(result, args)
-    num_replicas = int(result["target"]["replicas"])
+    target = result["target"]
+    num_replicas = int(target.get("num_replicas") or target["replicas"])  # older runs: replicas
     seed = int(result["workload"].get("seed", args.seed))
     on_overload = result["target"].get("on_overload") or "hold"
     report: dict[str, dict] = {}

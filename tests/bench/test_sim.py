@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 
 import pytest
@@ -232,9 +233,37 @@ def test_validate_replays_the_run_and_reports_relative_errors(tmp_path, capsys):
     assert kv["output_tokens_per_s"]["predicted"] == expected["output_tokens_per_s"]
     assert report["kv"]["predicted"]["num_completed"] == 60
     assert report["serve-pow2"]["policy"] == "serve_pow2"
-    assert "skipped" in report["serve-consistent-hash"]
+    assert report["serve-consistent-hash"]["policy"] == "serve_consistent_hash"
     printed = capsys.readouterr().out
     assert "| kv | ttft_p50_ms |" in printed and "+100.0%" in printed
+
+
+def test_validate_replays_a_trace_run_at_its_timestamps(tmp_path):
+    """A bench.load --trace run records the trace file and its replay settings, not a
+    WorkloadConfig: the validation replays that file as the run did (its arrivals spread
+    over the window, not all at 0), and reads num_replicas as ClusterConfig names it."""
+    from bench.sim_validate import trace_workload
+    from bench.trace import ReplayConfig, read_trace, replay
+
+    small = os.path.join(os.path.dirname(__file__), "data", "mooncake_small.jsonl")
+    config = ReplayConfig(time_scale=0.01, length_scale=1 / 32, vocab_size=499)
+    workload = {"trace": small, "trace_format": "mooncake", "num_requests": 48} | (
+        dataclasses.asdict(config)
+    )
+    expected = replay(read_trace(small, "mooncake"), config)
+    rebuilt = trace_workload(workload)
+    assert rebuilt.arrival_s.tolist() == [r.arrival_s for r in expected]
+    assert rebuilt.arrival_s[-1] > 0
+    assert rebuilt.prompts == [tuple(r.prompt_token_ids) for r in expected]
+    target = {"num_replicas": 2, "num_blocks": 300, "max_num_seqs": 32, "block_size": 16,
+              "on_overload": "hold", "num_procs": 1}  # fmt: skip
+    measured = measured_metrics(throughput=100.0, ttft_p50_ms=10.0, ttft_p99_ms=20.0)
+    path = load_result(tmp_path, {"prefix": measured}, workload, target)
+    from bench.sim import parser
+    from bench.sim_validate import validate
+
+    report = validate(path, parser().parse_args(["--validate", path]), COST)["validation"]
+    assert report["prefix"]["predicted"]["num_completed"] == len(expected)
 
 
 def test_validate_infers_the_pool_size_from_kv_samples(tmp_path):
