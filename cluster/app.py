@@ -158,6 +158,7 @@ def build_app(
         api_key=config.api_key,
         body_timeout_s=config.http_body_timeout_s,
         submit_group_size=config.submit_group_size,
+        max_loop_lag_s=config.ingress_max_loop_lag_s,
     )
 
 

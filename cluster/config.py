@@ -147,6 +147,18 @@ class ClusterConfig:
             "runs; -1: unbounded"
         },
     )
+    ingress_max_loop_lag_s: float | None = field(
+        default=0.1,
+        metadata={
+            "help": "with http, each ingress replica measures how late its event loop runs "
+            "(cluster.ingress_load) and, while that is past this many seconds, answers new "
+            "completion and chat requests 503 with Retry-After before reading their bodies "
+            "(streams already admitted go on; /health, /metrics, /stats always answer): a "
+            "request waits about one loop lag at each of its passes through the ingress "
+            "before its first token (handler, submit, first chunk, SSE write), so 0.1 s "
+            "holds the front door's share of TTFT to ~0.4 s; none or 0: never shed here"
+        },
+    )
     backpressure_retry_after_s: float = field(
         default=1.0,
         metadata={
@@ -401,6 +413,7 @@ class ClusterConfig:
             if not (type(value) is int and value == -1):  # -1: Serve's unbounded
                 positive_int(name, value)
         positive_float("backpressure_retry_after_s", self.backpressure_retry_after_s)
+        non_negative_float("ingress_max_loop_lag_s", self.ingress_max_loop_lag_s, allow_none=True)
         is_bool("http", self.http)
         positive_int("ingress_replicas", self.ingress_replicas)
         if not isinstance(self.submit_group_size, int) or not 1 <= self.submit_group_size <= 256:

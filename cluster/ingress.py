@@ -9,7 +9,10 @@ unknown fields are ignored with one warning (a log line and the x-kvfleet-ignore
 header); a body over MAX_BODY_BYTES -> 413, one not received within the body timeout -> 408
 (its connection closed), one nested deeper than MAX_JSON_DEPTH -> 400, headers over
 MAX_HEADER_BYTES -> 431; with an api_key, every route but /health needs `Authorization:
-Bearer KEY` (401 otherwise); OverloadedError -> 503 with Retry-After; a
+Bearer KEY` (401 otherwise); OverloadedError -> 503 with Retry-After, also before the
+body is read while this replica's event loop runs later than ingress_max_loop_lag_s
+(cluster.ingress_load: new completions and chats only); a request whose client has gone
+by the time it is parsed is dropped before it is routed (499, which no one reads); a
 replica failing mid-request -> 502 (or, once an SSE stream has started, an error event
 before [DONE]); anything else -> a typed 500. An SSE stream is one unit per request
 anyway, so it carries one event per engine step per request. A client that disconnects
@@ -50,6 +53,7 @@ from ray.serve.exceptions import BackPressureError
 
 from cluster.client import Chunk, Client, Completion, chat_prompt_ids
 from cluster.errors import ReplicaError
+from cluster.ingress_load import LoopLagShedder
 from cluster.metrics import exposition
 from cluster.openai_api import (
     ChatChoice,
@@ -178,6 +182,15 @@ async def _json_body(request: Request, timeout_s: float) -> Any:
         raise ValueError(f"body: nested deeper than {MAX_JSON_DEPTH} levels") from None
 
 
+def _client_gone() -> JSONResponse:
+    """The answer to a request whose client left before it was routed: nginx's 499
+    ("client closed request"), for the access log; no one is there to read it. Checked
+    once the body is parsed (starlette's is_disconnected reads a pending message, which
+    before then would be the body): a request that waited behind a busy loop (whose
+    client timed out meanwhile) costs no routing and no engine time."""
+    return _error(499, "the client closed the connection", "client_closed_request")
+
+
 def _unauthorized() -> JSONResponse:
     """OpenAI's answer to a missing or wrong key (its client raises AuthenticationError)."""
     error = {
@@ -219,7 +232,8 @@ def _kvfleet_version() -> str:
 class Ingress:
     """model_path: the engine's model (a directory or a preset); model_name: its id in
     the API (ClusterConfig.model_name); num_replicas: how many /health waits for;
-    api_key and body_timeout_s: ClusterConfig's api_key and http_body_timeout_s."""
+    api_key, body_timeout_s and max_loop_lag_s: ClusterConfig's api_key,
+    http_body_timeout_s and ingress_max_loop_lag_s (None or 0: never shed)."""
 
     def __init__(
         self,
@@ -230,12 +244,15 @@ class Ingress:
         api_key: str | None = None,
         body_timeout_s: float = 10.0,
         submit_group_size: int = 1,
+        max_loop_lag_s: float | None = None,
     ) -> None:
         self.model_path = model_path
         self.model_name = model_name
         self.num_replicas = num_replicas
         self.api_key = None if api_key is None else api_key.encode()
         self.body_timeout_s = body_timeout_s
+        self.shedder = LoopLagShedder(max_loop_lag_s or None)
+        self.shedder.start()  # Serve calls this on the loop the handlers run on
         # Its own handle rather than llm_handle (which binds LLMServer into the app), to
         # route on this replica's loop, which lives as long as the replica.
         self.client = Client(
@@ -257,6 +274,15 @@ class Ingress:
         if scheme.lower() != "bearer" or not right_key:
             return _unauthorized()
         return None
+
+    def _shed(self) -> JSONResponse | None:
+        """The 503 for a new completion while this replica's loop runs late; counted
+        beside admission's refusals (/metrics)."""
+        overloaded = self.shedder.check()
+        if overloaded is None:
+            return None
+        self.client.caller_metrics.ingress_shed += 1
+        return _error_response(overloaded)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.model_path):
@@ -361,7 +387,7 @@ class Ingress:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        if (refused := self._refuse(request)) is not None:
+        if (refused := self._refuse(request) or self._shed()) is not None:
             return refused
         try:
             body = parse(CompletionRequest, await _json_body(request, self.body_timeout_s))
@@ -371,6 +397,8 @@ class Ingress:
             params = body.engine_params()
             tokenizer = await self.client.tokenizer_async()
             echoes = [Echo.of(body, p, tokenizer) for p in prompts] if body.echo else None
+            if await request.is_disconnected():
+                return _client_gone()
             if body.stream:
                 chunks = await open_streams([self.client.stream(p, params) for p in prompts])
                 events = self._completion_events(body, chunks, tokenizer, echoes)
@@ -470,7 +498,7 @@ class Ingress:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        if (refused := self._refuse(request)) is not None:
+        if (refused := self._refuse(request) or self._shed()) is not None:
             return refused
         try:
             body = parse(ChatCompletionRequest, await _json_body(request, self.body_timeout_s))
@@ -479,6 +507,8 @@ class Ingress:
             params = body.engine_params()
             prompt = await self.client.chat_prompt_async(body.chat_messages())
             tokenizer = await self.client.tokenizer_async()
+            if await request.is_disconnected():
+                return _client_gone()
             if body.stream:
                 chunks = await open_streams([self.client.stream(prompt, params)])
                 events = self._chat_events(body, chunks, tokenizer)

@@ -185,11 +185,14 @@ class MetricsSnapshot:
 
 class CallerMetrics:
     """One Client's routing outcomes: requests admitted, by the replica the router chose,
-    and requests refused by admission control."""
+    and requests refused by admission control; for the Client of an HTTP ingress replica,
+    also the requests that replica shed before routing them (ingress_shed: its event loop
+    ran late, cluster.ingress_load)."""
 
     def __init__(self) -> None:
         self.routing_decisions: collections.Counter[str] = collections.Counter()
         self.admissions_rejected = 0
+        self.ingress_shed = 0
 
 
 def exposition(
@@ -247,10 +250,20 @@ def exposition(
             for r, n in sorted(caller.routing_decisions.items())
         ],
     )
+    # One family, so that a dashboard's sum over it counts every 503 for overload; the
+    # ingress's own refusals (its loop running late) carry stage="ingress".
     rejected = Family(
         "kvfleet:admissions_rejected_total",
         "counter",
-        "This ingress replica's requests refused by admission control (overload).",
-        [("kvfleet:admissions_rejected_total", caller_labels, caller.admissions_rejected)],
+        "This ingress replica's requests refused for overload: by admission control, or "
+        '(stage="ingress") by the ingress itself before routing, its event loop running late.',
+        [
+            ("kvfleet:admissions_rejected_total", caller_labels, caller.admissions_rejected),
+            (
+                "kvfleet:admissions_rejected_total",
+                {**caller_labels, "stage": "ingress"},
+                caller.ingress_shed,
+            ),
+        ],
     )
     return render([*families, decisions, rejected])
