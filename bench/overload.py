@@ -16,7 +16,10 @@ error nor a 503 within the client timeout), the time until every replica reports
 running or waiting (/stats, polled every 50 ms) from the last arrival (l) and from the last
 response (r: work left behind once every client is done; the target's), and the resident
 memory of the ingress replicas and of Serve's proxy (with its HAProxy children) before
-and after, from Ray's actor table (same host only).
+and after, from Ray's actor table (same host only), and the CPU of each ingress replica
+over the step's arrivals, a fraction of a core (column "ingress cpu"; the proxy's in the
+JSON): one near a whole core has an event loop that runs late, so requests wait before
+its handler, where admission cannot see them (cluster.ingress_load sheds there).
 
 The client runs in --num-procs spawned generator processes (bench.overload_generators;
 default: one per 150 req/s of the heaviest step, at most the host's cores less 2), started
@@ -49,7 +52,7 @@ import aiohttp
 import numpy as np
 
 from bench.common import percentile, write_json
-from bench.front import front_pids, front_rss_mb
+from bench.front import cpu_s, front_pids, front_rss_mb
 from bench.load_metrics import RequestRecord
 from bench.load_workload import split_concurrency
 from bench.overload_generators import (
@@ -144,15 +147,35 @@ class StepResult:
     samples: list[tuple[int, int]]  # the engines' (running, waiting) while arrivals ran
     generator_cpu_max: float  # the busiest generator's CPU fraction over its arrivals
     generator_cpu_s: float  # every generator's CPU seconds over the step
+    # Per role of the front door (ingress, proxy), per process: its CPU over the step's
+    # arrivals as a fraction of a core (front_cpu_fractions); empty without front pids.
+    front_cpu: dict[str, list[float]]
+
+
+def front_cpu_fractions(
+    before: dict[str, list[float]], after: dict[str, list[float]], interval_s: float
+) -> dict[str, list[float]]:
+    """Per role, per process: the CPU seconds it used between two readings
+    (front_cpu_readings) over the seconds between them, a fraction of a core."""
+    return {
+        role: [(b - a) / interval_s for a, b in zip(before[role], after[role], strict=True)]
+        for role in before
+    }
+
+
+def front_cpu_readings(pids: dict[str, list[int]]) -> dict[str, list[float]]:
+    """CPU seconds so far of each front process (and its descendants), per role."""
+    return {role: [cpu_s(p) for p in ps] for role, ps in pids.items()}
 
 
 async def open_loop_step(
     url: str, workload: Workload, rate: float, duration_s: float, seed: int, headers: dict,
-    pool: GeneratorPool | None = None,
+    pool: GeneratorPool | None = None, front: dict[str, list[int]] | None = None,
 ) -> StepResult:  # fmt: skip
     """Poisson arrivals at rate for duration_s, split round-robin over the pool's processes
     (None: sent from this process): one trace, so their merge, what the server sees, is
-    Poisson at rate. Meanwhile this process samples /stats, then times idle."""
+    Poisson at rate. Meanwhile this process samples /stats, then times idle. front: the
+    front door's pids (bench.front.front_pids), whose CPU is read over the arrivals."""
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, int(rate * duration_s * 1.5) + 16)
     arrivals = np.cumsum(gaps)
@@ -165,11 +188,16 @@ async def open_loop_step(
         OpenLoopShare(url, workload, share.tolist(), p, num_procs, seed, start_wall_s)
         for p, share in enumerate(arrivals[p::num_procs] for p in range(num_procs))
     ]
+    front = front or {}
+    cpu_before, cpu_start_s = front_cpu_readings(front), time.perf_counter()
     running = asyncio.ensure_future(shares[0].run() if pool is None else pool.run(shares))
     samples: list[tuple[int, int]] = []
     sampler = asyncio.ensure_future(sample_load(url, headers, samples))
     await asyncio.wait([running], timeout=max(0.0, t0 + last_arrival_s - time.perf_counter()))
     load_end_s = time.perf_counter() - t0
+    front_cpu = front_cpu_fractions(
+        cpu_before, front_cpu_readings(front), time.perf_counter() - cpu_start_s
+    )
     sampler.cancel()
     idle = asyncio.ensure_future(wait_idle(url, headers, workload.timeout_s + 30.0))
     try:
@@ -187,7 +215,7 @@ async def open_loop_step(
     records = sorted((rec for r in results for rec in r.records), key=lambda rec: rec.index)
     return StepResult(
         records, idle_after_load_s, idle_after_last_s, samples,
-        _max_cpu(r.cpu_fraction for r in results), sum(r.cpu_s for r in results),
+        _max_cpu(r.cpu_fraction for r in results), sum(r.cpu_s for r in results), front_cpu,
     )  # fmt: skip
 
 
@@ -257,17 +285,18 @@ def _row(s: dict) -> str:
     rss = "/".join(f"{v:.0f}" for v in s.get("rss_mb", {}).values()) or "-"
     cpu = f"{s['generator_cpu_max']:.2f}/{s['send_lag_p99_ms']:.0f}"
     cpu += "!" if generator_behind(s) else ""
+    ingress = "/".join(f"{f:.2f}" for f in s.get("ingress_cpu", [])) or "-"
     return (
         f"{s['scale']:>5g}x {s['rate_rps']:>7.1f} {s['offered']:>7} {s['completed']:>6} "
         f"{s['rejected']:>6} {s['errors']:>4} {s['lost']:>4} {s['goodput_rps']:>8.1f} "
         f"{s['ttft_p50_ms']:>8.0f} {s['ttft_p99_ms']:>8.0f} {s['reject_p99_ms']:>8.1f} "
-        f"{idle:>9} {rss:>11} {cpu:>12}"
+        f"{idle:>9} {rss:>11} {cpu:>12} {ingress:>10}"
     )
 
 
 HEADER = (
     "scale  req/s  offered     ok    503  err lost  goodput ttft p50 ttft p99 rej p99  "
-    "idle_s l/r rss MB i/p gen cpu/lag"
+    "idle_s l/r rss MB i/p gen cpu/lag ingress cpu"
 )
 
 
@@ -377,7 +406,9 @@ def _run(
     for i, scale in enumerate(args.scales):
         rate = scale * capacity
         result = asyncio.run(
-            open_loop_step(url, workload, rate, args.duration_s, args.seed + 1 + i, headers, pool)
+            open_loop_step(
+                url, workload, rate, args.duration_s, args.seed + 1 + i, headers, pool, pids
+            )
         )
         records, samples = result.records, result.samples
         step = {"scale": scale, "rate_rps": rate}
@@ -395,6 +426,11 @@ def _run(
             # From each request's arrival to its send: how far behind the generators ran.
             "send_lag_p99_ms": percentile([1e3 * (r.sent_s - r.scheduled_s) for r in records], 99),
             "lost_examples": [r.error_message for r in records if r.outcome == "lost"][:3],
+            # Each ingress replica's CPU over the arrivals, a fraction of a core (near a
+            # whole one, its event loop runs late: requests wait before any handler,
+            # where admission cannot see them); the proxy's (HAProxy) summed.
+            "ingress_cpu": [round(f, 3) for f in result.front_cpu.get("ingress", [])],
+            "proxy_cpu": round(sum(result.front_cpu.get("proxy", [])), 3),
         }
         steps.append(step)
         print(_row(step))

@@ -18,6 +18,9 @@ from bench.common import percentile
 from bench.front import rss_mb
 from bench.load_metrics import RequestRecord
 from bench.overload import (
+    HEADER,
+    _row,
+    front_cpu_fractions,
     generator_behind,
     main,
     measure_capacity,
@@ -68,7 +71,12 @@ async def _serving(server: FakeServer, *steps: Callable[[str], Awaitable]) -> li
 def test_an_open_loop_step_accounts_for_every_request() -> None:
     server = FakeServer(busy_polls=6)
     workload = Workload(input_len=8, output_len=4, vocab_size=100, timeout_s=1.0)
-    step = partial(open_loop_step, workload=workload, rate=40.0, duration_s=0.5, seed=1, headers={})
+    # This process stands in for an ingress replica: it sends the requests (pool None).
+    front = {"ingress": [os.getpid()], "proxy": []}
+    step = partial(
+        open_loop_step, workload=workload, rate=40.0, duration_s=0.5, seed=1, headers={},
+        front=front,
+    )  # fmt: skip
     (result,) = asyncio.run(_serving(server, step))
     records, samples = result.records, result.samples
     idle_after_load_s, idle_after_last_s = result.idle_after_load_s, result.idle_after_last_s
@@ -84,6 +92,25 @@ def test_an_open_loop_step_accounts_for_every_request() -> None:
     assert idle_after_load_s is not None and idle_after_load_s >= 0.05  # polled until idle
     assert idle_after_last_s is not None and idle_after_last_s <= idle_after_load_s
     assert 0 < result.generator_cpu_max < 2 and result.generator_cpu_s > 0
+    (ingress_cpu,) = result.front_cpu["ingress"]
+    assert 0 < ingress_cpu < os.cpu_count() and result.front_cpu["proxy"] == []
+
+
+def test_front_cpu_is_each_process_share_of_a_core_and_shows_in_the_table() -> None:
+    before = {"ingress": [10.0, 20.0], "proxy": [5.0]}
+    after = {"ingress": [10.5, 21.8], "proxy": [5.2]}
+    assert front_cpu_fractions(before, after, 2.0) == {
+        "ingress": [0.25, pytest.approx(0.9)],
+        "proxy": [pytest.approx(0.1)],
+    }
+    step = {
+        "scale": 2.0, "rate_rps": 80.0, "offered": 160, "completed": 100, "rejected": 60,
+        "errors": 0, "lost": 0, "goodput_rps": 50.0, "ttft_p50_ms": 30.0, "ttft_p99_ms": 90.0,
+        "reject_p99_ms": 20.0, "idle_after_load_s": 0.5, "idle_after_last_response_s": 0.1,
+        "generator_cpu_max": 0.3, "send_lag_p99_ms": 2.0, "ingress_cpu": [0.25, 0.9],
+    }  # fmt: skip
+    assert _row(step).split()[-1] == "0.25/0.90" and HEADER.endswith("ingress cpu")
+    assert _row({**step, "ingress_cpu": []}).split()[-1] == "-"  # attached from elsewhere
 
 
 def test_two_generator_processes_split_the_load_and_account_for_every_request() -> None:
