@@ -12,6 +12,7 @@ from typing import Any
 from kernels import reference
 
 _ENTRY_POINTS = {
+    "apply_penalties": "kernels.penalties",
     "apply_rotary": "kernels.rotary",
     "argmax_rows": "kernels.argmax",
     "fused_add_rms_norm": "kernels.rms_norm",

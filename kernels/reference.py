@@ -203,6 +203,31 @@ def argmax_rows_ref(
     return index
 
 
+def apply_penalties_ref(
+    logits: torch.Tensor,  # [E, vocab] float32; rows 0..P-1 change, in place
+    counts: torch.Tensor,  # [R, vocab] int32 output-token counts
+    prompt_mask: torch.Tensor,  # [R, vocab] bool
+    state_rows: torch.Tensor,  # [P] int64
+    penalties: torch.Tensor,  # [3, P] float32: repetition, frequency, presence
+    any_repetition: bool,
+) -> torch.Tensor:
+    """Repetition, frequency and presence penalties over logits' first P rows
+    (kernels.penalties' reference; the CPU path): row i reads counts[state_rows[i]]."""
+    num_rows = state_rows.shape[0]
+    if num_rows == 0:
+        return logits
+    rows = logits[:num_rows]  # [P, vocab]
+    row_counts = counts.index_select(0, state_rows)  # [P, vocab] int32
+    seen = row_counts > 0
+    repetition, frequency, presence = penalties.unsqueeze(2)  # each [P, 1]
+    if any_repetition:
+        seen_any = seen | prompt_mask.index_select(0, state_rows)
+        penalized = torch.where(rows > 0, rows / repetition, rows * repetition)
+        rows = torch.where(seen_any, penalized, rows)
+    torch.sub(rows - frequency * row_counts, presence * seen, out=logits[:num_rows])
+    return logits
+
+
 def resolve_placeholders_ref(
     ids: torch.Tensor, token_buf: torch.Tensor, token_rows: torch.Tensor
 ) -> torch.Tensor:

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+import kernels
+from kernels.reference import apply_penalties_ref
 from replica.sequence import Sequence
 
 
@@ -78,9 +80,14 @@ class LogitsProcessors:
     requests holding rows and running ones together need them.
     """
 
-    def __init__(self, capacity: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, capacity: int, vocab_size: int, device: torch.device, fused: bool = False
+    ) -> None:
+        """fused: the penalties by kernels.apply_penalties (the graph path: CUDA, or the CPU
+        emulating it under Triton's interpreter), else by its torch reference."""
         self.vocab_size = vocab_size
         self.device = device
+        self.fused = fused
         # [capacity, vocab] int32 output-token counts; [capacity, vocab] prompt tokens seen
         self.counts = torch.zeros((capacity, vocab_size), dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros((capacity, vocab_size), dtype=torch.bool, device=device)
@@ -133,20 +140,14 @@ class LogitsProcessors:
     def apply(self, logits: torch.Tensor, step: ProcessorStep) -> None:
         """Process the extras rows' logits [E, vocab] (float32, contiguous) in place (step
         on the device)."""
-        num_rows = step.num_penalty_rows
         if step.prompt_at is not None:  # after prepare's zero_ of the new rows
             self.prompt_mask.view(-1).index_fill_(0, step.prompt_at, True)
-        if num_rows:
-            state_rows = step.penalty_state[0]
-            rows = logits[:num_rows]  # [P, vocab]
-            counts = self.counts.index_select(0, state_rows)  # [P, vocab] int32
-            seen = counts > 0
-            repetition, frequency, presence = step.penalties.unsqueeze(2)  # each [P, 1]
-            if step.any_repetition:
-                seen_any = seen | self.prompt_mask.index_select(0, state_rows)
-                penalized = torch.where(rows > 0, rows / repetition, rows * repetition)
-                rows = torch.where(seen_any, penalized, rows)
-            torch.sub(rows - frequency * counts, presence * seen, out=logits[:num_rows])
+        if step.num_penalty_rows:
+            # One Triton launch on the graph path (kernels.penalties: ~12 torch launches
+            # and passes over [P, vocab] fused); the same arithmetic in torch otherwise.
+            apply = kernels.apply_penalties if self.fused else apply_penalties_ref
+            apply(logits, self.counts, self.prompt_mask, step.penalty_state[0],
+                  step.penalties, step.any_repetition)  # fmt: skip
         flat = logits.view(-1)
         if step.bias_at is not None:
             flat.index_add_(0, step.bias_at, step.bias_values)

@@ -37,13 +37,17 @@ def pack(
     logprobs: torch.Tensor,  # [L, vocab] float32: log_softmax of the raw logits
     targets: torch.Tensor,  # [L] int64
     k: int,
+    top_ids: torch.Tensor | None = None,  # [L, >= k] int64: each row's top ids, if known
 ) -> torch.Tensor:  # [L, 1 + 2k] float32
-    """packed_logprobs of logprobs already taken."""
+    """packed_logprobs of logprobs already taken (and of the top ids, if given: log_softmax
+    keeps the logits' order, so a caller may rank the raw logits, in the model's dtype)."""
     chosen = logprobs.gather(1, targets.unsqueeze(1))
     if k == 0:
         return chosen
-    top = logprobs.topk(k, dim=-1)
-    return torch.cat([chosen, top.values, top.indices.float()], dim=1)
+    if top_ids is None:
+        top_ids = logprobs.topk(k, dim=-1).indices
+    top_ids = top_ids[:, :k]
+    return torch.cat([chosen, logprobs.gather(1, top_ids), top_ids.float()], dim=1)
 
 
 def unpack(row: list[float], token_id: int, k: int, width: int) -> Logprobs:

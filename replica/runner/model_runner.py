@@ -144,7 +144,9 @@ class ModelRunner:
         self.sampler = StepSampler(device, self.vocab_size, config.seed, fused=graph_path)
         # Rows with logits processors or logprobs (replica.runner.logits_processors,
         # replica.runner.logprobs) resample on a side path after the step's fast path.
-        self.processors = LogitsProcessors(self.max_num_seqs, self.vocab_size, device)
+        self.processors = LogitsProcessors(
+            self.max_num_seqs, self.vocab_size, device, fused=graph_path
+        )
         self.prompt_logprobs = PromptLogprobs()
         self.extras_path = ExtrasPath(
             self.max_num_seqs, self.vocab_size, device, self.sampler, self.processors,

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import kernels
 from replica.runner.sampling_batch import SamplingBatch, sample_fused
 from replica.sampling_params import SamplingParams
 
@@ -62,6 +63,15 @@ def warm_up(runner: ModelRunner) -> None:
         # (replica.runner.extras_path): Triton compiles those launch forms apart.
         for sampling in batches[1:]:
             sample_fused(logits.float(), sampling)
+    processors = runner.processors
+    if processors.fused:  # kernels.penalties' two forms (repetition or not); counts only read
+        rows_logits = logits[:1].float()
+        state = torch.zeros(1, dtype=torch.long, device=runner.device)
+        neutral = torch.tensor([[1.0], [0.0], [0.0]], device=runner.device)
+        for repetition in (False, True):
+            kernels.apply_penalties(
+                rows_logits, processors.counts, processors.prompt_mask, state, neutral, repetition
+            )
     runner.step_inputs.upload(
         runner.parity, False, runner.block_table.cpu().numpy(), [null], runner.block_table
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels
 from replica import EngineConfig, LLMEngine, SamplingParams
 from replica.runner.step_handle import TokenStaging
 from replica.runner.step_plan import arrange, completes_any
@@ -33,6 +34,28 @@ def test_warm_up_touches_only_the_null_row_and_block():
     assert torch.equal(runner.token_buf[:null_row], tokens[:null_row])
     assert torch.equal(runner.block_table[:null_row], table[:null_row])
     assert torch.equal(runner.sampler.generator.get_state(), state)
+
+
+def test_warm_up_of_the_graph_path_leaves_the_penalty_state_alone(monkeypatch):
+    """On the graph path the warm-up also compiles kernels.penalties (both forms): it only
+    reads the counts and the prompt mask, which requests own."""
+    config = EngineConfig(model="gpt2-tiny", device="cpu", num_blocks=16, max_num_seqs=2)
+    runner = LLMEngine(config, emulate_graphs_on_cpu=True).runner
+    processors = runner.processors
+    assert processors.fused
+    gen = torch.Generator().manual_seed(3)
+    processors.counts.copy_(torch.randint(0, 3, processors.counts.shape, generator=gen))
+    processors.prompt_mask.copy_(torch.rand(processors.prompt_mask.shape, generator=gen) < 0.5)
+    counts, mask = processors.counts.clone(), processors.prompt_mask.clone()
+    forms = []
+    apply = kernels.apply_penalties
+    monkeypatch.setattr(kernels, "apply_penalties", lambda *a: forms.append(a[-1]) or apply(*a))
+
+    runner.warm_up()
+
+    assert forms == [False, True]  # compiled now, not on the first penalized step
+    assert torch.equal(processors.counts, counts)
+    assert torch.equal(processors.prompt_mask, mask)
 
 
 def test_a_launch_refuses_while_the_step_before_last_is_unwaited():
