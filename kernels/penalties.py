@@ -13,8 +13,8 @@ subtractions) and as many passes over [P, vocab]: on an H200 with qwen3's 151,93
 rows and 26 penalized rows a step, ~0.15 ms of device time and ~0.1 ms of host launches.
 Here it is one launch, one program per (row, BLOCK columns), reading the counts and the
 prompt mask through the state row (no gathered copies). The arithmetic is torch's, in
-the same order, with fused multiply-adds off, so the result equals the torch reference's
-bit for bit.
+the same order, with fused multiply-adds off and IEEE division, so the result equals the
+torch reference's bit for bit.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def _penalties_kernel(
     if REPETITION:
         repetition = tl.load(pen_ptr + row)
         prompt = tl.load(mask_ptr + state * stride_mask + cols, mask=inside, other=0) != 0
-        penalized = tl.where(x > 0, x / repetition, x * repetition)
+        # div_rn: IEEE division, as torch's; Triton's `/` is the approximate one on CUDA.
+        penalized = tl.where(x > 0, tl.div_rn(x, repetition), x * repetition)
         x = tl.where(seen | prompt, penalized, x)
     x = x - frequency * counts.to(tl.float32)
     x = x - presence * seen.to(tl.float32)
