@@ -257,7 +257,9 @@ class AutoscaleFleet:
             committed = (r.num_used_blocks + r.num_waiting_blocks) / r.config.num_blocks
             seqs = (len(r.running) + len(r.waiting)) / r.config.max_num_seqs
             samples = self.samples[i]
-            samples.append((now_s, ReplicaLoad(committed, r.num_waiting_tokens, rate, seqs)))
+            # The window's admitted rate is both the drain rate and the arrivals' here.
+            load = ReplicaLoad(committed, r.num_waiting_tokens, rate, seqs, rate)
+            samples.append((now_s, load))
             while samples[0][0] <= since_s:
                 samples.popleft()
         self.ongoing.append((now_s, ongoing))
@@ -271,6 +273,7 @@ class AutoscaleFleet:
             round(sum(x.num_waiting_tokens for x in loads) / len(loads)),
             sum(x.tokens_per_s for x in loads) / len(loads),
             sum(x.seq_fraction for x in loads) / len(loads),
+            sum(x.admitted_tokens_per_s for x in loads) / len(loads),
         )
 
     # ---- starting and removing replicas -------------------------------------------

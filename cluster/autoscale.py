@@ -1,9 +1,10 @@
 """KV-occupancy autoscaling on Ray Serve: what a replica records, and the custom policy.
 
 Each LLMServer replica answers Serve's `record_autoscaling_stats` with ReplicaMeter's
-four metrics (KV usage counting its queue, the fraction of its sequence slots its
-running and queued requests fill, queued prompt tokens, and the rate it admits prompt
-tokens); Serve averages each over look_back_period_s per replica and
+five metrics (KV usage counting its queue, the fraction of its sequence slots its
+running and queued requests fill, queued prompt tokens, the rate its queue drains at,
+and the prompt tokens it admitted per second lately, which the policy reads the
+demand's trend from); Serve averages each over look_back_period_s per replica and
 hands them to KVServePolicy in the controller, which decides with
 router.autoscale.KVAutoscalePolicy, the same code the simulator runs.
 
@@ -39,6 +40,7 @@ KV_USAGE = "kvfleet_kv_usage"
 WAITING_TOKENS = "kvfleet_waiting_tokens"
 TOKENS_PER_S = "kvfleet_prompt_tokens_per_s"
 SEQ_FRACTION = "kvfleet_seq_fraction"
+ADMITTED_TOKENS_PER_S = "kvfleet_admitted_tokens_per_s"
 # The window ReplicaMeter measures the admission rate over: the engine's own
 # tokens_per_s window, long enough for a few steps' admissions.
 RATE_WINDOW_S = 2.0
@@ -57,7 +59,9 @@ class ReplicaMeter:
     that is unknown (too little backlog lately), the prompt tokens admitted per second
     over the last RATE_WINDOW_S (an idle replica's arrivals: lower than its capacity, so
     the wait reads longer); before two snapshots span any time, the engine's generated
-    tokens/s.
+    tokens/s. The admitted rate over the window is recorded on its own too, backlog or
+    not (0 before two snapshots span any time): the arrivals' rate while the replica
+    keeps up, whose trend forecasts the demand.
     """
 
     def __init__(self, clock: Any = time.monotonic) -> None:
@@ -67,18 +71,19 @@ class ReplicaMeter:
 
     def record(self, stats: ReplicaStats) -> dict[str, float]:
         self._drain_rates.observe(stats)
-        window_rate = self._window_rate(stats)  # sampled every call, used as a fallback
+        window_rate = self._window_rate(stats)  # sampled every call
         rate = self._drain_rates.rate(stats.replica_id)
         if rate is None:
-            rate = window_rate
+            rate = stats.tokens_per_s if window_rate is None else window_rate
         return {
             KV_USAGE: committed_fraction(stats),
             WAITING_TOKENS: float(stats.num_waiting_tokens),
             TOKENS_PER_S: float(rate),
             SEQ_FRACTION: seq_fraction(stats),
+            ADMITTED_TOKENS_PER_S: float(window_rate or 0.0),
         }
 
-    def _window_rate(self, stats: ReplicaStats) -> float:
+    def _window_rate(self, stats: ReplicaStats) -> float | None:
         now_s = self._clock()
         samples = self._samples
         samples.append((now_s, stats.prefix_query_tokens))
@@ -87,14 +92,15 @@ class ReplicaMeter:
         (first_s, first_tokens), (last_s, last_tokens) = samples[0], samples[-1]
         if last_s > first_s:
             return max(0, last_tokens - first_tokens) / (last_s - first_s)
-        return stats.tokens_per_s
+        return None
 
 
 class KVServePolicy:
     """Serve's custom autoscaling policy (deployment scope): KVAutoscalePolicy over the
     metrics each running replica recorded. A replica with no metrics yet (just started)
     is left out of the averages but counted as running; with none at all the target
-    stands. A replica that records no slot fraction counts by its KV usage alone."""
+    stands. A replica that records no slot fraction counts by its KV usage alone, one
+    that records no admitted rate adds nothing to the demand's trend."""
 
     def __init__(self, **config: Any) -> None:
         self.policy = KVAutoscalePolicy(AutoscaleConfig(**config))
@@ -103,8 +109,11 @@ class KVServePolicy:
         metrics = ctx.aggregated_metrics or {}
         columns = [metrics.get(name, {}) for name in (KV_USAGE, WAITING_TOKENS, TOKENS_PER_S)]
         seqs = metrics.get(SEQ_FRACTION, {})
+        admitted = metrics.get(ADMITTED_TOKENS_PER_S, {})
         loads = [
-            ReplicaLoad(kv, int(waiting), rate, seqs.get(replica_id, 0.0))
+            ReplicaLoad(
+                kv, int(waiting), rate, seqs.get(replica_id, 0.0), admitted.get(replica_id, 0.0)
+            )
             for replica_id in ctx.running_replicas
             if all(replica_id in column for column in columns)
             for kv, waiting, rate in [tuple(column[replica_id] for column in columns)]

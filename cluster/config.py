@@ -304,17 +304,18 @@ class ClusterConfig:
             "help": "with autoscale, how long a new replica takes to take requests (Serve's "
             "deploy, engine, weights, warm-up: 36 s for one gpt2 replica on the H200): "
             "capacity asked for now arrives upscale_delay_s + this later, so the policy "
-            "extrapolates the demand's rise (its median slope over autoscale_trend_window_s) "
-            "that far and scales up once the forecast passes upscale_kv_usage, sized for "
-            "the demand one such horizon later. In the simulator it started the scale-up "
-            "of a 5 -> 120 req/s ramp at 11 s instead of 22 s"
+            "extrapolates the demand's rise (read from the admitted prompt-token rate's "
+            "median slope over autoscale_trend_window_s) that far and scales up once the "
+            "forecast passes upscale_kv_usage, sized for the demand one such horizon "
+            "later. In the simulator it started the scale-up of a 5 -> 120 req/s ramp at "
+            "11 s instead of 22 s"
         },
     )
     autoscale_trend_window_s: float = field(
         default=10.0,
         metadata={
-            "help": "with autoscale, the history the demand's slope is taken over (no "
-            "trend until a tenth of it has passed)"
+            "help": "with autoscale, the history the demand's slope is taken over (the "
+            "admitted prompt-token rate's; no trend until a tenth of it has passed)"
         },
     )
     autoscale_look_back_s: float = field(

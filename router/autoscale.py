@@ -20,8 +20,8 @@ Interface (both policies):
 
 KVAutoscalePolicy.decide(loads, ...) takes one ReplicaLoad per running replica
 (KV usage counting its queue, the fraction of its sequence slots its running and
-queued requests fill, queued prompt tokens, the prompt tokens it admits per second)
-and computes fleet-wide:
+queued requests fill, queued prompt tokens, the rate its queue drains at and the
+prompt tokens it admitted per second lately) and computes fleet-wide:
 
     predicted_wait_s = sum(num_waiting_tokens) / sum(tokens_per_s)
     occupancy        = mean(max(kv_usage, seq_fraction))
@@ -41,18 +41,29 @@ occupancy to the middle of the band [kv_low_threshold, kv_high_watermark].
 
 Scale up too when the demand is forecast to pass the watermark by the time a replica
 asked for now would take requests. The demand is the occupancy summed over the
-replicas (replicas' worth of load); its slope is the median of the pairwise slopes
-over the last trend_window_s (demand_trend; the points ride in the state), and the
-forecast extrapolates a rise, never a fall, over trend_horizon_s (upscale_delay_s +
-replica_start_s). Such a scale-up is sized, at the band's middle, for the demand one
-horizon further: while these replicas start, the running ones fill and their demand
-stops rising, so the next rise shows only once these take requests, and what is
-asked then lands a horizon later. Why: a replica takes tens of seconds to start (36
-s on the H200), so scaling on the level alone brings capacity only after the load
-has passed it; in the simulator (5 -> 120 req/s over 60 s) the forecast started the
-scale-up at 11 s into the ramp instead of 22 s. A burst is no trend (the median
-ignores it), and a noisy flat load must read as rising for upscale_delay_s without a
-break before anything starts.
+replicas (replicas' worth of load); its slope is read from the arrivals: the median of
+the pairwise slopes of the fleet's admitted prompt-token rate over the last
+trend_window_s (demand_trend; the points ride in the state), scaled to the demand by
+Little's law (at a steady time in the replica the occupancy is proportional to the
+arrival rate: demand slope = demand * rate slope / rate). The forecast extrapolates a
+rise, never a fall, over trend_horizon_s (upscale_delay_s + replica_start_s). Such a
+scale-up is sized, at the band's middle, for the demand one horizon further: while
+these replicas start, the running ones fill and their demand stops rising, so the
+next rise shows only once these take requests, and what is asked then lands a horizon
+later. Why: a replica takes tens of seconds to start (36 s on the H200), so scaling on
+the level alone brings capacity only after the load has passed it; in the simulator
+(5 -> 120 req/s over 60 s) the forecast started the scale-up at 11 s into the ramp
+instead of 22 s. A burst is no trend (the median ignores it), and a noisy flat load
+must read as rising for upscale_delay_s without a break before anything starts.
+
+Why the arrivals and not the occupancy's own slope: the occupancy counts the requests
+in the replica, whose number a few long or short outputs move as much as the arrivals
+do, so its slope is the noisier. In the simulator a lull hid a slow ramp's rise from
+it for 10 s (5 -> 80 req/s over 120 s: the scale-up came at 24 s, not 11, and the SLO
+attainment was 0.930 against 0.965 from the rate), and on one replica at a flat 10-18
+req/s (12 runs of 570 s, replayed) it started 22 false trend scale-ups to the rate's
+11. A saturated replica's admitted rate stops rising; the occupancy and wait rules act
+then.
 
 Scale down, as Serve's rule does, as soon as the fleet is over-provisioned: to the
 fewest replicas that keep the occupancy (as measured, not forecast) under
@@ -99,6 +110,10 @@ class ReplicaLoad:
     # (running + waiting) / max_num_seqs: can exceed 1 (requests waiting for a slot);
     # 0 where the replica does not say (max_num_seqs unknown).
     seq_fraction: float = 0.0
+    # Prompt tokens it admitted per second over the last few seconds, backlog or not
+    # (tokens_per_s is the drain rate while it has a queue): while it keeps up, the rate
+    # its requests arrive at, which the demand's trend is read from. 0: not reported.
+    admitted_tokens_per_s: float = 0.0
 
     @property
     def occupancy(self) -> float:
@@ -176,7 +191,8 @@ class AutoscaleConfig:
 @dataclass(frozen=True)
 class ScaleState:
     """The direction wanted (UP, DOWN, 0) and since when (None: nothing pending), and the
-    KV policy's recent demand as (time_s, demand) points, oldest first (its trend)."""
+    KV policy's recent demand as (time_s, admitted prompt tokens/s) points, oldest first
+    (its trend)."""
 
     direction: int = 0
     since_s: float | None = None
@@ -225,6 +241,7 @@ class FleetLoad:
     predicted_wait_s: float
     occupancy: float  # mean over replicas of max(kv_usage, seq_fraction)
     num_replicas: int = 1
+    admitted_tokens_per_s: float = 0.0  # summed over the replicas
 
     @property
     def demand(self) -> float:
@@ -246,14 +263,16 @@ class FleetLoad:
             wait_s,
             sum(load.occupancy for load in loads) / n,
             n,
+            sum(load.admitted_tokens_per_s for load in loads),
         )
 
 
 def demand_trend(
     history: tuple[tuple[float, float], ...], now_s: float, demand: float, window_s: float
 ) -> tuple[float, tuple[tuple[float, float], ...]]:
-    """The demand's slope (per second) over the last window_s, with (now_s, demand) as the
-    newest point, and the history to keep.
+    """A series' slope (per second) over the last window_s, with (now_s, demand) as the
+    newest point, and the history to keep. The policy passes the fleet's admitted
+    prompt-token rate (the demand as it arrives).
 
     The slope is Theil-Sen's, the median of the slopes between every two points: one
     burst moves a least-squares fit as much as a rise does (a 1-s spike early in the
@@ -293,7 +312,8 @@ class KVAutoscalePolicy:
         self, fleet: FleetLoad, current_replicas: int, target_replicas: int, slope: float = 0.0
     ) -> tuple[int, str]:
         """The count the signals ask for now, before the delays and bounds; slope: the
-        demand's trend in replicas' worth per second (demand_trend)."""
+        demand's trend in replicas' worth per second (decide reads it from the admitted
+        rate's, demand_trend)."""
         cfg = self.config
         n = current_replicas
         # The demand when replicas asked for now would arrive, if it keeps rising so;
@@ -339,7 +359,10 @@ class KVAutoscalePolicy:
             # No running replica reported: nothing to measure, keep what was asked for.
             return ScaleDecision(cfg.bound(target_replicas), ScaleState(), "no-metrics")
         fleet = FleetLoad.of(loads)
-        slope, history = demand_trend(state.history, now_s, fleet.demand, cfg.trend_window_s)
+        rate = fleet.admitted_tokens_per_s
+        rate_slope, history = demand_trend(state.history, now_s, rate, cfg.trend_window_s)
+        # Little's law: at a steady time in the replica, occupancy follows the arrival rate.
+        slope = fleet.demand * rate_slope / rate if rate > 0 else 0.0
         desired, reason = self.desired(fleet, current_replicas, target_replicas, slope)
         num_replicas, state = apply_delay(
             cfg.bound(desired), cfg.bound(target_replicas), cfg, now_s, state

@@ -28,6 +28,7 @@ from ray.serve.config import AutoscalingContext
 from bench.cluster import paced_engine
 from cluster import Client, ClusterConfig, build_app
 from cluster.autoscale import (
+    ADMITTED_TOKENS_PER_S,
     KV_USAGE,
     SEQ_FRACTION,
     TOKENS_PER_S,
@@ -70,6 +71,7 @@ def test_replica_meter_measures_the_prompt_admission_rate() -> None:
     meter = ReplicaMeter(clock=lambda: now[0])
     first = meter.record(stats(tokens_per_s=50.0, prefix_query_tokens=0))
     assert first[TOKENS_PER_S] == 50.0  # one snapshot spans no time: the engine's rate
+    assert first[ADMITTED_TOKENS_PER_S] == 0.0  # but nothing admitted is measured yet
     now[0] = 101.0
     # 40 blocks used, 10 promised to 160 queued tokens: usage counts the queue.
     m = meter.record(
@@ -81,7 +83,13 @@ def test_replica_meter_measures_the_prompt_admission_rate() -> None:
             tokens_per_s=50.0,
         )
     )
-    assert m == {KV_USAGE: 0.5, WAITING_TOKENS: 160.0, TOKENS_PER_S: 800.0, SEQ_FRACTION: 0.0}
+    assert m == {
+        KV_USAGE: 0.5,
+        WAITING_TOKENS: 160.0,
+        TOKENS_PER_S: 800.0,
+        SEQ_FRACTION: 0.0,
+        ADMITTED_TOKENS_PER_S: 800.0,
+    }
     now[0] = 104.5  # the first sample has left the 2-s window: 101 -> 104.5
     assert meter.record(stats(prefix_query_tokens=1500))[TOKENS_PER_S] == pytest.approx(200.0)
     # 6 running and 4 queued fill 10 of 8 sequence slots.
@@ -100,6 +108,7 @@ def test_replica_meter_takes_the_drain_rate_admission_measures() -> None:
         stats(num_waiting=3, num_waiting_tokens=300, prefix_query_tokens=1000, timestamp_s=11.0)
     )
     assert m[TOKENS_PER_S] == pytest.approx(1000.0)  # the window's 1000 / 2 s would be 500
+    assert m[ADMITTED_TOKENS_PER_S] == pytest.approx(500.0)  # the arrivals: the window's
 
 
 def context(metrics: dict, running: list, target: int, now_s: float, state: dict):
@@ -168,7 +177,13 @@ def test_kv_serve_policy_keeps_the_demand_trend_in_policy_state() -> None:
     for step in range(21):  # 2 s, one replica filling 5% a second from 0.2
         now_s = 100.0 + step * 0.1
         kv = 0.2 + 0.05 * (now_s - 100.0)
-        metrics = {KV_USAGE: {"a": kv}, WAITING_TOKENS: {"a": 0.0}, TOKENS_PER_S: {"a": 100.0}}
+        metrics = {
+            KV_USAGE: {"a": kv},
+            WAITING_TOKENS: {"a": 0.0},
+            TOKENS_PER_S: {"a": 100.0},
+            # admitted as fast as it fills: the occupancy follows the arrivals
+            ADMITTED_TOKENS_PER_S: {"a": 1000.0 * kv},
+        }
         n, state = policy(context(metrics, ["a"], 1, now_s, state))
     # 1 s in (a tenth of the trend window) the slope puts 31 s ahead (the 1-s delay + the
     # 30-s start) far past the watermark; 1 s later, at 0.3 occupancy, the scale-up lands

@@ -30,8 +30,10 @@ CFG = AutoscaleConfig(
 )
 
 
-def load(kv: float, waiting: int = 0, rate: float = 1000.0) -> ReplicaLoad:
-    return ReplicaLoad(kv_usage=kv, num_waiting_tokens=waiting, tokens_per_s=rate)
+def load(kv: float, waiting: int = 0, rate: float = 1000.0, admitted: float = 0.0) -> ReplicaLoad:
+    return ReplicaLoad(
+        kv_usage=kv, num_waiting_tokens=waiting, tokens_per_s=rate, admitted_tokens_per_s=admitted
+    )
 
 
 def run(policy, loads_at, target: int, times):
@@ -47,9 +49,10 @@ def run(policy, loads_at, target: int, times):
 
 
 def test_fleet_load_predicts_wait_from_queued_tokens_and_rate():
-    fleet = FleetLoad.of([load(0.5, 3000, 1000.0), load(0.3, 1000, 1000.0)])
+    fleet = FleetLoad.of([load(0.5, 3000, 1000.0, 700.0), load(0.3, 1000, 1000.0, 500.0)])
     assert fleet.predicted_wait_s == pytest.approx(2.0)
     assert fleet.kv_usage == pytest.approx(0.4)
+    assert fleet.admitted_tokens_per_s == pytest.approx(1200.0)  # summed: the fleet's arrivals
     assert FleetLoad.of([load(0.1, 10, 0.0)]).predicted_wait_s == math.inf
     assert FleetLoad.of([load(0.1, 0, 0.0)]).predicted_wait_s == 0.0
 
@@ -264,16 +267,44 @@ def test_a_rising_demand_scales_up_before_occupancy_reaches_the_watermark():
     # CFG's horizon: upscale_delay_s 5 + replica_start_s 30 = 35 s.
     assert config.trend_horizon_s == 35.0
     times = [float(t) for t in range(0, 12)]
+
     # One replica filling 3% a second: from 1 s (a tenth of the 10-s window) the trend
     # puts it past the watermark (0.8) within 35 s; after the 5-s delay, at 6 s, the
     # occupancy is 0.38 and the count is sized for the demand one horizon later,
     # 0.38 + 70 * 0.03 = 2.48, at the band's middle (0.5): 5. On occupancy alone it would
-    # wait for 0.8, at 20 s, then 5 s more.
-    targets = run(KVAutoscalePolicy(config), lambda t: [load(0.2 + 0.03 * t)], 1, times)
+    # wait for 0.8, at 20 s, then 5 s more. Its arrivals rise with it (Little's law).
+    def filling(rise: float):
+        return lambda t: [load(0.2 + rise * t, admitted=5000.0 * (0.2 + rise * t))]
+
+    targets = run(KVAutoscalePolicy(config), filling(0.03), 1, times)
     assert targets[5] == 1 and targets[6] == 5, targets
     # 0.5% a second stays under the watermark over the horizon: no scale-up.
-    targets = run(KVAutoscalePolicy(config), lambda t: [load(0.2 + 0.005 * t)], 1, times)
+    targets = run(KVAutoscalePolicy(config), filling(0.005), 1, times)
     assert targets == [1] * len(times)
     # A falling trend is not extrapolated: down waits for the load itself.
     policy = KVAutoscalePolicy(config)
     assert policy.desired(FleetLoad.of([load(0.7)]), 1, 1, -0.05) == (1, "hold")
+
+
+def test_the_trend_is_read_from_the_arrivals_not_the_occupancy():
+    config = replace(CFG, max_replicas=8)
+    times = [float(t) for t in range(0, 12)]
+    # Arrivals rising by a tenth of the first rate a second while the occupancy sits at
+    # 0.3 (a lull: short outputs finishing as the rise comes in). By Little's law the
+    # demand rises 0.3 * 100 / rate a second: at 6 s, 0.019/s puts it at 0.96 within the
+    # 35-s horizon, past the watermark (0.8) since 1 s; sized for 0.3 + 70 * 0.019 at the
+    # band's middle (0.5): 4. The occupancy's own slope is 0: no scale-up.
+    rising = run(
+        KVAutoscalePolicy(config), lambda t: [load(0.3, admitted=1000 + 100 * t)], 1, times
+    )
+    assert rising[5] == 1 and rising[6] == 4, rising
+    # The occupancy rising 3% a second with the arrivals flat (the requests in the
+    # replica staying longer, not more coming): no forecast; the level rules act at the
+    # watermark, which 0.2 + 0.03 * 11 is not.
+    filling = run(
+        KVAutoscalePolicy(config), lambda t: [load(0.2 + 0.03 * t, admitted=1000)], 1, times
+    )
+    assert filling == [1] * len(times)
+    # Nothing admitted (no rate reported): no trend to read.
+    idle = run(KVAutoscalePolicy(config), lambda t: [load(0.2 + 0.03 * t)], 1, times)
+    assert idle == [1] * len(times)
