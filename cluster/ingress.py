@@ -343,7 +343,9 @@ class Ingress:
         except Exception as exc:
             return _error(503, f"replicas not reachable: {exc!r}", "unavailable")
         ingress_id = serve.get_replica_context().replica_id.unique_id
-        text = exposition(snapshots, self.client.caller_metrics, self.model_name, ingress_id)
+        lag_s = self.shedder.loop_lag_s()
+        caller = self.client.caller_metrics
+        text = exposition(snapshots, caller, self.model_name, ingress_id, lag_s)
         return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
     @api.post("/tokenize")

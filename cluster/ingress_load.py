@@ -118,6 +118,10 @@ class LoopLagShedder:
         if self.max_loop_lag_s is not None:
             self.meter.start()
 
+    def loop_lag_s(self) -> float | None:
+        """The meter's reading (for /metrics); None when shedding is off (not measured)."""
+        return None if self.max_loop_lag_s is None else self.meter.lag_s()
+
     def check(self) -> OverloadedError | None:
         if self.max_loop_lag_s is None:
             return None

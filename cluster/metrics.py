@@ -196,11 +196,17 @@ class CallerMetrics:
 
 
 def exposition(
-    snapshots: Iterable[MetricsSnapshot], caller: CallerMetrics, model_name: str, ingress_id: str
+    snapshots: Iterable[MetricsSnapshot],
+    caller: CallerMetrics,
+    model_name: str,
+    ingress_id: str,
+    loop_lag_s: float | None = None,
 ) -> str:
     """The Prometheus text of the replicas' snapshots (labels replica, model_name) and
     of one caller's routing, its requests only (label ingress: ingress_id, so that the
-    counts of the ingress replicas a scrape lands on in turn stay separate series)."""
+    counts of the ingress replicas a scrape lands on in turn stay separate series);
+    loop_lag_s: that ingress replica's event-loop lag (cluster.ingress_load), None when
+    it does not measure it (shedding off)."""
     snapshots = sorted(snapshots, key=lambda s: s.replica_id)
 
     def family(name: str, kind: str, help_: str, value: Any) -> Family:
@@ -266,4 +272,12 @@ def exposition(
             ),
         ],
     )
-    return render([*families, decisions, rejected])
+    families += [decisions, rejected]
+    if loop_lag_s is not None:
+        name = "kvfleet:ingress_event_loop_lag_seconds"
+        help_ = (
+            "How late this ingress replica's event loop runs callbacks (smoothed); past "
+            "ingress_max_loop_lag_s it sheds new completions."
+        )
+        families.append(Family(name, "gauge", help_, [(name, caller_labels, loop_lag_s)]))
+    return render(families)

@@ -87,6 +87,7 @@ def test_the_shedder_refuses_past_the_bound_with_a_retry_after_from_the_lag() ->
     refused, _ = _shed_at(10.0, BOUND_S)  # 100x the bound: 0.5 ln 100 = 2.3 s
     assert refused.retry_after_s == pytest.approx(0.5 * 4.605, rel=1e-3)
     assert _shed_at(10.0, None) == (None, False)  # off: never measures, never sheds
+    assert LoopLagShedder(None).loop_lag_s() is None  # nor shows a lag on /metrics
     with pytest.raises(ValueError, match="max_loop_lag_s"):
         LoopLagShedder(0.0)
 
@@ -157,10 +158,15 @@ def base_url() -> Iterator[str]:
 
 
 def _shed_count(http: httpx.Client) -> float:
+    """This ingress replica's refusals for its late loop (/metrics), after checking that
+    /metrics shows the lag it measures, which is past the bound."""
     response = http.get("/metrics")
     assert response.status_code == 200
+    text = response.text
+    (lag,) = re.findall(r"^kvfleet:ingress_event_loop_lag_seconds\{.*\} (\S+)$", text, re.M)
+    assert float(lag) > 1e-6
     pattern = r'^kvfleet:admissions_rejected_total\{[^}]*stage="ingress"[^}]*\} (\S+)$'
-    (value,) = re.findall(pattern, response.text, re.MULTILINE)
+    (value,) = re.findall(pattern, text, re.MULTILINE)
     return float(value)
 
 
