@@ -12,7 +12,10 @@ LoopLagMeter measures that wait where it happens: a timer on the loop fires ever
 and notes how late each wake-up comes (the overshoot is about one pass of the
 loop: the time every other ready callback took). Its reading is a time-weighted moving
 average of the overshoots (time constant TAU_S), or the lateness of the wake-up now due
-if that is larger already (a loop stuck on one long pass). LoopLagShedder holds the
+if that is larger already (a loop stuck on one long pass). It runs on the loop Serve runs
+the handlers on (a user-code thread's), not on the replica's main loop, where uvicorn
+parses requests and writes responses: that loop's work shows here only as it holds the
+GIL. LoopLagShedder holds the
 reading against ClusterConfig.ingress_max_loop_lag_s: past it, new completion and chat
 requests are refused at the top of the handler, before their bodies are read, as an
 OverloadedError (HTTP 503 with Retry-After). Requests already admitted, streams
