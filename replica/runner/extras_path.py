@@ -126,7 +126,8 @@ class ExtrasPath:
             # Ranked in the model's dtype: a 16-bit radix select takes half the passes of
             # a float32 one (topk over qwen3's 26 x 151,936 float32 logprobs: ~95 us of
             # an H200 step); the same order, as log_softmax keeps it.
-            width = max(params[j].logprobs for j in lp_rows)
+            ks = [params[j].logprobs for j in lp_rows]
+            width = max(ks)
             top_ids = raw.topk(width, dim=-1).indices if width else None
         if step is not None:
             self.processors.apply(rows_logits, step)
@@ -149,7 +150,6 @@ class ExtrasPath:
         if step is not None:
             self.processors.record(extras_tokens, step)
         if lp_rows:
-            ks = [params[j].logprobs for j in lp_rows]
             targets = extras_tokens if lp_index is None else extras_tokens.index_select(0, lp_index)
             packed = pack(logprobs, targets, width, top_ids)  # [L, 1 + 2 width]
             out.rows = [extras[j] for j in lp_rows]
