@@ -41,7 +41,7 @@ import logging
 import math
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import fields
 from typing import Any
 
@@ -53,7 +53,7 @@ from ray.serve.exceptions import BackPressureError
 
 from cluster.client import Chunk, Client, Completion, chat_prompt_ids
 from cluster.errors import ReplicaError
-from cluster.ingress_load import LoopLagShedder
+from cluster.ingress_load import LoopLagMeter, LoopLagShedder
 from cluster.metrics import exposition
 from cluster.openai_api import (
     ChatChoice,
@@ -233,7 +233,9 @@ class Ingress:
     """model_path: the engine's model (a directory or a preset); model_name: its id in
     the API (ClusterConfig.model_name); num_replicas: how many /health waits for;
     api_key, body_timeout_s and max_loop_lag_s: ClusterConfig's api_key,
-    http_body_timeout_s and ingress_max_loop_lag_s (None or 0: never shed)."""
+    http_body_timeout_s and ingress_max_loop_lag_s (None or 0: never shed);
+    loop_lag_meter_factory: makes what reads the loop's lag
+    (cluster.ingress_load.LoopLagMeter)."""
 
     def __init__(
         self,
@@ -245,13 +247,14 @@ class Ingress:
         body_timeout_s: float = 10.0,
         submit_group_size: int = 1,
         max_loop_lag_s: float | None = None,
+        loop_lag_meter_factory: Callable[[], LoopLagMeter] = LoopLagMeter,
     ) -> None:
         self.model_path = model_path
         self.model_name = model_name
         self.num_replicas = num_replicas
         self.api_key = None if api_key is None else api_key.encode()
         self.body_timeout_s = body_timeout_s
-        self.shedder = LoopLagShedder(max_loop_lag_s or None)
+        self.shedder = LoopLagShedder(max_loop_lag_s or None, loop_lag_meter_factory())
         self.shedder.start()  # Serve calls this on the loop the handlers run on
         # Its own handle rather than llm_handle (which binds LLMServer into the app), to
         # route on this replica's loop, which lives as long as the replica.

@@ -9,23 +9,31 @@ replica, two ingress replicas) offered 2x capacity, TTFT p50 went to 3.6 s and e
 per streamed token (CPU box), so two of them cannot carry 460 requests/s of 64 tokens.
 
 LoopLagMeter measures that wait where it happens: a timer on the loop fires every PERIOD_S
-and notes how late each wake-up comes (the overshoot is about one pass of the
-loop: the time every other ready callback took). Its reading is a time-weighted moving
-average of the overshoots (time constant TAU_S), or the lateness of the wake-up now due
-if that is larger already (a loop stuck on one long pass). It runs on the loop Serve runs
-the handlers on (a user-code thread's), not on the replica's main loop, where uvicorn
-parses requests and writes responses: that loop's work shows here only as it holds the
-GIL. LoopLagShedder holds the
-reading against ClusterConfig.ingress_max_loop_lag_s: past it, new completion and chat
-requests are refused at the top of the handler, before their bodies are read, as an
-OverloadedError (HTTP 503 with Retry-After). Requests already admitted, streams
-included, go on: shedding new ones is what lets the loop catch up with them.
+and notes how late each wake-up comes (the overshoot is about one pass of the loop: the
+time every other ready callback took) and how much CPU the process used meanwhile. It
+runs on the loop Serve runs the handlers on (a user-code thread's), not on the replica's
+main loop, where uvicorn parses requests and writes responses: that loop's work shows here
+as it holds the GIL. LoopLagShedder refuses new completion and chat requests at the top of
+the handler, before their bodies are read, as an OverloadedError (HTTP 503 with
+Retry-After), while both hold over the last WINDOW wake-ups:
+
+- their median lateness is past ClusterConfig.ingress_max_loop_lag_s: a loop over the
+  bound for good is late on every wake-up, while one long pass (a GC of the whole heap,
+  the first request's imports) is late on one, which the median ignores;
+- the process ran at least BUSY_CORES: the lateness is its own work. A loop late while its
+  process gets little CPU waits for the host's other processes (on a 2-core host running
+  the replicas, 112 ms at the first request of an idle app), and refusing its requests
+  would not make it faster.
+
+Requests already admitted, streams included, go on: shedding new ones is what lets the
+loop catch up with them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
+import collections
+import statistics
 import time
 from collections.abc import Callable
 
@@ -35,85 +43,111 @@ from router.errors import OverloadedError
 # on the CPU box, 0.8% of a core (a task sleeping 10 ms took 18); a pass of 20 ms, a fifth
 # of the default bound, is seen.
 PERIOD_S = 0.02
-# A single long pass (a GC of the whole heap, a burst of arrivals parsed together) moves
-# the reading by 1 - exp(-pass / TAU_S) of itself: a 0.3-s stall to 0.14 s, which sheds
-# for ~0.2 s; a loop over the bound for good crosses it within ~0.5 s.
-TAU_S = 0.5
+# The wake-ups a reading covers: 0.1 s of an idle loop; a loop whose every pass is past
+# the default bound (0.1 s) is read as over it within ~0.4 s, while two stalls among five
+# wake-ups are not.
+WINDOW = 5
+# A loop the process runs for half a core or more is busy with work of its own: an
+# ingress shedding on the H200 (qwen3, 5x capacity) ran 0.80 cores, one serving at
+# capacity 0.36, and the GIL holds a Python process near one.
+BUSY_CORES = 0.5
 
 
 class LoopLagMeter:
-    """How late the event loop it runs on serves a callback, in seconds.
+    """How late the event loop it runs on serves a callback, and the CPU its process uses.
 
-    Started on first use (`start`, from the loop to measure); `lag_s()` is 0 until then.
-    The clock is injected (`clock`, monotonic seconds) so the averaging is testable
-    without sleeping (`observe`)."""
+    Started on first use (`start`, from the loop to measure); both readings are 0 until
+    WINDOW wake-ups have been seen. The clocks are injected (`clock`, monotonic seconds;
+    `cpu_clock`, the process's CPU seconds) so the readings are testable without sleeping
+    (`observe`)."""
 
     def __init__(
         self,
         period_s: float = PERIOD_S,
-        tau_s: float = TAU_S,
+        window: int = WINDOW,
         clock: Callable[[], float] = time.monotonic,
+        cpu_clock: Callable[[], float] = time.process_time,
     ) -> None:
-        if not period_s > 0 or not tau_s > 0:
-            raise ValueError(f"period_s and tau_s must be > 0, got {period_s!r}, {tau_s!r}")
+        if not period_s > 0 or window < 1:
+            raise ValueError(f"period_s must be > 0 and window >= 1, got {period_s!r}, {window!r}")
         self.period_s = period_s
-        self.tau_s = tau_s
+        self.window = window
         self.clock = clock
-        self.smoothed_lag_s = 0.0
-        self.due_s: float | None = None  # when the pending wake-up is due
+        self.cpu_clock = cpu_clock
+        # (lateness, wall, CPU) of the last `window` wake-ups, after the one before them
+        # (its lateness unused): the window's CPU share needs where it began.
+        self.wakes: collections.deque[tuple[float, float, float]] = collections.deque(
+            maxlen=window + 1
+        )
         self.timer: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         """Start measuring the running loop (once; later calls do nothing)."""
         if self.timer is None:
-            self._schedule(asyncio.get_running_loop(), self.clock())
+            now_s = self.clock()
+            self.wakes.append((0.0, now_s, self.cpu_clock()))
+            self._schedule(asyncio.get_running_loop(), now_s)
 
     def stop(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.due_s = None
 
     def _schedule(self, loop: asyncio.AbstractEventLoop, now_s: float) -> None:
-        self.due_s = now_s + self.period_s
-        self.timer = loop.call_later(self.period_s, self._wake, loop, now_s)
+        self.timer = loop.call_later(self.period_s, self._wake, loop, now_s + self.period_s)
 
-    def _wake(self, loop: asyncio.AbstractEventLoop, start_s: float) -> None:
+    def _wake(self, loop: asyncio.AbstractEventLoop, due_s: float) -> None:
         now_s = self.clock()
-        self.observe(now_s - (start_s + self.period_s), now_s - start_s)
+        self.observe(now_s - due_s, now_s, self.cpu_clock())
         self._schedule(loop, now_s)
 
-    def observe(self, lag_s: float, interval_s: float) -> None:
-        """One wake-up lag_s late, interval_s after the last: weighted by the time it
-        covers, so a slow loop (few, long intervals) moves the average as fast as a
-        quick one."""
-        weight = 1.0 - math.exp(-max(0.0, interval_s) / self.tau_s)
-        self.smoothed_lag_s += weight * (max(0.0, lag_s) - self.smoothed_lag_s)
+    def observe(self, lag_s: float, now_s: float, cpu_s: float) -> None:
+        """One wake-up lag_s late (early counts as on time), at now_s with the process's
+        CPU clock at cpu_s."""
+        self.wakes.append((max(0.0, lag_s), now_s, cpu_s))
+
+    def full(self) -> bool:
+        return len(self.wakes) > self.window
 
     def lag_s(self) -> float:
-        """The smoothed lag, or how overdue the pending wake-up is, whichever is larger:
-        read from a callback on the measured loop, an overdue wake-up means the loop has
-        been busy that long since it was due."""
-        overdue_s = 0.0 if self.due_s is None else self.clock() - self.due_s
-        return max(self.smoothed_lag_s, overdue_s)
+        """The median lateness of the last `window` wake-ups."""
+        if not self.full():
+            return 0.0
+        return statistics.median(lag for lag, _, _ in list(self.wakes)[1:])
+
+    def busy_cores(self) -> float:
+        """The process's CPU seconds per second over the last `window` wake-ups."""
+        if not self.full():
+            return 0.0
+        (_, start_s, start_cpu_s), (_, end_s, end_cpu_s) = self.wakes[0], self.wakes[-1]
+        return (end_cpu_s - start_cpu_s) / max(end_s - start_s, 1e-9)
 
 
 class LoopLagShedder:
-    """Refuses new requests while the loop's lag is past max_loop_lag_s (None: never).
+    """Refuses new requests while the loop's lag is past max_loop_lag_s (None: never) and
+    the process is busy (min_busy_cores of CPU or more: the lag is its own work).
 
     `start()` from the loop the handlers run on (the ingress's constructor: Serve runs
     a replica's constructor and handlers on one user-code loop), or else the first
     `check()` starts the meter. `check()`, called at the top of a handler, returns the
-    OverloadedError to answer with, or None. Its Retry-After is how long the smoothed lag
-    takes to decay back to the bound if the loop were idle from now on (tau * ln(lag /
-    bound)), at least MIN_RETRY_AFTER_S: the soonest this replica could take the request."""
+    OverloadedError to answer with, or None. Its Retry-After is RETRY_AFTER_S: a loop
+    that has caught up reads under the bound after WINDOW prompt wake-ups (0.1 s), so the
+    soonest a retry could be taken is the header's smallest whole number of seconds."""
 
-    MIN_RETRY_AFTER_S = 1.0
+    RETRY_AFTER_S = 1.0
 
-    def __init__(self, max_loop_lag_s: float | None, meter: LoopLagMeter | None = None) -> None:
+    def __init__(
+        self,
+        max_loop_lag_s: float | None,
+        meter: LoopLagMeter | None = None,
+        min_busy_cores: float = BUSY_CORES,
+    ) -> None:
         if max_loop_lag_s is not None and not max_loop_lag_s > 0:
             raise ValueError(f"max_loop_lag_s must be > 0 or None, got {max_loop_lag_s!r}")
+        if not min_busy_cores >= 0:
+            raise ValueError(f"min_busy_cores must be >= 0, got {min_busy_cores!r}")
         self.max_loop_lag_s = max_loop_lag_s
+        self.min_busy_cores = min_busy_cores
         self.meter = LoopLagMeter() if meter is None else meter
 
     def start(self) -> None:
@@ -132,9 +166,12 @@ class LoopLagShedder:
         lag_s = self.meter.lag_s()
         if lag_s <= self.max_loop_lag_s:
             return None
-        decay_s = self.meter.tau_s * math.log(lag_s / self.max_loop_lag_s)
+        cores = self.meter.busy_cores()
+        if cores < self.min_busy_cores:
+            return None  # late waiting for the host's CPU, not for its own work
         reason = (
             f"this ingress replica's event loop runs {1e3 * lag_s:.0f} ms late, past "
-            f"ingress_max_loop_lag_s ({1e3 * self.max_loop_lag_s:.0f} ms)"
+            f"ingress_max_loop_lag_s ({1e3 * self.max_loop_lag_s:.0f} ms), while busy "
+            f"({cores:.2f} cores)"
         )
-        return OverloadedError(max(self.MIN_RETRY_AFTER_S, decay_s), reason)
+        return OverloadedError(self.RETRY_AFTER_S, reason)

@@ -276,8 +276,9 @@ def exposition(
     if loop_lag_s is not None:
         name = "kvfleet:ingress_event_loop_lag_seconds"
         help_ = (
-            "How late this ingress replica's event loop runs callbacks (smoothed); past "
-            "ingress_max_loop_lag_s it sheds new completions."
+            "How late this ingress replica's event loop runs callbacks (median of its last "
+            "5 timer wake-ups); past ingress_max_loop_lag_s, while busy, it sheds new "
+            "completions."
         )
         families.append(Family(name, "gauge", help_, [(name, caller_labels, loop_lag_s)]))
     return render(families)
