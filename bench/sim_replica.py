@@ -32,7 +32,7 @@ from bench.sim_model import CostModel
 from bench.sim_workload import Workload
 from replica.hashing import summarize
 from replica.scheduler import charge_queued, release_queued
-from replica.stats import ReplicaStats
+from replica.stats import SLOT_FORECAST_LEN, ReplicaStats
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,8 @@ class SimReplica:
         self.busy_s = 0.0
         self.tokens_at_publish = 0
         self.published_at_s = 0.0
+        self.step_s = 0.0  # the recent mean step time (an average over ~20 steps)
+        self.prefill_tokens_per_s = 0.0
 
     # ---- requests --------------------------------------------------------------
     def add(self, rid: int) -> None:
@@ -242,6 +244,11 @@ class SimReplica:
         self.num_steps += 1
         dt = self.cost.step_s(num_prefill, self.num_decode, self.context_tokens)
         self.busy_s += dt
+        self.step_s = dt if not self.step_s else self.step_s + 0.05 * (dt - self.step_s)
+        if budget <= 0 and num_prefill:
+            rate = num_prefill / dt
+            p = self.prefill_tokens_per_s
+            self.prefill_tokens_per_s = rate if not p else p + 0.05 * (rate - p)
         return now_s + dt
 
     # ---- prefixes being computed -------------------------------------------------
@@ -413,7 +420,21 @@ class SimReplica:
             prefix_hit_tokens=self.num_hit_tokens,
             cached_prefix_hashes=hashes,
             timestamp_s=now_s,
+            slot_free_steps=self._slot_free_steps(),
+            step_s=self.step_s,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
         )
+
+    def _slot_free_steps(self) -> tuple[int, ...]:
+        """replica.LLMEngine's slot forecast. Every simulated output ends at its length
+        (max_tokens), as the engine's forecast requires of most recent ones: decoding
+        sequences end at their finish-heap step, prefilling ones after their output."""
+        if len(self.running) + len(self.waiting) < self.config.max_num_seqs:
+            return ()
+        s = self.step_no
+        ends = [step - s for step, _, epoch, seq in self.finish_heap if epoch == seq.epoch]
+        ends += [seq.out_left for seq in self.prefilling]
+        return tuple(sorted(ends)[:SLOT_FORECAST_LEN])
 
     def check_invariants(self) -> None:
         """free + cached + held == total, and hashed refcounts match the live sequences."""

@@ -22,7 +22,7 @@ from replica.runner.model_runner import ModelRunner
 from replica.sampling_params import SamplingParams, sample_request_id
 from replica.scheduler import ScheduledBatch, Scheduler
 from replica.sequence import PLACEHOLDER, Sequence, SequenceStatus
-from replica.stats import ReplicaStats
+from replica.stats import SLOT_FORECAST_LEN, ReplicaStats
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,14 @@ class StepTimings:
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _TOKENS_PER_S_WINDOW_S = 2.0
+# The recent ends a slot forecast (ReplicaStats.slot_free_steps) is judged on, how many
+# it needs, and the share of them max_tokens must have made: outputs that end on a stop
+# token free their slots when they do, which max_tokens does not tell (it would read a
+# slot as held for the whole budget, and admission would refuse a request that a slot
+# about to free could take).
+_ENDS_WINDOW = 64
+_MIN_ENDS = 16
+_MIN_LENGTH_ENDS = 0.9
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -118,6 +126,13 @@ class LLMEngine:
         self._token_events: deque[tuple[float, int]] = deque()  # (time_s, tokens) per step
         self.clock = time.monotonic  # of the tokens_per_s window; tests inject their own
         self._num_window_tokens = 0  # sum of _token_events' tokens, kept as they come and go
+        self._length_ends: deque[bool] = deque(maxlen=_ENDS_WINDOW)  # ended by max_tokens?
+        # Steps whose prompt tokens filled the token budget: (drained at, duration, prompt
+        # tokens), and their sums over the window, the engine's prefill rate when prompts
+        # are what it is short of (ReplicaStats.prefill_tokens_per_s).
+        self._prefill_events: deque[tuple[float, float, int]] = deque()
+        self._prefill_window = [0.0, 0]
+        self._last_drain_s: float | None = None
         self._next_id = 0
         # Decode blocks that filled up, hashed a few per step (_commit_filled_blocks).
         self._filled: deque[Sequence] = deque()
@@ -321,11 +336,15 @@ class LLMEngine:
             seq.num_computed_tokens += 1
             seq.token_ids.append(PLACEHOLDER)
         last = None if sampled else self._last_launch  # a prompt that completes: new rows
-        self._last_launch = InFlightStep.launched(
+        launched = InFlightStep.launched(
             sampled + decode_seqs if sampled else decode_seqs, handle, len(dirty_slots),
             self.num_ends, last,
         )  # fmt: skip
-        return self._last_launch
+        launched.num_prefill_tokens = sum(batch.prefill_lens)
+        budget = self.scheduler.config.max_num_batched_tokens
+        launched.prefill_bound = launched.num_prefill_tokens + len(decode_seqs) >= budget
+        self._last_launch = launched
+        return launched
 
     def drain(self) -> StepOutputs:
         """Wait for the in-flight step's tokens; fill placeholders, stop, emit deltas.
@@ -356,8 +375,15 @@ class LLMEngine:
         # engine's retired sequences go with its next full stats() snapshot (cluster.
         # engine_loop takes one every stats_period_s) or its next admission.
         self.scheduler.release_retired(self._releases_per_step)
-        self._token_events.append((self.clock(), len(tokens)))
+        now_s = self.clock()
+        self._token_events.append((now_s, len(tokens)))
         self._num_window_tokens += len(tokens)
+        if step.prefill_bound and self._last_drain_s is not None:
+            duration_s = now_s - self._last_drain_s  # this step's, while steps run back to back
+            self._prefill_events.append((now_s, duration_s, step.num_prefill_tokens))
+            self._prefill_window[0] += duration_s
+            self._prefill_window[1] += step.num_prefill_tokens
+        self._last_drain_s = now_s
         return step.outputs(tokens, ends, live, *step.handle.logprobs())
 
     def _commit_filled_blocks(self) -> None:
@@ -381,6 +407,7 @@ class LLMEngine:
         del seq.token_ids[index + 1 :]  # a placeholder launched after the stop
         seq.num_computed_tokens = min(seq.num_computed_tokens, index)
         self.num_ends += 1
+        self._length_ends.append(reason == "length")
         self.scheduler.finish(seq, reason, defer_release=True)
         del self.requests[seq.request_id]
         self.runner.release(seq.request_id)
@@ -491,7 +518,17 @@ class LLMEngine:
         # A running total: the engine thread takes a load snapshot every few ms
         # (cluster.deployment), and the window holds one event per step of the last 2 s.
         tokens_per_s = self._num_window_tokens / _TOKENS_PER_S_WINDOW_S
+        prefill = self._prefill_events
+        while prefill and prefill[0][0] < now - _TOKENS_PER_S_WINDOW_S:
+            _, duration_s, num_tokens = prefill.popleft()
+            self._prefill_window[0] -= duration_s
+            self._prefill_window[1] -= num_tokens
+        if not prefill:
+            self._prefill_window = [0.0, 0]  # no float drift left over from the sums
+        prefill_s, num_prefill_tokens = self._prefill_window
         waiting = self.scheduler.waiting
+        num_waiting = len(waiting) + self.scheduler.num_awaiting_fork
+        slot_free_steps, step_s = self._slot_forecast(num_waiting)
         return ReplicaStats(
             replica_id=self.config.replica_id,
             num_blocks_total=bm.num_blocks,
@@ -499,7 +536,7 @@ class LLMEngine:
             num_blocks_cached=bm.num_cached_blocks,
             kv_usage=(bm.num_used_blocks - retiring) / bm.num_blocks,
             num_running=len(self.scheduler.running),
-            num_waiting=len(waiting) + self.scheduler.num_awaiting_fork,
+            num_waiting=num_waiting,
             num_preempted_total=self.scheduler.num_preempted_total,
             max_num_seqs=self.config.max_num_seqs,
             tokens_per_s=tokens_per_s,
@@ -514,7 +551,25 @@ class LLMEngine:
                 else ()
             ),
             timestamp_s=time.time(),
+            slot_free_steps=slot_free_steps,
+            step_s=step_s,
+            prefill_tokens_per_s=num_prefill_tokens / prefill_s if prefill else 0.0,
         )
+
+    def _slot_forecast(self, num_waiting: int) -> tuple[tuple[int, ...], float]:
+        """ReplicaStats.slot_free_steps and step_s: the running sequences' steps to their
+        max_tokens, while the queue fills every free slot and max_tokens has ended most
+        recent outputs; else ((), 0.0). ~30 us at 256 sequences (CPU box), in the load
+        snapshots taken every 2 ms only while the slots are all spoken for."""
+        running = self.scheduler.running
+        if len(running) + num_waiting < self.config.max_num_seqs:
+            return (), 0.0
+        ends, events = self._length_ends, self._token_events
+        if len(ends) < _MIN_ENDS or sum(ends) < _MIN_LENGTH_ENDS * len(ends) or len(events) < 2:
+            return (), 0.0
+        step_s = (events[-1][0] - events[0][0]) / (len(events) - 1)
+        steps = sorted(max(0, seq.max_len - len(seq.token_ids)) for seq in running)
+        return tuple(steps[:SLOT_FORECAST_LEN]), step_s
 
     def check_invariants(self) -> None:
         """Assert the block manager agrees with the live sequences, and the scheduler's

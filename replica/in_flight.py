@@ -37,6 +37,10 @@ class InFlightStep:
     handle: StepHandle
     num_table_rows: int  # block-table rows copied to the device for this step
     num_ends: int  # LLMEngine.num_ends at launch: unchanged at drain, no row's sequence ended
+    # Prompt tokens the step computes, and whether they filled its token budget (the
+    # engine's prefill rate is measured on such steps: LLMEngine.stats).
+    num_prefill_tokens: int = 0
+    prefill_bound: bool = False
 
     @classmethod
     def launched(

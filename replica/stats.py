@@ -23,6 +23,17 @@ class ReplicaStats:
     prefix_hit_tokens count, since the replica started, the tokens of every sequence
     it admitted and those of them found in its prefix cache (vLLM's prefix-cache
     queries and hits): their ratio over an interval is the cache hit rate.
+
+    slot_free_steps: while every sequence slot is taken, when the slots free: per running
+    sequence the steps until its max_tokens ends it, soonest first (at most
+    SLOT_FORECAST_LEN), at step_s seconds a step (the recent mean). Empty: no forecast,
+    because slots are free or because most recent outputs ended before their max_tokens
+    (on a stop token), so max_tokens does not tell when a slot frees. Outputs that end
+    together free their slots in cohorts (64-token outputs at ~1.2 s apart on an H200),
+    a phase a queue's mean drain rate does not see (router.queue_wait).
+    prefill_tokens_per_s: prompt tokens a second over the recent steps whose prompt
+    tokens filled the step's token budget (0: none lately): how fast prompts that enter
+    together get their first tokens.
     """
 
     replica_id: str
@@ -42,6 +53,9 @@ class ReplicaStats:
     prefix_hit_tokens: int = 0
     cached_prefix_hashes: tuple[int, ...] = ()
     timestamp_s: float = 0.0
+    slot_free_steps: tuple[int, ...] = ()
+    step_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
 
     @property
     def num_blocks_used(self) -> int:
@@ -57,7 +71,11 @@ class ReplicaStats:
         raw = msgpack.unpackb(data)
         raw = {k: v for k, v in raw.items() if k in _FIELD_NAMES}
         raw["cached_prefix_hashes"] = tuple(raw.get("cached_prefix_hashes", ()))
+        raw["slot_free_steps"] = tuple(raw.get("slot_free_steps", ()))
         return cls(**raw)
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(ReplicaStats))
+# The slots a forecast covers: a queue deeper than this waits for more than the running
+# sequences' ends, which the queue's drain rate covers (router.queue_wait).
+SLOT_FORECAST_LEN = 128

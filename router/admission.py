@@ -32,7 +32,7 @@ from router.errors import OverloadedError
 from router.factory import make_policy
 from router.fleet import Fleet
 from router.load import committed_fraction, num_available_blocks
-from router.queue_wait import DrainRates, expected_wait_s
+from router.queue_wait import DrainRates, expected_wait_s, slot_wait_s
 from router.request import RouteRequest
 from router.reservations import Reservation, ReservationBook
 from router.room import Room, room_for
@@ -120,8 +120,9 @@ class Admission:
          reservations first): unknown is not trusted, but is not proof of overload;
          Replicas where the request's expected queueing wait (router.queue_wait:
          prompt tokens queued there and held at this router, over the replica's
-         measured drain rate) exceeds
-         max_queue_wait_s are left out of both;
+         measured drain rate; or, where a full replica forecasts its slots, the time
+         until the slot it needs frees and the prompts ahead of it are prefilled)
+         exceeds max_queue_wait_s are left out of both;
       4. nothing admissible because of that wait: OverloadedError at once, in either
          overload mode (holding would only lengthen the wait), its retry_after_s the
          time the least backlogged replica takes to drain its queue;
@@ -208,7 +209,7 @@ class Admission:
         room = room_for(fleet, request, own_slot, own_blocks, matched, config.queue_fraction)
         refused = room.refused(config.high_watermark)
         fresh = now_s - fleet.column("timestamp_s") <= config.stats_max_age_s
-        wait_s = self.queue_wait_s(own_slot, own_blocks, num_held_tokens)
+        wait_s = self.queue_wait_s(own_slot, own_blocks, num_held_tokens, now_s)
         too_long = np.zeros(len(fleet), dtype=bool)
         if config.max_queue_wait_s is not None:
             too_long = fresh & ~refused & (wait_s > config.max_queue_wait_s)
@@ -293,19 +294,39 @@ class Admission:
             )
 
     def queue_wait_s(
-        self, own_slot: int | None = None, own_blocks: int = 0, num_held_tokens: int = 0
+        self,
+        own_slot: int | None = None,
+        own_blocks: int = 0,
+        num_held_tokens: int = 0,
+        now_s: float | None = None,
     ) -> np.ndarray:
-        """Per fleet slot, the expected queueing wait of a request entering there now
-        (router.queue_wait.expected_wait_s): the replica's queued prompt tokens and this
-        router's reservations there (blocks, at its block size), less own_blocks at
-        own_slot (the request's own reservation is not ahead of it)."""
+        """Per fleet slot, the expected queueing wait of a request entering there now:
+        the time its queue takes to drain (router.queue_wait.expected_wait_s: the
+        replica's queued prompt tokens and this router's reservations there, blocks at
+        its block size, less own_blocks at own_slot, the request's own reservation) or,
+        where the replica forecasts its slots and given now_s, the time until the slot
+        it needs frees and the prompts queued ahead of it are prefilled (slot_wait_s),
+        whichever is longer."""
         fleet = self.fleet
         reserved = fleet.column("reserved")
+        reserved_seqs = fleet.column("reserved_seqs")
         if own_slot is not None and own_blocks:
-            reserved = reserved.copy()
+            reserved, reserved_seqs = reserved.copy(), reserved_seqs.copy()
             reserved[own_slot] -= own_blocks
+            reserved_seqs[own_slot] -= 1
         queued = fleet.column("waiting_tokens") + reserved * fleet.column("block_size")
-        return expected_wait_s(queued, fleet.column("drain_rate"), num_held_tokens)
+        wait_s = expected_wait_s(queued, fleet.column("drain_rate"), num_held_tokens)
+        if now_s is None:
+            return wait_s
+        slot_s = slot_wait_s(
+            fleet.column("seqs") + reserved_seqs - fleet.column("max_seqs"),
+            fleet.column("slot_forecast_len"),
+            fleet.column("slot_free_s"),
+            now_s - fleet.column("timestamp_s"),
+            queued,
+            fleet.column("prefill_rate"),
+        )
+        return np.maximum(wait_s, slot_s)
 
     def refusals(
         self,

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from replica.stats import ReplicaStats
+from replica.stats import SLOT_FORECAST_LEN, ReplicaStats
 from router.load import num_waiting_blocks
 from router.prefix_index import PrefixIndex
 from router.tiebreak import replica_key
@@ -24,6 +24,8 @@ _DTYPES = {
     "waiting_tokens": np.int64,  # num_waiting_tokens: the queued prompts' tokens
     "drain_rate": np.float64,  # router.queue_wait.DrainRates.rate (NaN: unknown; Admission)
     "timestamp_s": np.float64,
+    "slot_forecast_len": np.int64,  # len(slot_free_steps) (0: no forecast)
+    "prefill_rate": np.float64,  # prefill_tokens_per_s
     "replica_key": np.uint64,  # router.tiebreak.replica_key
     "replica_id": object,  # ids again, so a ranking becomes tiers without a Python loop
 }
@@ -55,6 +57,9 @@ class Fleet:
         self.changed: set[str] = set()  # replicas observed since drain_changed()
         self.version = 0  # bumped by every snapshot written and replica forgotten
         self._columns = {name: np.zeros(16, dtype=dtype) for name, dtype in _DTYPES.items()}
+        # Row per slot: seconds after its snapshot at which its next slots free
+        # (ReplicaStats.slot_free_steps x step_s), the last repeated past the forecast.
+        self._columns["slot_free_s"] = np.zeros((16, SLOT_FORECAST_LEN))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -85,6 +90,14 @@ class Fleet:
         c["seqs"][slot] = stats.num_running + stats.num_waiting
         c["max_seqs"][slot] = stats.max_num_seqs
         c["timestamp_s"][slot] = stats.timestamp_s
+        steps = stats.slot_free_steps[:SLOT_FORECAST_LEN]
+        c["slot_forecast_len"][slot] = len(steps)
+        c["prefill_rate"][slot] = stats.prefill_tokens_per_s
+        if steps:
+            row = c["slot_free_s"][slot]
+            row[: len(steps)] = steps
+            row[len(steps) :] = steps[-1]
+            row *= stats.step_s
         if self.prefix is not None:
             self.prefix.update(slot, stats.cached_prefix_hashes)
         self.changed.add(replica_id)

@@ -7,6 +7,14 @@ frees first. The rate is measured, not configured: how many prompt tokens a repl
 engine took from its queue per second while the queue was not empty (DrainRates), so it
 is the engine's real capacity for the workload it serves, whichever limit binds
 (prefill compute, sequence slots, KV blocks).
+
+A mean rate does not see when: a replica whose slots are all taken by outputs that end
+together frees them in cohorts (one H200, qwen3-0.6b, 64-token outputs: 256 slots every
+~1.2 s), so a request queued just after a cohort waits ~1.2 s whatever the mean says,
+and with a 0.3-s bound a third of the requests admitted at 3x capacity started past a
+500-ms TTFT SLO. Where the replica forecasts its slots (ReplicaStats.slot_free_steps,
+from its running sequences' max_tokens), the wait is also at least the time until the
+slot the request needs frees (slot_wait_s).
 """
 
 from __future__ import annotations
@@ -109,3 +117,33 @@ def expected_wait_s(
     with np.errstate(divide="ignore"):
         wait_s[queued] = queued_tokens[queued] / rates[queued]
     return wait_s + held_s
+
+
+def slot_wait_s(
+    ahead: np.ndarray,
+    forecast_len: np.ndarray,
+    slot_free_s: np.ndarray,
+    age_s: np.ndarray,
+    queued_tokens: np.ndarray | None = None,
+    prefill_rates: np.ndarray | None = None,
+) -> np.ndarray:
+    """Seconds until a request entering each replica now has its sequence slot and the
+    prompts queued ahead of it are prefilled; 0 where a slot is free or there is no
+    forecast.
+
+    ahead (per replica): requests before it beyond the free slots (running + waiting +
+    this router's unseen reservations - max_num_seqs; < 0: a slot is free for it);
+    forecast_len and slot_free_s: router.fleet's slot forecast (seconds after the
+    snapshot at which its running sequences end, soonest first, the last repeated);
+    age_s: the snapshot's age. The request takes the (ahead + 1)-th slot to free; past the
+    forecast's end, at least the last. queued_tokens at prefill_rates (tokens/s, 0:
+    unknown): the prompts ahead, which take the slots freeing first (a cohort's slots
+    free together, and the prompts that take them get their first tokens in turn).
+    """
+    has = (forecast_len > 0) & (ahead >= 0)
+    index = np.clip(ahead, 0, slot_free_s.shape[1] - 1)
+    wait_s = np.maximum(slot_free_s[np.arange(len(ahead)), index] - age_s, 0.0)
+    if queued_tokens is not None and prefill_rates is not None:
+        known = prefill_rates > 0
+        wait_s[known] += queued_tokens[known] / prefill_rates[known]
+    return np.where(has, wait_s, 0.0)

@@ -145,3 +145,34 @@ def test_the_simulated_replica_admits_what_the_scheduler_admits(num_blocks, max_
     for step, (want, got) in enumerate(zip(real, sim, strict=False)):
         assert got == want, f"step {step + 1}: scheduler {want}, simulator {got}"
     assert len(sim) == len(real)
+
+
+def test_the_simulated_replica_forecasts_its_slots_as_the_engine_does() -> None:
+    """While its slots are all taken it publishes, per running sequence, the steps to its
+    end, soonest first (replica.LLMEngine's slot forecast: every simulated output ends
+    at its length), and the prompt tokens a second of its budget-filling prefill steps."""
+    outputs = [6, 3, 9, 2]
+    prompts = [[10 * rid + j for j in range(8)] for rid in range(len(outputs))]
+    workload = Workload.from_trace([0.0] * len(prompts), prompts, outputs, 1.0)
+    workload.set_block_size(BLOCK_SIZE)
+    config = ReplicaSimConfig(
+        num_blocks=64, block_size=BLOCK_SIZE, max_num_seqs=3, max_num_batched_tokens=8
+    )
+    first_token_s, finish_s = [-1.0] * len(prompts), [-1.0] * len(prompts)
+    replica = SimReplica(0, config, default_cost_model(), workload, first_token_s, finish_s)
+    replica.add(0)
+    replica.add(1)
+    now_s = 0.0
+    for _ in range(2):  # two prompts of 8 tokens, one a step at a budget of 8
+        now_s = replica.schedule(now_s)
+        replica.complete_step(now_s)
+    stats = replica.stats(now_s, with_hashes=False)
+    assert stats.slot_free_steps == () and stats.prefill_tokens_per_s > 0  # a slot is free
+    replica.add(2)
+    replica.add(3)  # two running and two queued for the one free slot: all spoken for
+    stats = replica.stats(now_s, with_hashes=False)
+    # Request 0 got its first token at step 1 and decoded one more: 6 - 2 to go. Request
+    # 1's last prompt chunk is still in (its step gave a token to request 0): its 3.
+    # The queued ones hold no slot.
+    assert stats.slot_free_steps == (3, 4)
+    assert stats.step_s > 0

@@ -11,7 +11,7 @@ import pytest
 
 from replica.stats import ReplicaStats
 from router import Admission, OverloadedError, RouterConfig, RouteRequest
-from router.queue_wait import MIN_BACKLOG_S, DrainRates, expected_wait_s
+from router.queue_wait import MIN_BACKLOG_S, DrainRates, expected_wait_s, slot_wait_s
 from tests.router.router_fakes import make_stats
 from tests.router.test_request_router import fake_replica, make_router, pending
 
@@ -114,6 +114,67 @@ def test_every_replica_past_the_bound_rejects_at_once(now_s: float, on_overload:
     assert adm3.decide(request, now_s, num_held_tokens=400).tiers == [["a"]]
     with pytest.raises(OverloadedError):
         adm3.decide(request, now_s, num_held_tokens=600)
+
+
+def test_slot_wait_in_numbers() -> None:
+    # Seconds after each snapshot at which its slots free, the last repeated.
+    slot_free_s = np.array([[0.5, 0.5, 0.8, 0.8], [0.1, 0.2, 0.2, 0.2], [0.0] * 4, [0.4] * 4])
+    ahead = np.array([2, 0, 1, -1])  # replica 3 has a free slot
+    forecast_len = np.array([4, 2, 0, 4])  # replica 2 forecasts nothing
+    age_s = np.array([0.1, 0.15, 0.0, 0.0])
+    wait_s = slot_wait_s(ahead, forecast_len, slot_free_s, age_s)
+    assert wait_s == pytest.approx([0.7, 0.0, 0.0, 0.0])  # the 2nd replica's slot is overdue
+    assert slot_wait_s(np.array([9]), np.array([4]), slot_free_s[:1], np.array([0.0])) == [0.8]
+
+
+def full(replica_id: str, t_s: float, ends: tuple[int, ...], **fields) -> ReplicaStats:
+    """A replica whose len(ends) slots all run, ending in `ends` steps of 10 ms."""
+    stats = make_stats(
+        replica_id, num_blocks_total=1000, num_running=len(ends), max_num_seqs=len(ends),
+        timestamp_s=t_s,
+    )  # fmt: skip
+    return dataclasses.replace(stats, slot_free_steps=ends, step_s=0.01, **fields)
+
+
+def test_a_full_replica_admits_only_requests_its_next_slots_will_take(now_s: float) -> None:
+    adm = Admission(RouterConfig(max_queue_wait_s=0.3))
+    request = RouteRequest("q", num_prompt_tokens=50)
+    # Its four sequences end together in 0.5 s; the queue's mean rate knows nothing yet.
+    adm.observe(full("a", now_s, (50, 50, 50, 50)))
+    with pytest.raises(OverloadedError) as info:
+        adm.decide(request, now_s)
+    assert info.value.retry_after_s == pytest.approx(0.5)  # when the slot frees
+    assert "max_queue_wait_s" in info.value.reason
+    # 0.25 s later, by the same snapshot: the slots free in 0.25 s, within the bound.
+    later_s = now_s + 0.25
+    assert adm.decide(request, later_s).tiers == [["a"]]
+    # Two ends are near, two far: this router's two requests take the near ones, so a
+    # third waits for a far one.
+    adm = Admission(RouterConfig(max_queue_wait_s=0.3))
+    adm.observe(full("a", now_s, (10, 20, 90, 90)))
+    for rid in ("r1", "r2"):
+        assert adm.decide(RouteRequest(rid, num_prompt_tokens=50), now_s).tiers == [["a"]]
+        adm.reserve(RouteRequest(rid, num_prompt_tokens=50), "a", now_s)
+    with pytest.raises(OverloadedError) as info:
+        adm.decide(request, now_s)
+    assert info.value.retry_after_s == pytest.approx(0.9)
+
+
+def test_prompts_ahead_of_a_freed_slot_add_their_prefill(now_s: float) -> None:
+    """At 1,000 prompt tokens a second, 200 queued tokens ahead add 0.2 s to the slot's
+    0.2 s; without a forecast the prefill rate is not used."""
+    adm = Admission(RouterConfig(max_queue_wait_s=0.3))
+    adm.observe(full("a", now_s, (20, 20), prefill_tokens_per_s=1000.0))
+    request = RouteRequest("q", num_prompt_tokens=50)
+    assert adm.queue_wait_s(now_s=now_s) == pytest.approx([0.2])
+    assert adm.decide(request, now_s).tiers == [["a"]]
+    queued = full("a", now_s, (20, 20), prefill_tokens_per_s=1000.0, num_waiting_tokens=200)
+    adm.observe(dataclasses.replace(queued, num_running=1, num_waiting=1))
+    assert adm.queue_wait_s(now_s=now_s) == pytest.approx([0.4])
+    with pytest.raises(OverloadedError):
+        adm.decide(request, now_s)
+    adm.observe(dataclasses.replace(queued, slot_free_steps=(), timestamp_s=now_s + 0.01))
+    assert adm.queue_wait_s(now_s=now_s) == pytest.approx([0.0])  # mean rate unknown yet
 
 
 def test_no_bound_and_unknown_rates_admit(now_s: float) -> None:
