@@ -67,3 +67,26 @@ def test_outputs_that_end_on_stop_tokens_give_no_forecast() -> None:
         engine.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
     engine.step()
     assert engine.stats().slot_free_steps == ()
+
+
+def test_a_sequence_still_prefilling_counts_its_whole_max_tokens() -> None:
+    """The forecast reads the last launch's columns while every running sequence samples
+    in it, and the sequences themselves otherwise: both say the same."""
+    engine = _engine()
+    _warm(engine, SamplingParams(max_tokens=2, ignore_eos=True))
+    for i, max_tokens in enumerate((9, 5, 7)):
+        engine.add_request(
+            f"r{i}", [5, 6, 7], SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        )
+    engine.step()
+    engine.step()
+    # A 60-token prompt takes the last slot and two or more steps of the 32-token budget.
+    engine.add_request("long", list(range(1, 61)), SamplingParams(max_tokens=11, ignore_eos=True))
+    engine.step()
+    running = engine.scheduler.running
+    long_seq = next(seq for seq in running if seq.request_id == "long")
+    assert long_seq.num_computed_tokens < 60  # mid-prefill: not among the sampled rows
+    assert len(engine._last_launch.seqs) < len(running)
+    slot_free_steps = engine.stats().slot_free_steps
+    assert 11 in slot_free_steps
+    assert slot_free_steps == tuple(sorted(s.max_len - len(s.token_ids) for s in running))
