@@ -25,12 +25,13 @@ case "${1:-}" in
     ensure_venv; shift
     pytest=(.venv/bin/python -m pytest -q -m "not gpu" --timeout=600)
     [[ $# -gt 0 ]] && exec "${pytest[@]}" "$@"
-    # The kernel and replica tests are CPU work with no clock in them (Triton's interpreter,
-    # ~11 of the suite's ~26 min on 2 cores): two workers run them in 8.5. The rest start
-    # Ray clusters, servers and timed load, so they run one at a time, after.
+    # The kernel, replica and router tests are CPU work with no clock in them (Triton's
+    # interpreter, ~12 of the suite's ~26 min on 2 cores): two workers run them in ~9. The
+    # rest start Ray clusters, servers and timed load, so they run one at a time, after.
     status=0
-    "${pytest[@]}" -n 2 tests/kernels tests/replica || status=$?
-    "${pytest[@]}" --ignore=tests/kernels --ignore=tests/replica || status=$?
+    "${pytest[@]}" -n 2 tests/kernels tests/replica tests/router || status=$?
+    "${pytest[@]}" --ignore=tests/kernels --ignore=tests/replica --ignore=tests/router \
+      || status=$?
     exit "$status" ;;
   *) echo "usage: ./run.sh demo | test [pytest args]" >&2; exit 2 ;;
 esac
