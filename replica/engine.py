@@ -554,7 +554,7 @@ class LLMEngine:
             timestamp_s=time.time(),
             slot_free_steps=slot_free_steps,
             step_s=step_s,
-            prefill_tokens_per_s=num_prefill_tokens / prefill_s if prefill else 0.0,
+            prefill_tokens_per_s=num_prefill_tokens / prefill_s if prefill_s > 0 else 0.0,
         )
 
     def _slot_forecast(self, num_waiting: int) -> tuple[tuple[int, ...], float]:

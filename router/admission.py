@@ -318,15 +318,19 @@ class Admission:
         wait_s = expected_wait_s(queued, fleet.column("drain_rate"), num_held_tokens)
         if now_s is None:
             return wait_s
+        forecast_len = fleet.column("slot_forecast_len")
+        if not forecast_len.any():  # no replica is full: the common case, one numpy call
+            return wait_s
+        slots = np.flatnonzero(forecast_len)
         slot_s = slot_wait_s(
-            fleet.column("seqs") + reserved_seqs - fleet.column("max_seqs"),
-            fleet.column("slot_forecast_len"),
-            fleet.column("slot_free_s"),
-            now_s - fleet.column("timestamp_s"),
-            queued,
-            fleet.column("prefill_rate"),
+            fleet.column("seqs")[slots] + reserved_seqs[slots] - fleet.column("max_seqs")[slots],
+            fleet.column("slot_free_s")[slots],
+            now_s - fleet.column("timestamp_s")[slots],
+            queued[slots],
+            fleet.column("prefill_rate")[slots],
         )
-        return np.maximum(wait_s, slot_s)
+        wait_s[slots] = np.maximum(wait_s[slots], slot_s)
+        return wait_s
 
     def refusals(
         self,

@@ -121,29 +121,29 @@ def expected_wait_s(
 
 def slot_wait_s(
     ahead: np.ndarray,
-    forecast_len: np.ndarray,
     slot_free_s: np.ndarray,
     age_s: np.ndarray,
-    queued_tokens: np.ndarray | None = None,
-    prefill_rates: np.ndarray | None = None,
+    queued_tokens: np.ndarray,
+    prefill_rates: np.ndarray,
 ) -> np.ndarray:
-    """Seconds until a request entering each replica now has its sequence slot and the
-    prompts queued ahead of it are prefilled; 0 where a slot is free or there is no
-    forecast.
+    """Seconds until a request entering each of these replicas (those that forecast their
+    slots) now has its sequence slot and the prompts queued ahead of it are prefilled; 0
+    where a slot is free for it.
 
-    ahead (per replica): requests before it beyond the free slots (running + waiting +
-    this router's unseen reservations - max_num_seqs; < 0: a slot is free for it);
-    forecast_len and slot_free_s: router.fleet's slot forecast (seconds after the
-    snapshot at which its running sequences end, soonest first, the last repeated);
-    age_s: the snapshot's age. The request takes the (ahead + 1)-th slot to free; past the
-    forecast's end, at least the last. queued_tokens at prefill_rates (tokens/s, 0:
-    unknown): the prompts ahead, which take the slots freeing first (a cohort's slots
-    free together, and the prompts that take them get their first tokens in turn).
+    ahead: requests before it beyond the free slots (running + waiting + this router's
+    unseen reservations - max_num_seqs; < 0: a slot is free); slot_free_s: router.fleet's
+    forecast rows (seconds after the snapshot at which the running sequences end, soonest
+    first, the last repeated); age_s: the snapshot's age. It takes the (ahead + 1)-th slot
+    to free; past the forecast's end, at least the last. queued_tokens at prefill_rates
+    (tokens/s, 0: unknown): the prompts ahead, which take the slots freeing first (a
+    cohort's slots free together, and the prompts that take them get their first tokens
+    in turn).
     """
-    has = (forecast_len > 0) & (ahead >= 0)
     index = np.clip(ahead, 0, slot_free_s.shape[1] - 1)
-    wait_s = np.maximum(slot_free_s[np.arange(len(ahead)), index] - age_s, 0.0)
-    if queued_tokens is not None and prefill_rates is not None:
-        known = prefill_rates > 0
-        wait_s[known] += queued_tokens[known] / prefill_rates[known]
-    return np.where(has, wait_s, 0.0)
+    wait_s = slot_free_s[np.arange(len(ahead)), index] - age_s
+    np.maximum(wait_s, 0.0, out=wait_s)
+    wait_s += np.divide(
+        queued_tokens, prefill_rates, out=np.zeros(len(ahead)), where=prefill_rates > 0
+    )
+    wait_s[ahead < 0] = 0.0
+    return wait_s

@@ -348,13 +348,17 @@ def test_streaming_interface_and_abort_free_blocks(checkpoint):
 def test_tokens_per_s_counts_the_last_two_seconds(checkpoint):
     path, _ = checkpoint
     engine = make_engine(path, 16)
+    # The engine's clock stands still while it generates: on a loaded 2-core host the steps
+    # took over 2 s of wall time, and the first ones' tokens left the window.
+    now = time.monotonic()
+    engine.clock = lambda: now  # not time.monotonic: that is every thread's clock
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = engine.generate(random_prompts(5, [9, 20]), params)
     num_tokens = sum(len(o.token_ids) for o in outs)
     assert num_tokens == 12
     assert engine.stats().tokens_per_s == num_tokens / 2.0  # the window is 2 s
-    later = time.monotonic() + 2.5  # every step's tokens leave the window
-    engine.clock = lambda: later  # not time.monotonic: that is every thread's clock
+    later = now + 2.5  # every step's tokens leave the window
+    engine.clock = lambda: later
     assert engine.stats(with_hashes=False).tokens_per_s == 0.0
     assert engine.stats().tokens_per_s == 0.0  # and stay out
 

@@ -118,13 +118,21 @@ def test_every_replica_past_the_bound_rejects_at_once(now_s: float, on_overload:
 
 def test_slot_wait_in_numbers() -> None:
     # Seconds after each snapshot at which its slots free, the last repeated.
-    slot_free_s = np.array([[0.5, 0.5, 0.8, 0.8], [0.1, 0.2, 0.2, 0.2], [0.0] * 4, [0.4] * 4])
-    ahead = np.array([2, 0, 1, -1])  # replica 3 has a free slot
-    forecast_len = np.array([4, 2, 0, 4])  # replica 2 forecasts nothing
-    age_s = np.array([0.1, 0.15, 0.0, 0.0])
-    wait_s = slot_wait_s(ahead, forecast_len, slot_free_s, age_s)
-    assert wait_s == pytest.approx([0.7, 0.0, 0.0, 0.0])  # the 2nd replica's slot is overdue
-    assert slot_wait_s(np.array([9]), np.array([4]), slot_free_s[:1], np.array([0.0])) == [0.8]
+    slot_free_s = np.array([[0.5, 0.5, 0.8, 0.8], [0.1, 0.2, 0.2, 0.2], [0.4] * 4])
+    ahead = np.array([2, 0, -1])  # replica 2 has a free slot
+    age_s = np.array([0.1, 0.15, 0.0])
+    queued = np.array([0, 0, 500])
+    no_rates = np.zeros(3)
+    wait_s = slot_wait_s(ahead, slot_free_s, age_s, queued, no_rates)
+    assert wait_s == pytest.approx([0.7, 0.0, 0.0])  # the 2nd replica's slot is overdue
+    past_the_end = slot_wait_s(
+        np.array([9]), slot_free_s[:1], np.zeros(1), queued[:1], no_rates[:1]
+    )
+    assert past_the_end == pytest.approx([0.8])
+    # 1,000 prompt tokens ahead at 2,000 a second add 0.5 s where a slot is needed.
+    rates = np.array([2000.0, 0.0, 2000.0])
+    wait_s = slot_wait_s(ahead, slot_free_s, age_s, np.array([1000, 1000, 1000]), rates)
+    assert wait_s == pytest.approx([1.2, 0.0, 0.0])
 
 
 def full(replica_id: str, t_s: float, ends: tuple[int, ...], **fields) -> ReplicaStats:
