@@ -310,7 +310,7 @@ class Admission:
         fleet = self.fleet
         reserved = fleet.column("reserved")
         reserved_seqs = fleet.column("reserved_seqs")
-        if own_slot is not None and own_blocks:
+        if own_slot is not None:  # its own seat too, even with every block cached
             reserved, reserved_seqs = reserved.copy(), reserved_seqs.copy()
             reserved[own_slot] -= own_blocks
             reserved_seqs[own_slot] -= 1
