@@ -436,6 +436,16 @@ def add_autoscale_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     a.add_argument("--upscale-trend-window-s", type=float, default=10.0,
                    help="kv: the demand's slope is taken over this much history")  # fmt: skip
+    a.add_argument(
+        "--headroom-rise-per-s", type=float, default=AutoscaleConfig.headroom_rise_per_s,
+        help="kv: the rise (replicas' worth a second) a fleet with load keeps spare capacity "
+        "for over one trend horizon (0: no headroom)",
+    )  # fmt: skip
+    a.add_argument(
+        "--surge-z", type=float, default=AutoscaleConfig.surge_z,
+        help="kv: a rise past the watermark plus the headroom at this z's lower bound of "
+        "its slope skips the upscale delay (0: off)",
+    )  # fmt: skip
     a.add_argument("--target-ongoing-requests", type=float, default=2.0,
                    help=f"{SERVE_DEFAULT} without :TARGET (Ray 2.60's default: 2)")  # fmt: skip
     a.add_argument(
@@ -458,6 +468,7 @@ def autoscale_config(args: argparse.Namespace, router: RouterConfig | None) -> A
         kv_high_watermark=args.upscale_kv_usage, kv_low_threshold=args.downscale_kv_usage,
         replica_start_s=args.policy_replica_start_s,
         trend_window_s=args.upscale_trend_window_s,
+        headroom_rise_per_s=args.headroom_rise_per_s, surge_z=args.surge_z,
         target_ongoing_requests=args.target_ongoing_requests,
     )  # fmt: skip
 

@@ -39,22 +39,51 @@ reaches kv_high_watermark. It jumps proportionally: enough replicas that, at the
 measured per-replica rate, the wait falls back to that threshold and the
 occupancy to the middle of the band [kv_low_threshold, kv_high_watermark].
 
-Scale up too when the demand is forecast to pass the watermark by the time a replica
-asked for now would take requests. The demand is the occupancy summed over the
-replicas (replicas' worth of load); its slope is read from the arrivals: the median of
-the pairwise slopes of the fleet's admitted prompt-token rate over the last
-trend_window_s (demand_trend; the points ride in the state), scaled to the demand by
-Little's law (at a steady time in the replica the occupancy is proportional to the
-arrival rate: demand slope = demand * rate slope / rate). The forecast extrapolates a
-rise, never a fall, over trend_horizon_s (upscale_delay_s + replica_start_s). Such a
-scale-up is sized, at the band's middle, for the demand one horizon further: while
-these replicas start, the running ones fill and their demand stops rising, so the
-next rise shows only once these take requests, and what is asked then lands a horizon
-later. Why: a replica takes tens of seconds to start (36 s on the H200), so scaling on
-the level alone brings capacity only after the load has passed it; in the simulator
-(5 -> 120 req/s over 60 s) the forecast started the scale-up at 11 s into the ramp
-instead of 22 s. A burst is no trend (the median ignores it), and a noisy flat load
-must read as rising for upscale_delay_s without a break before anything starts.
+Scale up too when the demand is forecast to pass the watermark, less the headroom
+(below), by the time a replica asked for now would take requests. The demand is the
+occupancy summed over the replicas (replicas' worth of load); its slope is read from the
+arrivals: the median of the pairwise slopes of the fleet's admitted prompt-token rate
+over the last trend_window_s (demand_trend; the points ride in the state), scaled to the
+demand by Little's law (at a steady time in the replica the occupancy is proportional to
+the arrival rate: demand slope = demand * rate slope / rate). The forecast extrapolates
+a rise, never a fall, over trend_horizon_s (upscale_delay_s + replica_start_s). Such a
+scale-up is sized, at the band's middle and with the headroom, for the demand
+SIZING_HORIZONS (3) horizons ahead: these replicas land a horizon from now; then the
+held and queued requests flush into them, so the admitted rate jumps and falls back and
+its slope is unreadable for a window, and the next rise must hold for upscale_delay_s
+before a scale-up that lands a horizon later (5 -> 80 req/s over 120 s from two
+replicas at rest: sized for two horizons, four replicas landed at 113 s, the next step
+was asked at 157 s and two requests missed the TTFT SLO at 174 s; for three, five
+carried the ramp).
+Why: a replica takes tens of seconds to start (36 s on the H200), so scaling on the
+level alone brings capacity only after the load has passed it; in the simulator (5 ->
+120 req/s over 60 s) the forecast started the scale-up at 11 s into the ramp instead of
+22 s. A burst is no trend (the median ignores it), and a noisy flat load must read as
+rising for upscale_delay_s without a break before anything starts.
+
+A surge skips that delay: when the lower end of the slope's one-sided confidence
+interval (slope_lower_bound at surge_z, Sen's rank of the pairwise slopes) alone puts
+the demand past the watermark plus the headroom within the horizon, the rise is no
+noise and waiting only lets it outrun the replicas already running. From a rest at 5
+req/s on two replicas (replayed, seeds 0-4), a rise to 120 req/s over 60 s surged 9-15 s
+into the ramp; the delay held the trend to 13-16 s, and Serve's default scaled at 13-14
+s. The bound treats the points as independent, which they are not (each averages a few
+seconds of arrivals), so it is looser than z says; the headroom is its margin. Replayed
+over flat 10-18 req/s (12 runs of 570 s) on the fleet the headroom holds (two replicas,
+three at 18 req/s) it never surged; with no headroom, on one replica, 214 times.
+
+Headroom: a fleet with load keeps headroom_replicas (headroom_rise_per_s over the trend
+horizon) of demand spare under the watermark (at least ceil((demand + headroom) /
+watermark) replicas; none at no load). A rise that
+starts at rest is carried by the replicas running while it is detected, waited for and
+started (~50 s), however early the forecast reads it: from a warm rest at 5 req/s (0.23
+replicas' worth) on one replica, a rise to 80 req/s over 120 s filled it ~30 s into the
+ramp, before any scale-up could land; two carried it to 56-72 s. The trend's trigger
+leaves the headroom spare at the horizon for the same reason: on the forecast alone the
+two scaled up 38-70 s into that ramp (seeds 0-4, replayed), mostly after they filled;
+with the headroom, 17-31 s. A scale-up for the headroom alone (the headroom reason)
+waits upscale_delay_s on a clock of its own (HEADROOM), so it never shortens a rise's
+wait; a rise's wait goes on through headroom ticks.
 
 Why the arrivals and not the occupancy's own slope: the occupancy counts the requests
 in the replica, whose number a few long or short outputs move as much as the arrivals
@@ -66,8 +95,8 @@ req/s (12 runs of 570 s, replayed) it started 22 false trend scale-ups to the ra
 then.
 
 Scale down, as Serve's rule does, as soon as the fleet is over-provisioned: to the
-fewest replicas that keep the occupancy (as measured, not forecast) under
-the band's middle and the wait under its threshold, when that is fewer than now
+fewest replicas that keep the occupancy (as measured, not forecast) under the band's
+middle, the headroom spare and the wait under its threshold, when that is fewer than now
 (with occupancy under the watermark and no wait to speak of). The band's middle
 sits well under the watermark, so a scale-down never lands where a scale-up
 starts. Between the two the target stands (a scale-up in progress is not undone).
@@ -94,6 +123,11 @@ from replica.validate import number_in, positive_float, positive_int
 
 UP = 1
 DOWN = -1
+# An upscale for headroom alone (no rise, no pressure): it waits out upscale_delay_s on
+# its own clock, so a rise that follows it still waits its own.
+HEADROOM = 2
+# A trend scale-up is sized for the demand this many trend horizons ahead (see desired).
+SIZING_HORIZONS = 3
 # Serve's own tolerance for delay comparisons (float drift of time.time() differences).
 _DELAY_EPS_S = 1e-6
 
@@ -141,6 +175,17 @@ class AutoscaleConfig:
     # the H200, Serve's deploy included). 0 with upscale_delay_s 0: no forecast.
     replica_start_s: float = 30.0
     trend_window_s: float = 10.0  # the demand's slope is taken over this much history
+    # A rise whose forecast passes the watermark plus the headroom on the lower end of
+    # its slope's one-sided confidence interval at this z (Theil-Sen, Sen's rank) needs
+    # no upscale_delay_s (a surge). 0: off, every trend waits out the delay.
+    surge_z: float = 1.64
+    # The rise, in replicas' worth of demand a second, that a fleet with load keeps spare
+    # capacity for (under the watermark) over one trend horizon: headroom_replicas. A
+    # rise that starts at rest runs on the replicas it has while it is detected, waited
+    # for and started. 0.025: one replica's worth at the default horizon (40 s), two
+    # 16-slot gpt2 replicas at 5 req/s, where one fills ~30 s into a rise to 80 req/s
+    # over 120 s; a replica that starts in 2 s needs little.
+    headroom_rise_per_s: float = 0.025
     target_ongoing_requests: float = 2.0  # ServeDefaultPolicy only
     upscaling_factor: float = 1.0  # ServeDefaultPolicy only
     downscaling_factor: float = 1.0  # ServeDefaultPolicy only
@@ -160,6 +205,8 @@ class AutoscaleConfig:
         number_in("kv_low_threshold", self.kv_low_threshold, 0.0, 1.0)
         number_in("replica_start_s", self.replica_start_s, 0.0, math.inf)
         positive_float("trend_window_s", self.trend_window_s)
+        number_in("surge_z", self.surge_z, 0.0, math.inf)
+        number_in("headroom_rise_per_s", self.headroom_rise_per_s, 0.0, math.inf)
         if not self.kv_low_threshold < self.kv_high_watermark:
             raise ValueError(
                 f"kv_low_threshold ({self.kv_low_threshold}) must be < "
@@ -180,6 +227,11 @@ class AutoscaleConfig:
         return self.upscale_delay_s + self.replica_start_s
 
     @property
+    def headroom_replicas(self) -> float:
+        """Spare capacity, in replicas' worth of demand, a fleet with load keeps."""
+        return self.headroom_rise_per_s * self.trend_horizon_s
+
+    @property
     def kv_target(self) -> float:
         """The occupancy a proportional jump aims at: the middle of the band."""
         return (self.kv_low_threshold + self.kv_high_watermark) / 2
@@ -190,9 +242,9 @@ class AutoscaleConfig:
 
 @dataclass(frozen=True)
 class ScaleState:
-    """The direction wanted (UP, DOWN, 0) and since when (None: nothing pending), and the
-    KV policy's recent demand as (time_s, admitted prompt tokens/s) points, oldest first
-    (its trend)."""
+    """The direction wanted (UP, HEADROOM, DOWN, 0) and since when (None: nothing
+    pending), and the KV policy's recent demand as (time_s, admitted prompt tokens/s)
+    points, oldest first (its trend)."""
 
     direction: int = 0
     since_s: float | None = None
@@ -219,15 +271,24 @@ class ScaleDecision:
 
 
 def apply_delay(
-    desired: int, target_replicas: int, config: AutoscaleConfig, now_s: float, state: ScaleState
+    desired: int,
+    target_replicas: int,
+    config: AutoscaleConfig,
+    now_s: float,
+    state: ScaleState,
+    headroom: bool = False,
 ) -> tuple[int, ScaleState]:
     """Serve's delay rule: move to `desired` only once that direction has been wanted
-    continuously for its delay; a change of direction or a hold restarts the wait."""
+    continuously for its delay; a change of direction or a hold restarts the wait.
+    headroom: an upscale for headroom only, on its own clock (HEADROOM) unless an UP is
+    pending, whose wait it continues; an UP after a HEADROOM restarts the wait."""
     if desired == target_replicas:
         return target_replicas, ScaleState()
     direction = UP if desired > target_replicas else DOWN
+    if headroom and direction == UP and state.direction != UP:
+        direction = HEADROOM  # a pending rise's wait goes on through headroom ticks
     since_s = state.since_s if state.direction == direction and state.since_s is not None else now_s
-    delay_s = config.upscale_delay_s if direction == UP else config.downscale_delay_s
+    delay_s = config.downscale_delay_s if direction == DOWN else config.upscale_delay_s
     if now_s - since_s + _DELAY_EPS_S >= delay_s:
         return desired, ScaleState()
     return target_replicas, ScaleState(direction, since_s)
@@ -283,22 +344,54 @@ def demand_trend(
     Points are kept at least a tenth of the window apart, so a caller that decides
     every 0.1 s (Serve's controller) keeps ~10, and the state it round-trips stays small.
     """
+    points, kept = _trend_points(history, now_s, demand, window_s)
+    slopes = _pairwise_slopes(points, window_s)
+    if not slopes:
+        return 0.0, kept
+    mid = len(slopes) // 2
+    slope = slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
+    return slope, kept
+
+
+def slope_lower_bound(
+    history: tuple[tuple[float, float], ...], now_s: float, demand: float, window_s: float,
+    z: float,
+) -> float:  # fmt: skip
+    """The lower end of the Theil-Sen slope's one-sided confidence interval at z over the
+    points demand_trend reads (Sen 1968: the slopes' rank (N - z * sd(S)) / 2, S Kendall's
+    statistic, sd(S)^2 = n(n-1)(2n+5)/18 for n points and N slopes); -inf when the points
+    are too few for that rank (z 1.64: fewer than 5). The policy's points are ~1 s apart
+    and each averages a few seconds of arrivals, so they are not independent and the
+    bound is looser than z says; the false scale-ups on a flat load are what set z."""
+    points, _ = _trend_points(history, now_s, demand, window_s)
+    slopes = _pairwise_slopes(points, window_s)
+    n = len(points)
+    rank = math.floor((len(slopes) - z * math.sqrt(n * (n - 1) * (2 * n + 5) / 18)) / 2)
+    return slopes[rank - 1] if slopes and rank >= 1 else -math.inf
+
+
+def _trend_points(
+    history: tuple[tuple[float, float], ...], now_s: float, demand: float, window_s: float
+) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]]:
+    """(the points in the window with (now_s, demand) last, the history to keep)."""
     since_s = now_s - window_s
     kept = tuple(p for p in history if since_s < p[0] < now_s)
     points = (*kept, (now_s, demand))
     if not kept or now_s - kept[-1][0] >= window_s / 10:
         kept = points
-    if now_s - points[0][0] < window_s / 10 - 1e-9:  # float drift of time differences
-        return 0.0, kept
-    slopes = sorted(
+    return points, kept
+
+
+def _pairwise_slopes(points: tuple[tuple[float, float], ...], window_s: float) -> list[float]:
+    """Every two points' slope, sorted; none until the points span a tenth of the window."""
+    if points[-1][0] - points[0][0] < window_s / 10 - 1e-9:  # float drift of time differences
+        return []
+    return sorted(
         (d2 - d1) / (t2 - t1)
         for i, (t1, d1) in enumerate(points)
         for t2, d2 in points[i + 1 :]
         if t2 > t1
     )
-    mid = len(slopes) // 2
-    slope = slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
-    return slope, kept
 
 
 class KVAutoscalePolicy:
@@ -308,12 +401,29 @@ class KVAutoscalePolicy:
     def __init__(self, config: AutoscaleConfig) -> None:
         self.config = config
 
+    def spared(self, demand: float) -> int:
+        """The fewest replicas that keep headroom_replicas of spare capacity under the
+        watermark over `demand` (replicas' worth); none for no demand."""
+        cfg = self.config
+        if demand <= 0:
+            return 0
+        return math.ceil((demand + cfg.headroom_replicas) / cfg.kv_high_watermark - 1e-9)
+
+    def needed(self, demand: float) -> int:
+        """The fewest replicas that hold `demand` at the band's middle, with the headroom."""
+        return max(math.ceil(demand / self.config.kv_target - 1e-9), self.spared(demand))
+
     def desired(
-        self, fleet: FleetLoad, current_replicas: int, target_replicas: int, slope: float = 0.0
+        self,
+        fleet: FleetLoad,
+        current_replicas: int,
+        target_replicas: int,
+        slope: float = 0.0,
+        sure_slope: float = -math.inf,
     ) -> tuple[int, str]:
         """The count the signals ask for now, before the delays and bounds; slope: the
         demand's trend in replicas' worth per second (decide reads it from the admitted
-        rate's, demand_trend)."""
+        rate's, demand_trend), sure_slope the lower bound of its confidence interval."""
         cfg = self.config
         n = current_replicas
         # The demand when replicas asked for now would arrive, if it keeps rising so;
@@ -323,9 +433,10 @@ class KVAutoscalePolicy:
         # Replicas asked for now carry the load until the next scale-up could take
         # requests. While they start, the running replicas fill and their demand stops
         # rising (a full replica shows no trend: on a 5 -> 80 req/s ramp the slope read
-        # 0.006/s for a true ~0.02), so the next trend shows once these take requests,
-        # and a scale-up asked then lands a horizon later: size for that.
-        sized_for = ahead + rise * cfg.trend_horizon_s
+        # 0.006/s for a true ~0.02); once they land, the held requests flush into them
+        # and the rate's slope is unreadable for a window; then the next rise must hold
+        # for the delay and start: size for SIZING_HORIZONS horizons (module docstring).
+        sized_for = fleet.demand + rise * SIZING_HORIZONS * cfg.trend_horizon_s
         by_occupancy = math.ceil(sized_for / cfg.kv_target - 1e-9)
         if math.isinf(fleet.predicted_wait_s):
             by_wait = n + 1  # no rate to size a jump by: one more, then measure again
@@ -336,12 +447,24 @@ class KVAutoscalePolicy:
             return max(n + 1, by_wait, by_occupancy, target_replicas), "wait"
         if fleet.occupancy >= cfg.kv_high_watermark:
             return max(n + 1, by_wait, by_occupancy, target_replicas), "kv"
-        if ahead >= cfg.kv_high_watermark * max(n, target_replicas):
-            return max(by_occupancy, target_replicas), "trend"
+        capacity = cfg.kv_high_watermark * max(n, target_replicas)
+        spare = cfg.headroom_replicas if fleet.demand > 0 else 0.0
+        short = self.spared(fleet.demand) > max(n, target_replicas)  # no headroom left
+        # A rise: the forecast passes the watermark, or eats a headroom the fleet still
+        # has (the rise runs on it while the scale-up it triggers is waited for and
+        # started).
+        if ahead >= capacity or (not short and ahead + spare >= capacity):
+            # Past the watermark plus the headroom even at the slope's lower bound: the
+            # rise is no noise, and the delay would only let it outrun the replicas
+            # running (decide skips it).
+            sure = fleet.demand + max(0.0, sure_slope) * cfg.trend_horizon_s >= capacity + spare
+            return max(self.needed(sized_for), target_replicas), "surge" if sure else "trend"
+        if short:
+            return max(self.needed(sized_for), target_replicas), "headroom"
         # Down on the demand as it is: a trend is noisy, and a step (a burst of requests
         # that then stays) reads as a rise for half a window; the downscale delay, not
         # the forecast, guards against removing what a continuing rise would need.
-        fewer = max(math.ceil(fleet.demand / cfg.kv_target - 1e-9), by_wait, 1)
+        fewer = max(self.needed(fleet.demand), by_wait, 1)
         if fewer < n:
             return fewer, "low"
         return target_replicas, "hold"
@@ -360,13 +483,25 @@ class KVAutoscalePolicy:
             return ScaleDecision(cfg.bound(target_replicas), ScaleState(), "no-metrics")
         fleet = FleetLoad.of(loads)
         rate = fleet.admitted_tokens_per_s
-        rate_slope, history = demand_trend(state.history, now_s, rate, cfg.trend_window_s)
+        window_s = cfg.trend_window_s
+        rate_slope, history = demand_trend(state.history, now_s, rate, window_s)
         # Little's law: at a steady time in the replica, occupancy follows the arrival rate.
-        slope = fleet.demand * rate_slope / rate if rate > 0 else 0.0
-        desired, reason = self.desired(fleet, current_replicas, target_replicas, slope)
-        num_replicas, state = apply_delay(
-            cfg.bound(desired), cfg.bound(target_replicas), cfg, now_s, state
+        per_rate = fleet.demand / rate if rate > 0 else 0.0
+        sure_slope = -math.inf
+        if cfg.surge_z > 0 and per_rate > 0:
+            sure_slope = per_rate * slope_lower_bound(
+                state.history, now_s, rate, window_s, cfg.surge_z
+            )
+        desired, reason = self.desired(
+            fleet, current_replicas, target_replicas, per_rate * rate_slope, sure_slope
         )
+        if reason == "surge":
+            num_replicas, state = cfg.bound(desired), ScaleState()
+        else:
+            num_replicas, state = apply_delay(
+                cfg.bound(desired), cfg.bound(target_replicas), cfg, now_s, state,
+                headroom=reason == "headroom",
+            )  # fmt: skip
         return ScaleDecision(num_replicas, replace(state, history=history), reason)
 
 

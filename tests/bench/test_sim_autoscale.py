@@ -28,9 +28,11 @@ from router.autoscale import AutoscaleConfig, ScaleDecision
 COST = default_cost_model()
 # Small replicas (16 sequences) so a few hundred requests/s need several of them.
 SIM = SimConfig(replica=ReplicaSimConfig(num_blocks=1024, max_num_seqs=16))
+# No headroom: the fleet's mechanics (scale to the load and back to one); the headroom has
+# its own test.
 CONFIG = AutoscaleConfig(
     min_replicas=1, max_replicas=4, upscale_delay_s=1.0, downscale_delay_s=3.0,
-    kv_high_watermark=0.7,
+    kv_high_watermark=0.7, headroom_rise_per_s=0.0,
 )  # fmt: skip
 
 
@@ -147,6 +149,27 @@ def test_kv_policy_scales_up_under_a_ramp_and_back_down():
     assert result["num_drained"] >= 2
     assert result["num_completed"] + result["num_rejected"] == len(workload)
     assert result["peak_replicas"] == max(s + r + d for _, s, r, d, _ in result["timeline"])
+
+
+def test_a_trickle_keeps_a_replicas_worth_of_headroom():
+    # 20 req/s for 20 s: a few percent of one 16-slot replica. The arrivals rising from
+    # nothing at the start read as a trend (up to 4); once that is over the fleet scales
+    # back down (3-s delay) to one without the headroom, to two with the default's
+    # (0.025/s over the 31-s horizon: 0.78 of a replica).
+    points = [(0.0, 20.0), (20.0, 20.0)]
+    arrival_s = profile_arrivals(points, 0)
+    workload = Workload(WorkloadConfig(num_requests=len(arrival_s), rate=20.0, seed=0))
+    workload.arrival_s = arrival_s
+    fleet_config = FleetConfig(replica_start_s=2.0, period_s=0.5, look_back_s=1.0)
+    ends = {}
+    for headroom in (AutoscaleConfig().headroom_rise_per_s, 0.0):
+        config = replace(CONFIG, headroom_rise_per_s=headroom)
+        result = run_autoscaled("kv", "kv", workload, SIM, COST, config, fleet_config)
+        assert result["num_completed"] == len(workload)
+        held = [(t, start + run) for t, start, run, _, _ in result["timeline"]]
+        ends[headroom] = {n for t, n in held if t >= 15.0}
+        assert result["num_drained"] + result["num_cancelled"] >= 1, held
+    assert ends == {AutoscaleConfig().headroom_rise_per_s: {2}, 0.0: {1}}, ends
 
 
 def test_serve_default_follows_ongoing_requests_over_its_target():

@@ -8,6 +8,8 @@ from dataclasses import replace
 import pytest
 
 from router.autoscale import (
+    HEADROOM,
+    UP,
     AutoscaleConfig,
     FleetLoad,
     KVAutoscalePolicy,
@@ -16,8 +18,11 @@ from router.autoscale import (
     ServeDefaultPolicy,
     apply_delay,
     demand_trend,
+    slope_lower_bound,
 )
 
+# The occupancy, wait and trend rules alone; the headroom and the surge (a trend scale-up
+# without the delay) have tests of their own, with HEADROOM_CFG and SURGE_CFG.
 CFG = AutoscaleConfig(
     min_replicas=1,
     max_replicas=4,
@@ -27,6 +32,8 @@ CFG = AutoscaleConfig(
     upscale_wait_fraction=0.5,
     kv_high_watermark=0.8,
     kv_low_threshold=0.2,
+    surge_z=0.0,
+    headroom_rise_per_s=0.0,
 )
 
 
@@ -236,6 +243,8 @@ def test_serve_default_matches_rays_policy(monkeypatch):
         ({"target_ongoing_requests": 0}, "target_ongoing_requests"),
         ({"replica_start_s": -1.0}, "replica_start_s"),
         ({"trend_window_s": 0.0}, "trend_window_s"),
+        ({"surge_z": -1.0}, "surge_z"),
+        ({"headroom_rise_per_s": -0.1}, "headroom_rise_per_s"),
     ],
 )
 def test_config_validation_names_the_field(kwargs, name):
@@ -270,14 +279,14 @@ def test_a_rising_demand_scales_up_before_occupancy_reaches_the_watermark():
 
     # One replica filling 3% a second: from 1 s (a tenth of the 10-s window) the trend
     # puts it past the watermark (0.8) within 35 s; after the 5-s delay, at 6 s, the
-    # occupancy is 0.38 and the count is sized for the demand one horizon later,
-    # 0.38 + 70 * 0.03 = 2.48, at the band's middle (0.5): 5. On occupancy alone it would
-    # wait for 0.8, at 20 s, then 5 s more. Its arrivals rise with it (Little's law).
+    # occupancy is 0.38 and the count is sized for the demand three horizons ahead,
+    # 0.38 + 105 * 0.03 = 3.53, at the band's middle (0.5): 8. On occupancy alone it
+    # would wait for 0.8, at 20 s, then 5 s more. Its arrivals rise with it (Little's law).
     def filling(rise: float):
         return lambda t: [load(0.2 + rise * t, admitted=5000.0 * (0.2 + rise * t))]
 
     targets = run(KVAutoscalePolicy(config), filling(0.03), 1, times)
-    assert targets[5] == 1 and targets[6] == 5, targets
+    assert targets[5] == 1 and targets[6] == 8, targets
     # 0.5% a second stays under the watermark over the horizon: no scale-up.
     targets = run(KVAutoscalePolicy(config), filling(0.005), 1, times)
     assert targets == [1] * len(times)
@@ -292,12 +301,12 @@ def test_the_trend_is_read_from_the_arrivals_not_the_occupancy():
     # Arrivals rising by a tenth of the first rate a second while the occupancy sits at
     # 0.3 (a lull: short outputs finishing as the rise comes in). By Little's law the
     # demand rises 0.3 * 100 / rate a second: at 6 s, 0.019/s puts it at 0.96 within the
-    # 35-s horizon, past the watermark (0.8) since 1 s; sized for 0.3 + 70 * 0.019 at the
-    # band's middle (0.5): 4. The occupancy's own slope is 0: no scale-up.
+    # 35-s horizon, past the watermark (0.8) since 1 s; sized for 0.3 + 105 * 0.019 at
+    # the band's middle (0.5): 5. The occupancy's own slope is 0: no scale-up.
     rising = run(
         KVAutoscalePolicy(config), lambda t: [load(0.3, admitted=1000 + 100 * t)], 1, times
     )
-    assert rising[5] == 1 and rising[6] == 4, rising
+    assert rising[5] == 1 and rising[6] == 5, rising
     # The occupancy rising 3% a second with the arrivals flat (the requests in the
     # replica staying longer, not more coming): no forecast; the level rules act at the
     # watermark, which 0.2 + 0.03 * 11 is not.
@@ -308,3 +317,99 @@ def test_the_trend_is_read_from_the_arrivals_not_the_occupancy():
     # Nothing admitted (no rate reported): no trend to read.
     idle = run(KVAutoscalePolicy(config), lambda t: [load(0.2 + 0.03 * t)], 1, times)
     assert idle == [1] * len(times)
+
+
+def test_slope_lower_bound_is_sens_confidence_rank():
+    # On a line every pairwise slope is the slope, and so is the bound.
+    line = tuple((float(t), 2.0 * t) for t in range(10))
+    assert slope_lower_bound(line, 10.0, 20.0, window_s=10.5, z=1.64) == pytest.approx(2.0)
+    # Five points, ten slopes (-1, 0, 1/3, 0.5, then six of 1): at z 1.64 the rank is
+    # floor((10 - 1.64 * sqrt(5 * 4 * 15 / 18)) / 2) = 1, the smallest; at z 0 the 5th.
+    bent = ((0.0, 0.0), (1.0, 1.0), (2.0, 2.0), (3.0, 3.0))
+    assert slope_lower_bound(bent, 4.0, 2.0, window_s=10.0, z=1.64) == pytest.approx(-1.0)
+    assert slope_lower_bound(bent, 4.0, 2.0, window_s=10.0, z=0.0) == pytest.approx(1.0)
+    # Four points are too few for a rank at 1.64: no bound.
+    assert slope_lower_bound(bent[:3], 3.0, 3.0, window_s=10.0, z=1.64) == -math.inf
+    # The window's tenth applies as to the slope: no bound from points 0.5 s apart.
+    assert slope_lower_bound(((9.5, 1.0),), 10.0, 2.0, window_s=10.0, z=0.0) == -math.inf
+
+
+SURGE_CFG = replace(CFG, max_replicas=16, surge_z=1.64)
+
+
+def test_a_significant_rise_scales_up_without_the_delay():
+    times = [float(t) for t in range(0, 12)]
+
+    # Arrivals rising by a fifth of the first rate a second, the occupancy with them
+    # (Little's law): the demand rises 0.2 * 0.2 = 0.04/s, and 35 s ahead it is past the
+    # watermark from 1 s. The points lie on a line, so from five of them (4 s: Sen's
+    # rank needs five at z 1.64) the lower bound is the slope itself: at 4 s the count is
+    # sized for 0.36 + 105 * 0.04 at the band's middle (0.5), 10, without waiting out the
+    # 5-s delay (the trend alone would land at 6 s, sized for 0.44 + 4.2: 10).
+    def rising(noise: float):
+        def loads_at(t: float):
+            rate = 1.0 + 0.2 * t + (noise if int(t) % 2 else -noise)
+            return [load(0.2 * rate, admitted=1000.0 * rate)]
+
+        return loads_at
+
+    policy = KVAutoscalePolicy(SURGE_CFG)
+    targets = run(policy, rising(0.0), 1, times)
+    assert targets[3] == 1 and targets[4] == 10, targets
+    trend_only = run(KVAutoscalePolicy(replace(SURGE_CFG, surge_z=0.0)), rising(0.0), 1, times)
+    assert trend_only[5] == 1 and trend_only[6] == 10, trend_only
+    # The same rise with every other point 0.3 of the first rate off the line: the
+    # median slope is the same, but its lower bound stays under the watermark's need
+    # until the delay has run, so the trend waits it out.
+    noisy = run(KVAutoscalePolicy(SURGE_CFG), rising(0.3), 1, times)
+    assert noisy[5] == 1 and noisy[6] > 1, noisy
+    decision = KVAutoscalePolicy(SURGE_CFG).desired(FleetLoad.of([load(0.3)]), 1, 1, 0.04, 0.04)
+    assert decision == (9, "surge")  # 0.3 + 105 * 0.04 at 0.5
+    assert KVAutoscalePolicy(SURGE_CFG).desired(FleetLoad.of([load(0.3)]), 1, 1, 0.04, 0.0)[1] == (
+        "trend"
+    )
+
+
+HEADROOM_CFG = replace(CFG, headroom_rise_per_s=1.0 / 35)  # 1 over the 35-s horizon
+
+
+def test_a_fleet_with_load_keeps_a_replicas_worth_of_headroom():
+    times = [float(t) for t in range(0, 8)]
+    # 0.2 on one replica: 0.6 under the watermark (0.8), less than the headroom's 1;
+    # two replicas keep 1.4. The upscale waits out upscale_delay_s (5 s).
+    targets = run(KVAutoscalePolicy(HEADROOM_CFG), lambda t: [load(0.2, admitted=100.0)], 1, times)
+    assert targets == [1] * 5 + [2] * 3, targets
+    policy = KVAutoscalePolicy(HEADROOM_CFG)
+    decision = policy.decide([load(0.2, admitted=100.0)], 1, 1, 0.0, ScaleState())
+    assert decision.reason == "headroom" and decision.state.direction == HEADROOM
+    # No load at all: no headroom to keep (min_replicas decides).
+    assert run(KVAutoscalePolicy(HEADROOM_CFG), lambda t: [load(0.0)], 1, times) == [1] * 8
+    # Two at 0.1 would be one at 0.2 by the band's middle, but the headroom holds two.
+    assert policy.desired(FleetLoad.of([load(0.1)] * 2), 2, 2) == (2, "hold")
+    assert KVAutoscalePolicy(CFG).desired(FleetLoad.of([load(0.1)] * 2), 2, 2) == (1, "low")
+    assert HEADROOM_CFG.headroom_replicas == pytest.approx(1.0)
+    # 0.7 on one: 2 at the band's middle, 3 to keep 1 spare under 0.8.
+    assert policy.desired(FleetLoad.of([load(0.7)]), 1, 1) == (3, "headroom")
+    # Pressure is sized at the band's middle alone (the headroom follows on its clock).
+    assert policy.desired(FleetLoad.of([load(0.9)]), 1, 1) == (2, "kv")
+    # 3 * 0.15 = 0.45 on three: one spare replica's worth needs two, not three.
+    assert policy.desired(FleetLoad.of([load(0.15)] * 3), 3, 3) == (2, "low")
+
+
+def test_the_headroom_waits_on_its_own_clock():
+    # Wanted for headroom from 0 s, then for a rise from 3 s: the rise's scale-up waits
+    # its own 5 s (to 8 s), as without the headroom, not the 5 s the headroom started.
+    n, s = apply_delay(2, 1, CFG, 0.0, ScaleState(), headroom=True)
+    assert n == 1 and s == ScaleState(HEADROOM, 0.0)
+    n, s = apply_delay(3, 1, CFG, 3.0, s)
+    assert n == 1 and s == ScaleState(UP, 3.0)
+    n, s = apply_delay(3, 1, CFG, 7.0, s)
+    assert n == 1
+    assert apply_delay(3, 1, CFG, 8.0, s)[0] == 3
+    # And the headroom alone lands after its own delay.
+    n, s = apply_delay(2, 1, CFG, 0.0, ScaleState(), headroom=True)
+    assert apply_delay(2, 1, CFG, 5.0, s, headroom=True)[0] == 2
+    # A rise pending since 3 s goes on waiting through a headroom tick: lands at 8 s.
+    n, s = apply_delay(2, 1, CFG, 6.0, ScaleState(UP, 3.0), headroom=True)
+    assert n == 1 and s == ScaleState(UP, 3.0)
+    assert apply_delay(2, 1, CFG, 8.0, s, headroom=True)[0] == 2
