@@ -96,6 +96,19 @@ def check_engine_ranges(params: SamplingParams) -> None:
         raise ValueError("stop_token_ids: each must be at most 2**63 - 1")
 
 
+def _add_outcome(outcome: Any) -> tuple[str | None, str | None, float | None]:
+    """An add's outcome (when admitted, or the exception it raised) as _admit's triple."""
+    if not isinstance(outcome, BaseException):
+        return None, None, outcome
+    if isinstance(outcome, ValueError | TypeError):
+        return str(outcome), INVALID, None
+    if isinstance(outcome, EngineUnavailableError):
+        return str(outcome), UNAVAILABLE, None
+    if isinstance(outcome, AbortedBeforeAdmissionError):
+        return str(outcome), ABORTED, None
+    raise outcome
+
+
 class LLMServer:
     """One replica: an LLMEngine behind the carrier-stream transport.
 
@@ -195,7 +208,7 @@ class LLMServer:
         rids = [sample_request_id(rid, i) for i in range(num_samples(request.params))]
         carrier.in_flight.update(rids)
         try:
-            error, error_kind, admitted_s = await self._admit(caller_id, request)
+            ((error, error_kind, admitted_s),) = await self._admit(caller_id, [request])
         except BaseException:  # cancelled by the caller, or an engine bug: never leak blocks
             self._abandon(caller_id, carrier, is_carrier, rids)
             raise
@@ -240,10 +253,7 @@ class LLMServer:
         for rids in sample_ids.values():
             carrier.in_flight.update(rids)
         try:
-            # Posted back to back, so the engine thread takes them in one pass of commands.
-            outcomes = await asyncio.gather(
-                *(self._admit(caller_id, request) for request in requests.values())
-            )
+            outcomes = await self._admit(caller_id, list(requests.values()))
         except BaseException:  # cancelled by the caller, or an engine bug: never leak blocks
             self._abandon(
                 caller_id, carrier, is_carrier, [r for rs in sample_ids.values() for r in rs]
@@ -291,25 +301,33 @@ class LLMServer:
         return requests, errors
 
     async def _admit(
-        self, caller_id: str, request: SubmitRequest
-    ) -> tuple[str | None, str | None, float | None]:
-        """Add the request to the engine: (None, None, admitted at), or (error,
-        error_kind, None) when it is refused."""
-        try:
-            params = SamplingParams.from_dict(request.params)
-            check_engine_ranges(params)
-            admitted_s = await asyncio.wrap_future(
-                self._engine_loop.add(
-                    caller_id, request.request_id, request.prompt_token_ids, params
-                )
-            )
-        except (ValueError, TypeError) as exc:  # TypeError: from_dict on a wrong-typed field
-            return str(exc), INVALID, None
-        except EngineUnavailableError as exc:
-            return str(exc), UNAVAILABLE, None
-        except AbortedBeforeAdmissionError as exc:
-            return str(exc), ABORTED, None
-        return None, None, admitted_s
+        self, caller_id: str, requests: list[SubmitRequest]
+    ) -> list[tuple[str | None, str | None, float | None]]:
+        """Add one caller's requests to the engine, each on its own: per request, (None,
+        None, admitted at), or (error, error_kind, None) when it is refused. Raises what
+        the engine raised that is no refusal (a bug: the caller aborts the group).
+
+        The valid ones go in one add_many (one future and one wake-up of this loop for
+        all of them, where an add each cost a task, a future and a wake-up each)."""
+        outcomes: list[tuple[str | None, str | None, float | None] | None] = []
+        valid: list[tuple[str, list[int], SamplingParams]] = []
+        for request in requests:
+            try:
+                params = SamplingParams.from_dict(request.params)
+                check_engine_ranges(params)
+            except (ValueError, TypeError) as exc:  # TypeError: a wrong-typed field
+                outcomes.append((str(exc), INVALID, None))
+                continue
+            outcomes.append(None)  # the engine's to say
+            valid.append((request.request_id, request.prompt_token_ids, params))
+        added: list[Any] = []
+        if valid:
+            try:
+                added = await asyncio.wrap_future(self._engine_loop.add_many(caller_id, valid))
+            except EngineUnavailableError as exc:  # the engine process is gone: none runs
+                added = [exc] * len(valid)
+        results = iter(added)
+        return [_add_outcome(next(results)) if o is None else o for o in outcomes]
 
     def _elect(self, caller_id: str) -> tuple[_Carrier, bool]:
         """The caller's carrier here, and whether this call's stream becomes it (the caller

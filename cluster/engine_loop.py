@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from cluster.config import ClusterConfig
 from cluster.fan_out import FanOut
@@ -74,7 +74,50 @@ class AbortedBeforeAdmissionError(RuntimeError):
     """The caller aborted this request id before its add reached the engine."""
 
 
-def settle(future: concurrent.futures.Future, setter: Callable[[Any], None], value: Any) -> None:
+class Outcome(Protocol):
+    """Where a command's outcome goes: its concurrent.futures.Future, or its slot in an
+    add_many's group."""
+
+    def set_result(self, result: Any) -> None: ...
+
+    def set_exception(self, exception: BaseException | None) -> None: ...
+
+
+class _AddGroup:
+    """The outcomes of an add_many's adds, in order; its future gets them once the last
+    one is in. Settled on the engine thread only (or, when the loop had stopped, by
+    _post_all before any command of the group could run)."""
+
+    def __init__(self, num_requests: int) -> None:
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.outcomes: list[Any] = [None] * num_requests
+        self._num_left = num_requests
+        if not num_requests:
+            self.future.set_result([])
+
+    def settle(self, i: int, outcome: Any) -> None:
+        self.outcomes[i] = outcome
+        self._num_left -= 1
+        if not self._num_left:
+            settle(self.future, self.future.set_result, self.outcomes)
+
+
+class _GroupSlot:
+    """One add's Outcome in an add_many: its place in the group's list."""
+
+    __slots__ = ("_group", "_i")
+
+    def __init__(self, group: _AddGroup, i: int) -> None:
+        self._group, self._i = group, i
+
+    def set_result(self, result: Any) -> None:
+        self._group.settle(self._i, result)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        self._group.settle(self._i, exception)
+
+
+def settle(future: Outcome, setter: Callable[[Any], None], value: Any) -> None:
     """Hand a command's outcome to its future, unless the awaiting caller cancelled it.
 
     A command runs even when its caller has gone (an abort must still happen; an add
@@ -111,7 +154,7 @@ class EngineLoop:
         self._stats_period_s = stats_period_s
         self._deliver = deliver
         self._lock = threading.Lock()  # guards _commands against _closed
-        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]]
+        self._commands: collections.deque[tuple[Callable[[], Any], Outcome]]
         self._commands = collections.deque()
         self._closed = False
         self.failure: str | None = None
@@ -154,21 +197,46 @@ class EngineLoop:
     ) -> concurrent.futures.Future:
         """Admit a request; the future gives when (time.time(), the clock of stats
         timestamps: every later snapshot counts it) or raises the engine's ValueError."""
+        return self._post(
+            functools.partial(self._add, caller_id, request_id, prompt_token_ids, params)
+        )
 
-        def command() -> float:
-            if request_id in self._tombstones:
-                del self._tombstones[request_id]
-                raise AbortedBeforeAdmissionError(f"request {request_id!r} was aborted")
-            self._engine.add_request(request_id, prompt_token_ids, params)
-            now_s = time.monotonic()
-            for i in range(params.n):  # n > 1: the engine runs n samples (n request ids)
-                # The samples share one prefill: its prompt tokens count once, on the first.
-                num_prompt_tokens = len(prompt_token_ids) if i == 0 else 0
-                sample_id = sample_request_id(request_id, i)
-                self._fan_out.track(sample_id, caller_id, now_s, num_prompt_tokens)
-            return time.time()
+    def add_many(
+        self, caller_id: str, requests: Sequence[tuple[str, list[int], SamplingParams]]
+    ) -> concurrent.futures.Future:
+        """add for each of one caller's (request_id, prompt_token_ids, params), in order:
+        the future gives a list of what each add's future would give (when admitted) or
+        the exception it would raise, so each request is admitted or refused on its own.
 
-        return self._post(command)
+        Each add is a command of its own (a pass's command slice cuts a group where it
+        cuts single adds), but the group has one future and one hand-over to its caller:
+        64 adds posted one by one cost the replica's loop 64 futures, 64 wake-ups from
+        this thread and 64 tasks. A loop that stops before running them all gives
+        EngineUnavailableError for those it did not run, as add's futures do.
+        """
+        group = _AddGroup(len(requests))
+        commands = [
+            (functools.partial(self._add, caller_id, *request), _GroupSlot(group, i))
+            for i, request in enumerate(requests)
+        ]
+        self._post_all(commands)
+        return group.future
+
+    def _add(
+        self, caller_id: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> float:
+        """Engine thread: add's command."""
+        if request_id in self._tombstones:
+            del self._tombstones[request_id]
+            raise AbortedBeforeAdmissionError(f"request {request_id!r} was aborted")
+        self._engine.add_request(request_id, prompt_token_ids, params)
+        now_s = time.monotonic()
+        for i in range(params.n):  # n > 1: the engine runs n samples (n request ids)
+            # The samples share one prefill: its prompt tokens count once, on the first.
+            num_prompt_tokens = len(prompt_token_ids) if i == 0 else 0
+            sample_id = sample_request_id(request_id, i)
+            self._fan_out.track(sample_id, caller_id, now_s, num_prompt_tokens)
+        return time.time()
 
     def abort(self, request_id: str) -> concurrent.futures.Future:
         """Abort a request if it runs here (frees its blocks); the future gives a bool."""
@@ -195,13 +263,19 @@ class EngineLoop:
 
     def _post(self, command: Callable[[], Any]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if self._closed:
-                future.set_exception(EngineUnavailableError(self.failure or "shutting down"))
-                return future
-            self._commands.append((command, future))
-        self._wakeup.set()
+        self._post_all([(command, future)])
         return future
+
+    def _post_all(self, commands: list[tuple[Callable[[], Any], Outcome]]) -> None:
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._commands.extend(commands)
+        if closed:  # nothing will run them
+            for _, outcome in commands:
+                outcome.set_exception(EngineUnavailableError(self.failure or "shutting down"))
+            return
+        self._wakeup.set()
 
     def _build(self, build: Callable[[], ServingEngine]) -> bool:
         """Build the engine and its first snapshots on this thread; False if that raised

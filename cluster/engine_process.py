@@ -12,6 +12,7 @@ gpt2 replica on an H200 served 1.56x the tokens/s (55.3K -> 86.1K; docs/design.m
 Wire (multiprocessing Connection, pickled tuples; one pipe, both directions):
   parent -> child  ("init", config, replica_id, num_gpus, engine_factory) first, then
                    ("add", cmd_id, caller_id, request_id, prompt, params),
+                   ("add_many", cmd_id, caller_id, [(request_id, prompt, params)]),
                    ("abort", cmd_id, request_id), ("shutdown",)
   child -> parent  ("ready", model_info, stats, load_stats) or ("failed", reason),
                    ("done", cmd_id, error, result)  a command's outcome,
@@ -20,11 +21,14 @@ Wire (multiprocessing Connection, pickled tuples; one pipe, both directions):
                    ("stats", ReplicaStats, ReplicaMetrics)
                                                     every stats period (the
                                                     child's totals, cluster.metrics).
-The child answers a command before it sends the outputs of the pass that ran it, so
-the parent knows a request before any of its tokens.
+The parent counts a request as the child's from when it sends the add until the
+child's "done" refuses it: the adds of an add_many may span several passes of the
+child's engine loop (its command slices), so a request's tokens, even its end, can come
+before the "done" of its group.
 
 Failure: when the child dies or its engine fails, every request it held ends with
-"error", later commands raise EngineUnavailableError, and is_alive turns False, so
+"error" (one whose add it had not answered is also refused: EngineUnavailableError),
+later commands raise EngineUnavailableError, and is_alive turns False, so
 Serve's health check replaces the replica. When the parent dies, the child reads EOF
 and exits (the GPU memory goes with it).
 """
@@ -83,7 +87,11 @@ class EngineProcess:
         self._metrics = metrics
         self.failure: str | None = None
         self._lock = threading.Lock()  # guards sends, _futures and failure
-        self._futures: dict[int, tuple[concurrent.futures.Future, str, str]] = {}
+        # cmd_id -> (its future, the adds' caller ("" for an abort), the request ids it
+        # adds: one for an add, whose future gives when, or each of an add_many's, whose
+        # future gives a list of outcomes; None in place of an id already running there)
+        self._futures: dict[int, tuple[concurrent.futures.Future, str, list[str | None]]]
+        self._futures = {}
         self._ids = itertools.count()
         self._callers: dict[str, str] = {}  # request id -> caller id, while it runs
         conn, child_conn = multiprocessing.Pipe(duplex=True)
@@ -148,11 +156,18 @@ class EngineProcess:
     ) -> concurrent.futures.Future:
         """Admit a request: as EngineLoop.add (the future gives when the child's engine
         took it, or raises its ValueError for bad input)."""
-        return self._command("add", caller_id, request_id, prompt_token_ids, params)
+        return self._command("add", caller_id, [request_id], prompt_token_ids, params)
+
+    def add_many(
+        self, caller_id: str, requests: list[tuple[str, list[int], SamplingParams]]
+    ) -> concurrent.futures.Future:
+        """As EngineLoop.add_many: one message each way for the group (a message costs
+        the replica's process a pickle and a pipe write, and its reader an unpickle)."""
+        return self._command("add_many", caller_id, [r[0] for r in requests], requests)
 
     def abort(self, request_id: str) -> concurrent.futures.Future:
         """Abort a request if it runs there (frees its blocks); the future gives a bool."""
-        return self._command("abort", "", request_id)
+        return self._command("abort", "", [request_id])
 
     def shutdown(self) -> None:
         with self._lock:
@@ -167,21 +182,31 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             self._kill_child()
 
-    def _command(self, kind: str, caller_id: str, request_id: str, *args: Any) -> Any:
+    def _command(self, kind: str, caller_id: str, request_ids: list[str], *args: Any) -> Any:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self.failure is not None:
                 future.set_exception(EngineUnavailableError(self.failure))
                 return future
             cmd_id = next(self._ids)
-            self._futures[cmd_id] = (future, caller_id, request_id)
+            # Adds (see the docstring); an id already running there keeps its entry: the
+            # engine refuses the second add.
+            added = [None if r in self._callers else r for r in request_ids if caller_id]
+            for request_id in added:
+                if request_id is not None:
+                    self._callers[request_id] = caller_id
+            self._futures[cmd_id] = (future, caller_id, added)
             try:
                 if kind == "add":
-                    self._conn.send((kind, cmd_id, caller_id, request_id, *args))
+                    self._conn.send((kind, cmd_id, caller_id, request_ids[0], *args))
+                elif kind == "add_many":
+                    self._conn.send((kind, cmd_id, caller_id, *args))
                 else:
-                    self._conn.send((kind, cmd_id, request_id))
+                    self._conn.send((kind, cmd_id, request_ids[0]))
             except OSError as exc:  # the child is gone; the reader fails everything
                 del self._futures[cmd_id]
+                for request_id in added:
+                    self._callers.pop(request_id, None)  # type: ignore[arg-type]
                 future.set_exception(EngineUnavailableError(f"engine process: {exc!r}"))
         return future
 
@@ -218,9 +243,14 @@ class EngineProcess:
             entry = self._futures.pop(cmd_id, None)
         if entry is None:
             return  # failed already (_fail)
-        future, caller_id, request_id = entry
-        if error is None and caller_id:
-            self._callers[request_id] = caller_id  # an add that succeeded
+        future, caller_id, added = entry
+        if caller_id:  # adds: the ones refused never ran there
+            outcomes = [error] if error is not None else result
+            if not isinstance(outcomes, list):
+                outcomes = [outcomes]
+            for request_id, outcome in zip(added, outcomes, strict=True):
+                if request_id is not None and isinstance(outcome, BaseException):
+                    self._callers.pop(request_id, None)
         if error is None:
             settle(future, future.set_result, result)
         else:
@@ -326,6 +356,9 @@ def _child_main(fd: int) -> None:
             if kind == "add":
                 _, cmd_id, caller_id, request_id, prompt, params = message
                 loop.add(caller_id, request_id, prompt, params).add_done_callback(answer(cmd_id))
+            elif kind == "add_many":
+                _, cmd_id, caller_id, requests = message
+                loop.add_many(caller_id, requests).add_done_callback(answer(cmd_id))
             elif kind == "abort":
                 _, cmd_id, request_id = message
                 loop.abort(request_id).add_done_callback(answer(cmd_id))
