@@ -306,9 +306,28 @@ class ClusterConfig:
             "capacity asked for now arrives upscale_delay_s + this later, so the policy "
             "extrapolates the demand's rise (read from the admitted prompt-token rate's "
             "median slope over autoscale_trend_window_s) that far and scales up once the "
-            "forecast passes upscale_kv_usage, sized for the demand one such horizon "
+            "forecast passes upscale_kv_usage, sized for the demand three such horizons "
             "later. In the simulator it started the scale-up of a 5 -> 120 req/s ramp at "
             "11 s instead of 22 s"
+        },
+    )
+    autoscale_headroom_rise_per_s: float = field(
+        default=0.025,
+        metadata={
+            "help": "with autoscale, the rise (replicas' worth of demand a second) a fleet "
+            "with load keeps spare capacity for over upscale_delay_s + replica_start_s: "
+            "a rise that starts at rest runs on the replicas it has while the scale-up is "
+            "seen, waited for and started (0.025: one replica's worth at the default 40 s; "
+            "0: none)"
+        },
+    )
+    autoscale_surge_z: float = field(
+        default=1.64,
+        metadata={
+            "help": "with autoscale, a rise whose slope, at the lower end of its one-sided "
+            "confidence interval at this z, alone passes the watermark plus the headroom "
+            "within the horizon scales up without waiting upscale_delay_s (0: every rise "
+            "waits)"
         },
     )
     autoscale_trend_window_s: float = field(
@@ -465,6 +484,8 @@ class ClusterConfig:
                 kv_low_threshold=self.downscale_kv_usage,
                 replica_start_s=self.replica_start_s,
                 trend_window_s=self.autoscale_trend_window_s,
+                headroom_rise_per_s=self.autoscale_headroom_rise_per_s,
+                surge_z=self.autoscale_surge_z,
                 **extra,
             )
         except ValueError as exc:  # name ClusterConfig's fields, not the policy's
@@ -528,6 +549,8 @@ _AUTOSCALE_NAMES = {
     "upscale_kv_usage": "kv_high_watermark",
     "downscale_kv_usage": "kv_low_threshold",
     "autoscale_trend_window_s": "trend_window_s",
+    "autoscale_headroom_rise_per_s": "headroom_rise_per_s",
+    "autoscale_surge_z": "surge_z",
 }
 
 _POLICY_IS_ROUTER = (

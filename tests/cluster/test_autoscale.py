@@ -278,6 +278,8 @@ def test_the_controller_runs_the_policy_without_importing_kvfleet(tmp_path: Path
         ({"autoscale": 1}, "autoscale"),
         ({"replica_start_s": -1.0}, "replica_start_s"),
         ({"autoscale_trend_window_s": 0.0}, "autoscale_trend_window_s"),
+        ({"autoscale_headroom_rise_per_s": -0.1}, "autoscale_headroom_rise_per_s"),
+        ({"autoscale_surge_z": float("nan")}, "autoscale_surge_z"),
     ],
 )
 def test_autoscale_fields_are_validated_by_name(fields: dict, name: str) -> None:
@@ -290,10 +292,12 @@ def test_cli_flag_and_yaml_turn_autoscale_on() -> None:
 
     argv = ["serve", "--model", "gpt2-tiny", "--autoscale", "--max-replicas", "3"]
     argv += ["--upscale-delay-s", "2", "--downscale-kv-usage", "0.2"]
+    argv += ["--autoscale-headroom-rise-per-s", "0", "--autoscale-surge-z", "2.33"]
     config = serve_config(_parser().parse_args(argv))
     assert config.autoscale
     policy = config.autoscale_config()
     assert (policy.max_replicas, policy.upscale_delay_s, policy.kv_low_threshold) == (3, 2.0, 0.2)
+    assert (policy.headroom_rise_per_s, policy.surge_z) == (0.0, 2.33)
     assert not serve_config(_parser().parse_args(["serve"])).autoscale
 
     document = yaml.safe_load((DEPLOY / "serve-autoscale.yaml").read_text())
@@ -304,7 +308,8 @@ def test_cli_flag_and_yaml_turn_autoscale_on() -> None:
     # The YAML spells out the policy's defaults: kept in step with ClusterConfig's.
     for name in ("upscale_delay_s", "downscale_delay_s", "upscale_wait_fraction",
                  "upscale_kv_usage", "downscale_kv_usage", "replica_start_s",
-                 "autoscale_trend_window_s", "autoscale_look_back_s"):  # fmt: skip
+                 "autoscale_trend_window_s", "autoscale_look_back_s",
+                 "autoscale_headroom_rise_per_s", "autoscale_surge_z"):  # fmt: skip
         assert app["args"][name] == getattr(ClusterConfig(), name), name
     llm = build_app(dataclasses.replace(config, http=False), num_gpus_in_cluster=0)
     assert llm._bound_deployment._deployment_config.autoscaling_config.max_replicas == 4
