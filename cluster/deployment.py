@@ -48,7 +48,7 @@ from cluster.messages import (
 )
 from cluster.metrics import MetricsSnapshot, ReplicaMetrics
 from cluster.request_router import encode_routing_stats
-from replica.sampling_params import SamplingParams, sample_request_id
+from replica.sampling_params import ParamsCache, SamplingParams, sample_request_id
 
 if TYPE_CHECKING:
     from cluster.engine_process import EngineProcess
@@ -80,6 +80,12 @@ class _Carrier:
 # torch.Generator.manual_seed takes [-2**63, 2**64); the sampler builds int64 tensors.
 _SEED_RANGE = (-(2**63), 2**64)
 _INT64_MAX = 2**63 - 1
+
+
+def _engine_params(data: dict) -> SamplingParams:
+    params = SamplingParams.from_dict(data)
+    check_engine_ranges(params)
+    return params
 
 
 def check_engine_ranges(params: SamplingParams) -> None:
@@ -160,6 +166,7 @@ class LLMServer:
         self._num_heartbeats = 0
         self._metrics = ReplicaMetrics()
         self._scale_meter = ReplicaMeter()
+        self._params = ParamsCache(_engine_params)
         self._engine_loop: EngineLoop | EngineProcess
         in_child = config.engine_process if config.engine_process is not None else num_gpus > 0
         if in_child:
@@ -313,8 +320,7 @@ class LLMServer:
         valid: list[tuple[str, list[int], SamplingParams]] = []
         for request in requests:
             try:
-                params = SamplingParams.from_dict(request.params)
-                check_engine_ranges(params)
+                params = self._params.get(request.params)
             except (ValueError, TypeError) as exc:  # TypeError: a wrong-typed field
                 outcomes.append((str(exc), INVALID, None))
                 continue
