@@ -56,7 +56,7 @@ def test_a_dict_that_fails_is_never_cached() -> None:
 def test_long_lists_and_odd_values_are_built_every_time() -> None:
     build = CountingBuild()
     cache = ParamsCache(build)
-    long_stop = {"stop_token_ids": list(range(ParamsCache.MAX_CACHED_ITEMS + 1))}
+    long_stop = {"stop_token_ids": list(range(1000, 1000 + ParamsCache.MAX_KEY_BYTES // 2))}
     cache.get(long_stop)
     cache.get(long_stop)
     assert build.calls == 2
@@ -69,6 +69,9 @@ def test_long_lists_and_odd_values_are_built_every_time() -> None:
         cache.get({"stop_token_ids": deep})  # past the recursion limit: build decides
     with pytest.raises(ValueError, match="must be an object"):
         cache.get(["max_tokens", 8])
+    with pytest.raises(ValueError, match="seed"):
+        cache.get({"seed": 2**70})  # past msgpack's integers
+    assert build.calls == 6
 
 
 def test_the_cache_is_bounded() -> None:
