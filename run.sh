@@ -23,7 +23,7 @@ case "${1:-}" in
   demo) ensure_venv; shift; exec .venv/bin/python -m cluster demo "$@" ;;
   test)
     ensure_venv; shift
-    pytest=(.venv/bin/python -m pytest -q -m "not gpu" --timeout=600)
+    pytest=(.venv/bin/python -m pytest -q -m "not gpu" --timeout=600 --durations=15)
     [[ $# -gt 0 ]] && exec "${pytest[@]}" "$@"
     # The kernel, replica and router tests are CPU work with no clock in them (Triton's
     # interpreter, ~12 of the suite's ~26 min on 2 cores): two workers run them in ~9. The
