@@ -10,7 +10,10 @@ Serve's shutdown at the end of the module would wait out). Everything is put bac
 from __future__ import annotations
 
 import contextlib
+import csv
 import os
+import socket
+import time
 from collections.abc import Iterator
 
 from cluster import ClusterConfig
@@ -48,3 +51,39 @@ def haproxy_env(config: ClusterConfig) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def ingress_server_stats(app_name: str) -> dict[str, tuple[int, str]]:
+    """HAProxy's view of each of the app's ingress replicas, by the replica's id: the
+    client sessions it holds now (its stats socket's scur, over every backend) and its
+    status."""
+    import ray
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_SOCKET_PATH
+
+    folder, name = os.path.split(RAY_SERVE_HAPROXY_SOCKET_PATH)
+    path = os.path.join(folder, ray.get_runtime_context().get_node_id(), name)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(path)
+        sock.sendall(b"show stat\n")
+        text = b"".join(iter(lambda: sock.recv(65536), b"")).decode()
+    rows = list(csv.reader(text.lstrip("# ").splitlines()))
+    column = {name: i for i, name in enumerate(rows[0])}
+    prefix = f"SERVE_REPLICA_{app_name}-Ingress-"
+    servers: dict[str, tuple[int, str]] = {}
+    for row in rows[1:]:
+        if len(row) > column["status"] and row[column["svname"]].startswith(prefix):
+            replica_id = row[column["svname"]][len(prefix) :]
+            num_sessions = servers.get(replica_id, (0, ""))[0] + int(row[column["scur"]] or 0)
+            servers[replica_id] = (num_sessions, row[column["status"]])
+    return servers
+
+
+def wait_for_ingress_replicas_up(app_name: str, count: int, timeout_s: float = 60.0) -> None:
+    """Until HAProxy balances over the app's `count` ingress replicas. serve.run returns,
+    and Serve reports them RUNNING, before HAProxy has reloaded with the last one and its
+    health checks (every 5 s, two to rise) let it take connections (~2 s on the CPU box);
+    connections made before that all go to the first."""
+    deadline_s = time.monotonic() + timeout_s
+    while [status for _, status in ingress_server_stats(app_name).values()] != ["UP"] * count:
+        assert time.monotonic() < deadline_s, ingress_server_stats(app_name)
+        time.sleep(0.2)

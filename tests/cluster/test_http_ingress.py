@@ -3,12 +3,10 @@ events written without pydantic (cluster.sse)."""
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -32,6 +30,7 @@ from cluster.openai_api import (
     CompletionResponse,
 )
 from cluster.sse import ChatDeltas, CompletionChunks
+from tests.cluster.haproxy_env import wait_for_ingress_replicas_up
 from tests.cluster.local_ray import free_port, init_local_ray
 
 APP_NAME = "kvfleet-ingress"
@@ -201,29 +200,12 @@ def _admitted_by_ingress(base_url: str) -> dict[str, float]:
     return admitted
 
 
-def _wait_for_servers_up(count: int, timeout_s: float = 60.0) -> None:
-    """Waits until HAProxy's stats list `count` servers UP behind the app. Serve reports a
-    replica RUNNING before HAProxy's health checks (every 5 s, two to rise) let it take
-    connections; until then every connection goes to the first."""
-    url = f"http://127.0.0.1:{os.environ['RAY_SERVE_HAPROXY_STATS_PORT']}/stats;csv"
-    deadline = time.monotonic() + timeout_s
-    up: list[str] = []
-    while time.monotonic() < deadline:
-        rows = list(csv.DictReader(httpx.get(url, timeout=10.0).text.lstrip("# ").splitlines()))
-        up = [r["svname"] for r in rows if r["svname"] not in ("FRONTEND", "BACKEND")
-              and r["bck"] == "0" and r["status"] == "UP" and APP_NAME in r["pxname"]]  # fmt: skip
-        if len(up) >= count:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"HAProxy has {up} UP after {timeout_s} s, wanted {count}")
-
-
 def test_two_ingress_replicas_behind_haproxy(base_url: str) -> None:
     from ray import serve
 
     status = serve.status().applications[APP_NAME].deployments["Ingress"]
     assert status.replica_states.get("RUNNING") == 2
-    _wait_for_servers_up(2)
+    wait_for_ingress_replicas_up(APP_NAME, 2)
     assert httpx.get(f"{base_url}/health", timeout=30.0).json() == {"status": "ok"}
     runs = [_stream(base_url, 8) for _ in range(6)]
     # Greedy: every stream is the same, whichever ingress replica wrote its events.

@@ -13,11 +13,8 @@ without [DONE] and without an error fails the test.
 
 from __future__ import annotations
 
-import csv
 import functools
 import json
-import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +26,11 @@ import pytest
 from bench.cluster import fake_engine
 from cluster import Client, ClusterConfig, build_app
 from cluster.app import cluster_runs_haproxy
-from tests.cluster.haproxy_env import haproxy_env
+from tests.cluster.haproxy_env import (
+    haproxy_env,
+    ingress_server_stats,
+    wait_for_ingress_replicas_up,
+)
 from tests.cluster.local_ray import free_port, init_local_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -58,7 +59,7 @@ def base_url() -> Iterator[str]:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             engine = functools.partial(fake_engine, step_s=STEP_S)
             serve.run(build_app(config, engine_factory=engine), name=APP_NAME, route_prefix="/")
-            wait_for_both_ingress_replicas_up()
+            wait_for_ingress_replicas_up(APP_NAME, 2)
             yield f"http://127.0.0.1:{port}"
         finally:
             serve.shutdown()
@@ -149,47 +150,12 @@ def whole(base_url: str, out: Outcome) -> None:
         client.close()
 
 
-def ingress_server_stats() -> dict[str, tuple[int, str]]:
-    """HAProxy's view of each ingress replica, by the replica's id: the client sessions it
-    holds now (its stats socket's scur, over every backend) and its status."""
-    import ray
-    from ray.serve._private.constants import RAY_SERVE_HAPROXY_SOCKET_PATH
-
-    folder, name = os.path.split(RAY_SERVE_HAPROXY_SOCKET_PATH)
-    path = os.path.join(folder, ray.get_runtime_context().get_node_id(), name)
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.connect(path)
-        sock.sendall(b"show stat\n")
-        text = b"".join(iter(lambda: sock.recv(65536), b"")).decode()
-    rows = list(csv.reader(text.lstrip("# ").splitlines()))
-    column = {name: i for i, name in enumerate(rows[0])}
-    prefix = f"SERVE_REPLICA_{APP_NAME}-Ingress-"
-    servers: dict[str, tuple[int, str]] = {}
-    for row in rows[1:]:
-        if len(row) > column["status"] and row[column["svname"]].startswith(prefix):
-            replica_id = row[column["svname"]][len(prefix) :]
-            num_sessions = servers.get(replica_id, (0, ""))[0] + int(row[column["scur"]] or 0)
-            servers[replica_id] = (num_sessions, row[column["status"]])
-    return servers
-
-
-def wait_for_both_ingress_replicas_up(timeout_s: float = 60.0) -> None:
-    """Until HAProxy balances over both ingress replicas. serve.run returns before HAProxy
-    has reloaded with the second one; connections made before that stay with its old
-    process, whose one server is then every request's, and which has no other to retry
-    on when it dies."""
-    deadline_s = time.monotonic() + timeout_s
-    while [status for _, status in ingress_server_stats().values()] != ["UP", "UP"]:
-        assert time.monotonic() < deadline_s, ingress_server_stats()
-        time.sleep(0.2)
-
-
 def kill_busiest_ingress_replica() -> tuple[str, dict[str, int]]:
     """ray.kill the ingress replica holding the most client sessions; its id and every
     replica's sessions just before."""
     import ray
 
-    sessions = {replica_id: n for replica_id, (n, _) in ingress_server_stats().items()}
+    sessions = {replica_id: n for replica_id, (n, _) in ingress_server_stats(APP_NAME).items()}
     assert len(sessions) == 2 and sum(sessions.values()) >= NUM_STREAMS, sessions
     busiest = max(sessions, key=sessions.__getitem__)
     actor = ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#Ingress#{busiest}", namespace="serve")
