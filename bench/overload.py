@@ -371,6 +371,8 @@ def _num_procs(args: argparse.Namespace, capacity: float | None) -> int:
 def run(args: argparse.Namespace) -> dict:
     if args.num_procs is not None and args.num_procs < 1:
         raise ValueError(f"num_procs must be at least 1, got {args.num_procs}")
+    if args.capacity is not None and not args.capacity > 0:
+        raise ValueError(f"capacity must be above 0 req/s, got {args.capacity}")
     config, vocab_size = _start(args)
     pool = GeneratorPool(_num_procs(args, args.capacity))
     try:
@@ -395,6 +397,11 @@ def _run(
             f"capacity: {capacity:.1f} req/s ({args.capacity_users} users, {args.capacity_s} s,"
             f" {pool.num_procs} generator processes, max {capacity_cpu_max:.2f} of a core)"
         )
+        if capacity == 0:  # the steps' rates are multiples of it
+            raise RuntimeError(
+                f"capacity: no request completed in the {args.capacity_s:g}-s closed loop of"
+                f" {args.capacity_users} users; raise --capacity-s or give --capacity"
+            )
         pool.shrink(_num_procs(args, capacity))
     asyncio.run(wait_idle(url, headers, args.client_timeout_s + 30.0))
     pids = front_pids()

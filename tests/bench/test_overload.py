@@ -157,6 +157,8 @@ def test_generator_processes_follow_the_offered_rate_within_the_host() -> None:
     assert default_num_procs(20.0, 2) == default_num_procs(None, 1) == 1
     with pytest.raises(ValueError, match="num_procs"):
         main(["--num-procs", "0", "--capacity", "10"])
+    with pytest.raises(ValueError, match="capacity"):
+        main(["--capacity", "0"])
 
 
 def test_a_generator_is_flagged_when_it_saturates_its_core_or_sends_late() -> None:
