@@ -178,9 +178,9 @@ class ClusterConfig:
             "of its share of the streams on a core of its own (one ingress for 256 streams "
             "was the HTTP path's bottleneck, docs/design.md), and one can die without "
             "closing the front door. Size for the peak offered rate, refusals included: "
-            "about one per 150 requests/s (a 503 costs an ingress ~2.3 ms of CPU; past "
-            "half a core its loop answers late). Each asks Ray for no CPU "
-            "(cluster.app.INGRESS_NUM_CPUS)"
+            "about one per 150 requests/s (a 503 of a 1,024-token prompt cost an H200 "
+            "host's ingress ~2.3 ms of CPU; past half a core its loop answers late). Each "
+            "asks Ray for no CPU (cluster.app.INGRESS_NUM_CPUS)"
         },
     )
     submit_group_size: int = field(
